@@ -1,0 +1,103 @@
+//! KV events reported by connectors, and their scheduler-side accumulation (SEMANTICS.md §4.5).
+//!
+//! A worker reports its events with contributor count 1; the aggregator appends the events of
+//! every further rank that reported some and adds 1 per such rank; the scheduler-side connector
+//! accumulates across steps ([`EventAccumulator::update`]) and, once per `update_from_output`,
+//! yields the events that every contributor reported ([`EventAccumulator::take`]).
+
+use alloc::collections::BTreeMap;
+use alloc::string::String;
+use alloc::vec::Vec;
+use core::num::NonZeroU32;
+
+/// One KV event (in vLLM a `KVCacheEvent`; here an opaque, comparable value).
+#[derive(
+    Clone, Debug, Eq, Hash, Ord, PartialEq, PartialOrd, serde::Serialize, serde::Deserialize,
+)]
+#[serde(transparent)]
+pub struct KvEvent(pub String);
+
+/// A batch of events with the number of workers that contributed to it (vLLM's
+/// `KVConnectorKVEvents`). `events` is a multiset: an event reported by two ranks appears twice.
+#[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct KvEvents {
+    /// The events, as a multiset (order is not significant).
+    pub events: Vec<KvEvent>,
+    /// Contributors (never 0: a batch exists only because someone reported it).
+    pub workers: NonZeroU32,
+}
+
+impl KvEvents {
+    /// One worker's batch (contributor count 1).
+    pub fn from_worker(events: Vec<KvEvent>) -> Self {
+        Self {
+            events,
+            workers: NonZeroU32::MIN,
+        }
+    }
+
+    /// The events sorted, so that equal multisets compare equal.
+    pub fn normalized(mut self) -> Self {
+        self.events.sort_unstable();
+        self
+    }
+}
+
+/// The scheduler-side accumulation of connector KV events between two `take_events` calls.
+///
+/// Call [`update`](Self::update) from `update_connector_output` with the aggregated output's
+/// events, and [`take`](Self::take) from `take_events`.
+#[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct EventAccumulator {
+    /// Occurrences per event, and the contributor count; `None` before the first report since the
+    /// last take (vLLM keeps no object then, which matters: the first batch's count is taken as
+    /// is, later ones add theirs).
+    pending: Option<(BTreeMap<KvEvent, u32>, u32)>,
+}
+
+impl EventAccumulator {
+    /// An empty accumulator.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds one aggregated step's events (`None`: the step reported no events; nothing changes).
+    pub fn update(&mut self, events: Option<&KvEvents>) {
+        let Some(batch) = events else { return };
+        let (counts, workers) = self.pending.get_or_insert_with(|| (BTreeMap::new(), 0));
+        *workers = workers.saturating_add(batch.workers.get());
+        for e in &batch.events {
+            *counts.entry(e.clone()).or_insert(0) += 1;
+        }
+    }
+
+    /// The events reported by every contributor since the last take (an event whose occurrence
+    /// count equals the contributor count), each once, ascending; then empties.
+    pub fn take(&mut self) -> Vec<KvEvent> {
+        match self.pending.take() {
+            None => Vec::new(),
+            Some((counts, workers)) => counts
+                .into_iter()
+                .filter(|&(_, n)| n == workers)
+                .map(|(e, _)| e)
+                .collect(),
+        }
+    }
+
+    /// Checks the accumulator's invariant: a pending batch has at least one contributor.
+    pub fn check_invariants(&self) -> Result<(), crate::InvariantViolation> {
+        if let Some((counts, workers)) = &self.pending {
+            crate::ensure_invariant!(
+                *workers >= 1,
+                "§4.5",
+                "pending events with contributor count 0"
+            );
+            crate::ensure_invariant!(
+                counts.values().all(|&n| n >= 1),
+                "§4.5",
+                "an event with zero occurrences is tracked"
+            );
+        }
+        Ok(())
+    }
+}

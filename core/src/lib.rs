@@ -1,0 +1,96 @@
+//! kvrelay-core: the pure, deterministic state machines of the KV-cache connector lifecycle.
+//!
+//! The behaviour is vLLM 0.33.0's KV-connector API (`shared/spec/SEMANTICS.md`), restated as
+//! sans-IO machines: inputs are `handle_*`-style method calls, outputs are returned values, time
+//! and randomness never enter. The same code runs in the engine (`kvrelay-runtime`), in the model
+//! checker (`kvrelay-model-check`) and under property tests (`kvrelay-tests`).
+//!
+//! # Machines
+//!
+//! | machine | vLLM counterpart | spec |
+//! | --- | --- | --- |
+//! | [`Aggregator`] | `KVOutputAggregator` (executor side) | §4.1–§4.2, I-21…I-27 |
+//! | [`WorkerMeta`] / [`Meta`] | `KVConnectorWorkerMetadata.aggregate` | §4.3–§4.4, I-25, I-31 |
+//! | [`EventAccumulator`] | the scheduler connector's `KVConnectorKVEvents` | §4.5 |
+//! | [`WorkerProtocol`] | the order of one rank's connector calls per step | §2.4, I-1…I-6 |
+//!
+//! # Ids
+//!
+//! vLLM's request ids are strings. The core works on dense [`RequestId`] indices so that the hot
+//! paths (quorum counting of completion reports) are array lookups, not string hashes. Strings are
+//! turned into ids once, where they enter the system, by an [`Interner`].
+//!
+//! # Modes
+//!
+//! [`Mode::Compat`] reproduces vLLM 0.33.0 exactly, hazards included, so that real traces replay.
+//! [`Mode::Strict`] closes a known hazard where one exists (for the aggregator: a rank reporting
+//! the same completion twice is the typed error [`AggregateError::DuplicateReport`]).
+//!
+//! # Invariants
+//!
+//! Every machine has a `check_invariants()` that returns the first broken invariant, named after
+//! the spec id (`I-xx`). Tests, property tests and the model checker call it after every
+//! transition. A broken invariant is a bug in this crate, never a consequence of bad input.
+
+#![no_std]
+#![forbid(unsafe_code)]
+
+extern crate alloc;
+
+mod aggregator;
+mod events;
+mod ids;
+mod meta;
+mod output;
+mod protocol;
+
+pub use aggregator::{AggregateError, Aggregator, Direction};
+pub use events::{EventAccumulator, KvEvent, KvEvents};
+pub use ids::{BlockId, Interner, JobId, Rank, RequestId, StepId};
+pub use meta::{Meta, MetaMismatch, OffloadMeta, WorkerMeta, build_multi, merge};
+pub use output::{AggregatedOutput, SortedSet, WorkerOutput};
+pub use protocol::{ProtocolViolation, StepShape, WorkerCall, WorkerPhase, WorkerProtocol};
+
+use alloc::string::String;
+
+/// Which semantics a machine follows where vLLM 0.33.0 has a known hazard.
+#[derive(
+    Clone, Copy, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// vLLM 0.33.0 exactly (the default), so that traces recorded from vLLM replay unchanged.
+    #[default]
+    Compat,
+    /// Hazards closed: what vLLM silently accepts is a typed error instead.
+    Strict,
+}
+
+/// A broken internal invariant, named after its spec id (`I-xx` in SEMANTICS.md §8).
+///
+/// Returned by every machine's `check_invariants()`. It is never caused by bad input: it means
+/// the machine itself is wrong, so callers in tests and the model checker treat it as a failure.
+#[derive(Clone, Debug, Eq, Hash, PartialEq, thiserror::Error)]
+#[error("invariant {id} broken: {detail}")]
+pub struct InvariantViolation {
+    /// The spec id, e.g. `"I-21"`.
+    pub id: &'static str,
+    /// What exactly was found.
+    pub detail: String,
+}
+
+impl InvariantViolation {
+    pub(crate) fn new(id: &'static str, detail: String) -> Self {
+        Self { id, detail }
+    }
+}
+
+/// Returns `Err(InvariantViolation)` from the enclosing function unless `cond` holds.
+macro_rules! ensure_invariant {
+    ($cond:expr, $id:literal, $($fmt:tt)+) => {
+        if !$cond {
+            return Err($crate::InvariantViolation::new($id, alloc::format!($($fmt)+)));
+        }
+    };
+}
+pub(crate) use ensure_invariant;

@@ -1,0 +1,243 @@
+//! Worker → scheduler metadata as a commutative monoid (SEMANTICS.md §4.3–§4.4, I-25, I-31).
+//!
+//! Each rank builds at most one metadata object per step (`build_connector_worker_meta`); the
+//! aggregator folds the ranks' objects with [`WorkerMeta::merge_from`], and the scheduler-side
+//! connector sees the fold. `None` is the identity, so a rank with nothing to report returns
+//! `None` and costs nothing.
+
+use alloc::string::String;
+use alloc::vec::Vec;
+use core::fmt::Debug;
+
+use crate::ids::JobId;
+use crate::output::SortedSet;
+
+/// Two metadata values that cannot be merged: different forms, or multi tuples of different
+/// lengths. Error kind `meta_mismatch`.
+#[derive(Clone, Debug, Eq, Hash, PartialEq, thiserror::Error)]
+pub enum MetaMismatch {
+    /// The two values are of different forms (e.g. `offload` and `set`).
+    #[error("cannot merge worker metadata of form `{left}` with form `{right}`")]
+    Forms {
+        /// Form of the left operand.
+        left: &'static str,
+        /// Form of the right operand.
+        right: &'static str,
+    },
+    /// Two MultiConnector tuples with different numbers of slots.
+    #[error("cannot merge multi metadata with {left} slots and {right} slots")]
+    MultiLength {
+        /// Slots of the left operand.
+        left: usize,
+        /// Slots of the right operand.
+        right: usize,
+    },
+}
+
+/// A worker-metadata type: what an engine's connector ships from every rank to the scheduler.
+///
+/// Implement it for your own metadata to use it with the [`crate::Aggregator`]. The merge must be
+/// a commutative monoid with `None` as identity (I-25): associative and commutative, so the
+/// result does not depend on rank order or on how the fold is grouped. `kvrelay-tests` has a law
+/// suite (`kvrelay_tests::laws::check_worker_meta_laws`) that checks this for any implementation.
+pub trait WorkerMeta: Clone + Debug + Eq {
+    /// `self ⊕ other`, in place.
+    ///
+    /// On error `self` must be unchanged: the aggregator relies on it to reject a step whole.
+    fn merge_from(&mut self, other: &Self) -> Result<(), MetaMismatch>;
+}
+
+/// `a ⊕ b` with `None` as identity: `None ⊕ None = None`.
+pub fn merge<M: WorkerMeta>(a: Option<M>, b: Option<M>) -> Result<Option<M>, MetaMismatch> {
+    match (a, b) {
+        (None, b) => Ok(b),
+        (a, None) => Ok(a),
+        (Some(mut a), Some(b)) => {
+            a.merge_from(&b)?;
+            Ok(Some(a))
+        }
+    }
+}
+
+/// The worker metadata of kvrelay's own connectors, in the three forms of SEMANTICS.md §4.3–§4.4.
+#[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Meta {
+    /// Offloading completions: per job, how many ranks completed it.
+    Offload(OffloadMeta),
+    /// An opaque set (an example form; merge is set union).
+    Set(SortedSet<String>),
+    /// MultiConnector: one slot per child connector, `None` where that child built nothing.
+    Multi(Vec<Option<Meta>>),
+}
+
+/// `OffloadingWorkerMetadata`: completed transfer jobs with their counts, plus transfer stats.
+///
+/// A rank marks each job it finished (or acknowledged without transferring) with count 1; merge
+/// adds counts per job, and adds `bytes` and `transfers`.
+#[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct OffloadMeta {
+    /// `(job, count)`, sorted by job, one entry per job, counts ≥ 1.
+    completed_jobs: Vec<(JobId, u32)>,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Transfers performed.
+    pub transfers: u64,
+}
+
+impl OffloadMeta {
+    /// Metadata with no completed job.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Metadata from `(job, count)` pairs in any order; counts of a repeated job add up, and
+    /// jobs with count 0 are left out.
+    pub fn from_counts(counts: impl IntoIterator<Item = (JobId, u32)>) -> Self {
+        let mut v: Vec<(JobId, u32)> = counts.into_iter().filter(|&(_, n)| n > 0).collect();
+        v.sort_unstable_by_key(|&(j, _)| j);
+        v.dedup_by(|later, earlier| {
+            if later.0 == earlier.0 {
+                earlier.1 = earlier.1.saturating_add(later.1);
+                true
+            } else {
+                false
+            }
+        });
+        Self {
+            completed_jobs: v,
+            bytes: 0,
+            transfers: 0,
+        }
+    }
+
+    /// Records that this rank completed `job` (count 1, as `mark_completed` does).
+    pub fn mark_completed(&mut self, job: JobId) {
+        match self.completed_jobs.binary_search_by_key(&job, |&(j, _)| j) {
+            Ok(at) => self.completed_jobs[at].1 = 1,
+            Err(at) => self.completed_jobs.insert(at, (job, 1)),
+        }
+    }
+
+    /// The completed jobs with their counts, ascending by job.
+    pub fn completed_jobs(&self) -> &[(JobId, u32)] {
+        &self.completed_jobs
+    }
+
+    /// The count of `job` (0 if absent).
+    pub fn count(&self, job: JobId) -> u32 {
+        self.completed_jobs
+            .binary_search_by_key(&job, |&(j, _)| j)
+            .map_or(0, |at| self.completed_jobs[at].1)
+    }
+
+    /// Adds `other`'s counts and stats into `self` (cannot fail).
+    pub fn add(&mut self, other: &OffloadMeta) {
+        self.bytes = self.bytes.saturating_add(other.bytes);
+        self.transfers = self.transfers.saturating_add(other.transfers);
+        let (a, b) = (&mut self.completed_jobs, &other.completed_jobs);
+        // Fast path: every rank completed the same jobs (the common case): add in place.
+        if a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.0 == y.0) {
+            for (x, y) in a.iter_mut().zip(b) {
+                x.1 = x.1.saturating_add(y.1);
+            }
+            return;
+        }
+        let mut out = Vec::with_capacity(a.len() + b.len());
+        let (mut i, mut j) = (0, 0);
+        while i < a.len() && j < b.len() {
+            let (x, y) = (a[i], b[j]);
+            match x.0.cmp(&y.0) {
+                core::cmp::Ordering::Less => {
+                    out.push(x);
+                    i += 1;
+                }
+                core::cmp::Ordering::Greater => {
+                    out.push(y);
+                    j += 1;
+                }
+                core::cmp::Ordering::Equal => {
+                    out.push((x.0, x.1.saturating_add(y.1)));
+                    i += 1;
+                    j += 1;
+                }
+            }
+        }
+        out.extend_from_slice(&a[i..]);
+        out.extend_from_slice(&b[j..]);
+        *a = out;
+    }
+}
+
+impl Meta {
+    /// The form's name, as in conformance JSON.
+    pub fn form(&self) -> &'static str {
+        match self {
+            Meta::Offload(_) => "offload",
+            Meta::Set(_) => "set",
+            Meta::Multi(_) => "multi",
+        }
+    }
+
+    /// Whether `self ⊕ other` is defined, checked before anything is changed.
+    fn check_mergeable(&self, other: &Meta) -> Result<(), MetaMismatch> {
+        match (self, other) {
+            (Meta::Offload(_), Meta::Offload(_)) | (Meta::Set(_), Meta::Set(_)) => Ok(()),
+            (Meta::Multi(a), Meta::Multi(b)) => {
+                if a.len() != b.len() {
+                    return Err(MetaMismatch::MultiLength {
+                        left: a.len(),
+                        right: b.len(),
+                    });
+                }
+                for (x, y) in a.iter().zip(b) {
+                    if let (Some(x), Some(y)) = (x, y) {
+                        x.check_mergeable(y)?;
+                    }
+                }
+                Ok(())
+            }
+            _ => Err(MetaMismatch::Forms {
+                left: self.form(),
+                right: other.form(),
+            }),
+        }
+    }
+
+    /// `self ⊕ other` once [`Meta::check_mergeable`] passed.
+    fn merge_checked(&mut self, other: &Meta) {
+        match (self, other) {
+            (Meta::Offload(a), Meta::Offload(b)) => a.add(b),
+            (Meta::Set(a), Meta::Set(b)) => a.union_with(b),
+            (Meta::Multi(a), Meta::Multi(b)) => {
+                for (x, y) in a.iter_mut().zip(b) {
+                    match (x.as_mut(), y) {
+                        (_, None) => {}
+                        (None, Some(y)) => *x = Some(y.clone()),
+                        (Some(x), Some(y)) => x.merge_checked(y),
+                    }
+                }
+            }
+            // check_mergeable ran first and rejects every other pair of forms.
+            _ => unreachable!("merge_checked called on unmergeable forms"),
+        }
+    }
+}
+
+impl WorkerMeta for Meta {
+    fn merge_from(&mut self, other: &Self) -> Result<(), MetaMismatch> {
+        self.check_mergeable(other)?;
+        self.merge_checked(other);
+        Ok(())
+    }
+}
+
+/// The MultiConnector's `build_connector_worker_meta`: `None` if every child built `None`, else
+/// a tuple with one slot per child (I-31: slot i holds only child i's object).
+pub fn build_multi(children: Vec<Option<Meta>>) -> Option<Meta> {
+    if children.iter().all(Option::is_none) {
+        None
+    } else {
+        Some(Meta::Multi(children))
+    }
+}

@@ -1,0 +1,210 @@
+//! What one rank reports per step ([`WorkerOutput`], vLLM's `KVConnectorOutput`) and what the
+//! aggregator hands the scheduler ([`AggregatedOutput`]).
+
+use alloc::vec::Vec;
+
+use crate::events::KvEvents;
+use crate::ids::{BlockId, RequestId};
+use crate::meta::Meta;
+
+/// A set: its elements sorted ascending, without duplicates.
+///
+/// Sets are kept sorted so that equal sets are equal values (the model checker hashes states,
+/// conformance compares results), and iteration order never depends on insertion order.
+#[derive(Clone, Debug, Eq, Hash, Ord, PartialEq, PartialOrd, serde::Serialize)]
+#[serde(transparent)]
+pub struct SortedSet<T: Ord>(Vec<T>);
+
+impl<T: Ord> SortedSet<T> {
+    /// The empty set.
+    pub const fn new() -> Self {
+        Self(Vec::new())
+    }
+
+    /// The set of the elements of `items` (sorted and deduplicated here).
+    pub fn from_vec(mut items: Vec<T>) -> Self {
+        items.sort_unstable();
+        items.dedup();
+        Self(items)
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether the set is empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether `x` is an element.
+    pub fn contains(&self, x: &T) -> bool {
+        self.0.binary_search(x).is_ok()
+    }
+
+    /// The elements, ascending.
+    pub fn as_slice(&self) -> &[T] {
+        &self.0
+    }
+
+    /// The elements, ascending.
+    pub fn iter(&self) -> core::slice::Iter<'_, T> {
+        self.0.iter()
+    }
+
+    /// The elements, ascending.
+    pub fn into_vec(self) -> Vec<T> {
+        self.0
+    }
+
+    /// Adds `x`; returns whether it was new.
+    pub fn insert(&mut self, x: T) -> bool {
+        match self.0.binary_search(&x) {
+            Ok(_) => false,
+            Err(at) => {
+                self.0.insert(at, x);
+                true
+            }
+        }
+    }
+}
+
+impl<T: Ord + Clone> SortedSet<T> {
+    /// `self ∪ other`, in place (a linear merge).
+    pub fn union_with(&mut self, other: &Self) {
+        if other.0.is_empty() {
+            return;
+        }
+        if self.0.is_empty() {
+            self.0.clone_from(&other.0);
+            return;
+        }
+        let mut out = Vec::with_capacity(self.0.len() + other.0.len());
+        let (mut a, mut b) = (self.0.iter().peekable(), other.0.iter().peekable());
+        loop {
+            match (a.peek(), b.peek()) {
+                (Some(x), Some(y)) => match x.cmp(y) {
+                    core::cmp::Ordering::Less => out.push(a.next().unwrap().clone()),
+                    core::cmp::Ordering::Greater => out.push(b.next().unwrap().clone()),
+                    core::cmp::Ordering::Equal => {
+                        out.push(a.next().unwrap().clone());
+                        b.next();
+                    }
+                },
+                (Some(_), None) => out.push(a.next().unwrap().clone()),
+                (None, Some(_)) => out.push(b.next().unwrap().clone()),
+                (None, None) => break,
+            }
+        }
+        self.0 = out;
+    }
+}
+
+impl<T: Ord> Default for SortedSet<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T: Ord> FromIterator<T> for SortedSet<T> {
+    fn from_iter<I: IntoIterator<Item = T>>(iter: I) -> Self {
+        Self::from_vec(iter.into_iter().collect())
+    }
+}
+
+impl<'a, T: Ord> IntoIterator for &'a SortedSet<T> {
+    type Item = &'a T;
+    type IntoIter = core::slice::Iter<'a, T>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
+impl<'de, T: Ord + serde::Deserialize<'de>> serde::Deserialize<'de> for SortedSet<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Vec::<T>::deserialize(d).map(Self::from_vec)
+    }
+}
+
+/// One rank's connector output for one step (vLLM's `KVConnectorOutput`).
+///
+/// Built by the worker side after `build_connector_worker_meta`, handed to the executor's
+/// [`crate::Aggregator`]. `None` and the empty set are different for the finished sets, as in
+/// vLLM (`None` = the connector reported nothing).
+#[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(bound(
+    serialize = "M: serde::Serialize",
+    deserialize = "M: serde::Deserialize<'de>"
+))]
+pub struct WorkerOutput<M = Meta> {
+    /// Requests whose async send/save finished on this rank since its last report.
+    pub finished_sending: Option<SortedSet<RequestId>>,
+    /// Requests whose async recv/load finished on this rank (failed loads included).
+    pub finished_recving: Option<SortedSet<RequestId>>,
+    /// GPU blocks whose external load failed.
+    pub invalid_block_ids: SortedSet<BlockId>,
+    /// Requests whose load failed (request-level, for multi-group layouts).
+    pub failed_recving: SortedSet<RequestId>,
+    /// The new ack quorum for the aggregator; `0` = no change.
+    pub expected_finished_count: u32,
+    /// Worker → scheduler metadata ([`crate::WorkerMeta`]).
+    pub worker_meta: Option<M>,
+    /// KV events of the connector, with their contributor count.
+    pub kv_events: Option<KvEvents>,
+}
+
+impl<M> Default for WorkerOutput<M> {
+    fn default() -> Self {
+        Self {
+            finished_sending: None,
+            finished_recving: None,
+            invalid_block_ids: SortedSet::new(),
+            failed_recving: SortedSet::new(),
+            expected_finished_count: 0,
+            worker_meta: None,
+            kv_events: None,
+        }
+    }
+}
+
+impl<M> WorkerOutput<M> {
+    /// vLLM's `is_empty()`: every field but `expected_finished_count` is empty. An empty output of
+    /// a step without forward is not sent at all (`kv_connector_output = None`).
+    pub fn is_empty(&self) -> bool {
+        self.finished_sending
+            .as_ref()
+            .is_none_or(SortedSet::is_empty)
+            && self
+                .finished_recving
+                .as_ref()
+                .is_none_or(SortedSet::is_empty)
+            && self.invalid_block_ids.is_empty()
+            && self.failed_recving.is_empty()
+            && self.worker_meta.is_none()
+            && self.kv_events.is_none()
+    }
+}
+
+/// The fold of all ranks' outputs of one step, as the scheduler receives it.
+#[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(bound(
+    serialize = "M: serde::Serialize",
+    deserialize = "M: serde::Deserialize<'de>"
+))]
+pub struct AggregatedOutput<M = Meta> {
+    /// Ids whose send quorum completed in this call; `None` when none did.
+    pub finished_sending: Option<SortedSet<RequestId>>,
+    /// Ids whose recv quorum completed in this call; `None` when none did.
+    pub finished_recving: Option<SortedSet<RequestId>>,
+    /// Union of the ranks' (and salvaged outputs') invalid blocks.
+    pub invalid_block_ids: SortedSet<BlockId>,
+    /// Ids reported failed by some rank whose recv quorum completed in this call (I-24).
+    pub failed_recving: SortedSet<RequestId>,
+    /// The fold of the ranks' worker metadata.
+    pub worker_meta: Option<M>,
+    /// The ranks' KV events appended, with the number of contributors.
+    pub kv_events: Option<KvEvents>,
+    /// The quorum in force after this call.
+    pub expected_finished_count: u32,
+}
