@@ -77,7 +77,7 @@ pub enum Meta {
 /// adds counts per job, and adds `bytes` and `transfers`.
 #[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OffloadMeta {
-    /// `(job, count)`, sorted by job, one entry per job, counts ≥ 1.
+    /// `(job, count)`, sorted by job, one entry per job.
     completed_jobs: Vec<(JobId, u32)>,
     /// Bytes moved.
     pub bytes: u64,
@@ -91,10 +91,9 @@ impl OffloadMeta {
         Self::default()
     }
 
-    /// Metadata from `(job, count)` pairs in any order; counts of a repeated job add up, and
-    /// jobs with count 0 are left out.
+    /// Metadata from `(job, count)` pairs in any order; counts of a repeated job add up.
     pub fn from_counts(counts: impl IntoIterator<Item = (JobId, u32)>) -> Self {
-        let mut v: Vec<(JobId, u32)> = counts.into_iter().filter(|&(_, n)| n > 0).collect();
+        let mut v: Vec<(JobId, u32)> = counts.into_iter().collect();
         v.sort_unstable_by_key(|&(j, _)| j);
         v.dedup_by(|later, earlier| {
             if later.0 == earlier.0 {

@@ -1,0 +1,112 @@
+//! `kvrelay bench`: a conformance case as a benchmark workload.
+//!
+//! The case is parsed and its arguments converted to core values once; then its calls are
+//! replayed on fresh machines `repeat` times, each call timed on its own, and the median time per
+//! call kind is reported. Parsing, conversion and result rendering are outside the timed region.
+//! Before timing, the case is run once with its expectations checked, so a benchmark of a wrong
+//! implementation fails instead of reporting a number.
+
+use std::collections::BTreeMap;
+use std::hint::black_box;
+use std::time::Instant;
+
+use crate::conformance::{AnyCase, Harness, PreparedCase};
+
+/// Timing of one call kind.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KindStats {
+    /// The call's name.
+    pub call: String,
+    /// Timed calls (calls of this kind per replay × replays).
+    pub samples: usize,
+    /// Median, 10th and 90th percentile, in nanoseconds.
+    pub median_ns: f64,
+    /// 10th percentile, ns.
+    pub p10_ns: f64,
+    /// 90th percentile, ns.
+    pub p90_ns: f64,
+}
+
+/// Replays `case` `repeat` times and returns per-kind timings (sorted by call name).
+pub fn bench_case(case: &AnyCase, repeat: usize) -> Result<Vec<KindStats>, String> {
+    match case {
+        AnyCase::Aggregator(c) => bench_prepared(c, repeat),
+        AnyCase::WorkerMeta(c) => bench_prepared(c, repeat),
+        AnyCase::EventAccumulator(c) => bench_prepared(c, repeat),
+        AnyCase::WorkerProtocol(c) => bench_prepared(c, repeat),
+    }
+}
+
+fn bench_prepared<H: Harness>(
+    case: &PreparedCase<H>,
+    repeat: usize,
+) -> Result<Vec<KindStats>, String> {
+    case.run()
+        .map_err(|e| format!("the case does not pass, so it is not benchmarked: {e}"))?;
+    let mut samples: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+    for _ in 0..repeat {
+        let mut machine = H::new(&case.config).map_err(|e| e.to_string())?;
+        for c in &case.calls {
+            let op = black_box(&c.op);
+            let t = Instant::now();
+            let out = machine.apply(op);
+            let ns = t.elapsed().as_nanos();
+            drop(black_box(out));
+            samples
+                .entry(c.call.as_str())
+                .or_default()
+                .push(u64::try_from(ns).unwrap_or(u64::MAX));
+        }
+    }
+    Ok(samples
+        .into_iter()
+        .map(|(call, mut v)| {
+            v.sort_unstable();
+            KindStats {
+                call: call.to_string(),
+                samples: v.len(),
+                median_ns: percentile(&v, 0.5),
+                p10_ns: percentile(&v, 0.1),
+                p90_ns: percentile(&v, 0.9),
+            }
+        })
+        .collect())
+}
+
+/// The `q`-quantile of sorted `v` (nearest rank; the mean of the two middle values for the
+/// median of an even count).
+fn percentile(v: &[u64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    if q == 0.5 && v.len() % 2 == 0 {
+        let m = v.len() / 2;
+        return (v[m - 1] as f64 + v[m] as f64) / 2.0;
+    }
+    let idx = ((v.len() as f64 - 1.0) * q).round() as usize;
+    v[idx.min(v.len() - 1)] as f64
+}
+
+/// A duration in ns, human-readable.
+pub fn fmt_ns(ns: f64) -> String {
+    if ns >= 1e6 {
+        format!("{:.3} ms", ns / 1e6)
+    } else if ns >= 1e3 {
+        format!("{:.2} µs", ns / 1e3)
+    } else {
+        format!("{ns:.0} ns")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percentile;
+
+    #[test]
+    fn median_of_even_count_is_the_mean_of_the_middle_two() {
+        assert_eq!(percentile(&[1, 2, 3, 10], 0.5), 2.5);
+        assert_eq!(percentile(&[1, 2, 3], 0.5), 2.0);
+        assert_eq!(percentile(&[5], 0.9), 5.0);
+        assert!(percentile(&[], 0.5).is_nan());
+    }
+}
