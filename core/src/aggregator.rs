@@ -73,94 +73,96 @@ impl AggregateError {
     }
 }
 
-/// The count of one id in one direction: `target` reports are needed (the quorum when counting
-/// started), `seen` arrived. `target == 0` means the id is not being counted.
-#[derive(
-    Clone, Copy, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize,
-)]
-struct Count {
-    target: u32,
-    seen: u32,
-}
-
-/// A set of ranks as a bitset (strict mode's per-id reporters).
+/// A set of ranks as a bitset (strict mode's per-id reporters): ranks 0..64 inline, higher
+/// ranks in `high` (empty, so free to clone, on every common world size).
 #[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
-struct RankBits(Vec<u64>);
+struct RankBits {
+    low: u64,
+    high: Vec<u64>,
+}
 
 impl RankBits {
     fn contains(&self, r: Rank) -> bool {
-        self.0
-            .get(r.index() / 64)
-            .is_some_and(|w| w & (1 << (r.index() % 64)) != 0)
+        let (w, bit) = (r.index() / 64, 1u64 << (r.index() % 64));
+        if w == 0 {
+            self.low & bit != 0
+        } else {
+            self.high.get(w - 1).is_some_and(|x| x & bit != 0)
+        }
     }
     fn insert(&mut self, r: Rank) {
-        let w = r.index() / 64;
-        if self.0.len() <= w {
-            self.0.resize(w + 1, 0);
+        let (w, bit) = (r.index() / 64, 1u64 << (r.index() % 64));
+        if w == 0 {
+            self.low |= bit;
+        } else {
+            if self.high.len() < w {
+                self.high.resize(w, 0);
+            }
+            self.high[w - 1] |= bit;
         }
-        self.0[w] |= 1 << (r.index() % 64);
     }
     fn clear(&mut self) {
-        self.0.iter_mut().for_each(|w| *w = 0);
+        self.low = 0;
+        self.high.iter_mut().for_each(|w| *w = 0);
     }
     fn len(&self) -> u32 {
-        self.0.iter().map(|w| w.count_ones()).sum()
+        self.low.count_ones() + self.high.iter().map(|w| w.count_ones()).sum::<u32>()
     }
 }
 
-/// The counters of one direction.
+/// The counters of one direction, dense by request id.
 #[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Tally {
-    /// Indexed by request id.
-    counts: Vec<Count>,
-    /// Ids with `target > 0`.
-    live: u32,
-    /// Strict mode only, indexed by request id: the ranks that reported in the current cycle.
+    /// Reports still needed to close the id's count cycle; 0 = no cycle open (vLLM's
+    /// `_send_remaining_count` / `_recv_remaining_count`, with "absent" as 0).
+    remaining: Vec<u32>,
+    /// Strict mode only: the ranks that reported in the current cycle.
     reporters: Vec<RankBits>,
+    /// Strict mode only: touched by the call in progress (all false between calls).
+    touched: Vec<bool>,
 }
 
-/// What to restore if a strict-mode call is rejected part-way.
+/// The state of one (direction, id) before a strict-mode call first touched it.
 #[derive(Debug)]
 struct Undo {
     direction: Direction,
     id: RequestId,
-    count: Count,
+    remaining: u32,
     reporters: RankBits,
 }
 
 impl Tally {
-    fn ensure(&mut self, id: RequestId, strict: bool) {
-        if id.index() >= self.counts.len() {
-            self.counts.resize(id.index() + 1, Count::default());
+    /// Makes room for ids up to `max`.
+    fn ensure(&mut self, max: RequestId, strict: bool) {
+        if max.index() >= self.remaining.len() {
+            self.remaining.resize(max.index() + 1, 0);
         }
-        if strict && id.index() >= self.reporters.len() {
-            self.reporters.resize(id.index() + 1, RankBits::default());
+        if strict && max.index() >= self.reporters.len() {
+            self.reporters.resize(max.index() + 1, RankBits::default());
+            self.touched.resize(max.index() + 1, false);
         }
     }
 
-    /// Counts compat-mode reports of `ids`; pushes the ids whose cycle completes to `emitted`.
+    /// Counts compat-mode reports of `ids` (sorted); pushes the ids whose cycle completes to
+    /// `emitted`. This is the hot path: one array update per report.
     #[inline]
     fn count_compat(&mut self, ids: &[RequestId], quorum: u32, emitted: &mut Vec<RequestId>) {
+        let Some(&max) = ids.last() else { return };
+        self.ensure(max, false);
+        let remaining = &mut self.remaining[..];
         for &id in ids {
-            if id.index() >= self.counts.len() {
-                self.ensure(id, false);
-            }
-            let c = &mut self.counts[id.index()];
-            if c.target == 0 {
-                c.target = quorum;
-                self.live += 1;
-            }
-            c.seen += 1;
-            if c.seen == c.target {
-                *c = Count::default();
-                self.live -= 1;
+            let r = &mut remaining[id.index()];
+            let left = if *r == 0 { quorum } else { *r } - 1;
+            *r = left;
+            if left == 0 {
                 emitted.push(id);
             }
         }
     }
 
-    /// Counts strict-mode reports of `ids` by `rank`, logging the prior state of every touched
-    /// id to `undo`. A rank already among an id's reporters is a duplicate.
+    /// Counts strict-mode reports of `ids` by `rank`. The first touch of each id in this call is
+    /// logged to `undo` (`touched` marks it), so a rejected call can be rolled back exactly;
+    /// [`Tally::untouch`] resets the marks when the call ends either way.
     fn count_strict(
         &mut self,
         direction: Direction,
@@ -170,8 +172,11 @@ impl Tally {
         emitted: &mut Vec<RequestId>,
         undo: &mut Vec<Undo>,
     ) -> Result<(), AggregateError> {
+        let Some(&max) = ids.last() else {
+            return Ok(());
+        };
+        self.ensure(max, true);
         for &id in ids {
-            self.ensure(id, true);
             let i = id.index();
             if self.reporters[i].contains(rank) {
                 return Err(AggregateError::DuplicateReport {
@@ -180,21 +185,19 @@ impl Tally {
                     direction,
                 });
             }
-            undo.push(Undo {
-                direction,
-                id,
-                count: self.counts[i],
-                reporters: self.reporters[i].clone(),
-            });
-            let c = &mut self.counts[i];
-            if c.target == 0 {
-                c.target = quorum;
-                self.live += 1;
+            if !self.touched[i] {
+                self.touched[i] = true;
+                undo.push(Undo {
+                    direction,
+                    id,
+                    remaining: self.remaining[i],
+                    reporters: self.reporters[i].clone(),
+                });
             }
-            c.seen += 1;
-            if c.seen == c.target {
-                *c = Count::default();
-                self.live -= 1;
+            let r = &mut self.remaining[i];
+            let left = if *r == 0 { quorum } else { *r } - 1;
+            *r = left;
+            if left == 0 {
                 self.reporters[i].clear();
                 emitted.push(id);
             } else {
@@ -205,23 +208,16 @@ impl Tally {
     }
 
     fn restore(&mut self, u: Undo) {
-        let i = u.id.index();
-        let was_live = self.counts[i].target != 0;
-        let will_be_live = u.count.target != 0;
-        match (was_live, will_be_live) {
-            (true, false) => self.live -= 1,
-            (false, true) => self.live += 1,
-            _ => {}
-        }
-        self.counts[i] = u.count;
-        self.reporters[i] = u.reporters;
+        self.remaining[u.id.index()] = u.remaining;
+        self.reporters[u.id.index()] = u.reporters;
     }
 
-    fn pending(&self, id: RequestId) -> Option<(u32, u32)> {
-        self.counts
-            .get(id.index())
-            .filter(|c| c.target != 0)
-            .map(|c| (c.seen, c.target))
+    fn untouch(&mut self, id: RequestId) {
+        self.touched[id.index()] = false;
+    }
+
+    fn remaining(&self, id: RequestId) -> Option<u32> {
+        self.remaining.get(id.index()).copied().filter(|&r| r != 0)
     }
 }
 
@@ -237,6 +233,8 @@ impl Tally {
 pub struct Aggregator<M = Meta> {
     mode: Mode,
     quorum: u32,
+    /// The largest quorum ever in force: no open cycle needs more reports (I-26).
+    quorum_high: u32,
     send: Tally,
     recv: Tally,
     /// Indexed by request id: reported in some `failed_recving`, not yet emitted.
@@ -256,6 +254,7 @@ impl<M: WorkerMeta> Aggregator<M> {
         Self {
             mode,
             quorum,
+            quorum_high: quorum,
             send: Tally::default(),
             recv: Tally::default(),
             failed_pending: Vec::new(),
@@ -287,19 +286,19 @@ impl<M: WorkerMeta> Aggregator<M> {
         self.mode
     }
 
-    /// `(reports seen, reports needed)` of `id`'s current count cycle, if one is open.
-    pub fn pending(&self, direction: Direction, id: RequestId) -> Option<(u32, u32)> {
+    /// The reports `id` still needs to close its current count cycle, if one is open.
+    pub fn remaining(&self, direction: Direction, id: RequestId) -> Option<u32> {
         match direction {
-            Direction::Send => self.send.pending(id),
-            Direction::Recv => self.recv.pending(id),
+            Direction::Send => self.send.remaining(id),
+            Direction::Recv => self.recv.remaining(id),
         }
     }
 
     /// Whether the aggregator holds no state for `id`: no open count, no pending failure. Only
     /// then may the id be released for reuse.
     pub fn is_idle(&self, id: RequestId) -> bool {
-        self.send.pending(id).is_none()
-            && self.recv.pending(id).is_none()
+        self.send.remaining(id).is_none()
+            && self.recv.remaining(id).is_none()
             && !self
                 .failed_pending
                 .get(id.index())
@@ -378,8 +377,15 @@ impl<M: WorkerMeta> Aggregator<M> {
         }
 
         let mut quorum = self.quorum;
-        let mut sent = Vec::new();
-        let mut recvd = Vec::new();
+        // Typically every rank reports the same ids: size the emissions by the largest set.
+        let largest = |f: fn(&WorkerOutput<M>) -> &Option<SortedSet<RequestId>>| {
+            sources()
+                .filter_map(|(_, o)| f(o).as_ref().map(SortedSet::len))
+                .max()
+                .unwrap_or(0)
+        };
+        let mut sent = Vec::with_capacity(largest(|o| &o.finished_sending));
+        let mut recvd = Vec::with_capacity(largest(|o| &o.finished_recving));
         let mut invalid: Vec<BlockId> = Vec::new();
         let mut kv_events: Option<KvEvents> = None;
         match self.mode {
@@ -426,20 +432,28 @@ impl<M: WorkerMeta> Aggregator<M> {
                     }
                     Ok(())
                 };
-                if let Err(e) = counted() {
-                    while let Some(u) = undo.pop() {
-                        match u.direction {
-                            Direction::Send => self.send.restore(u),
-                            Direction::Recv => self.recv.restore(u),
-                        }
+                let result = counted();
+                for u in undo {
+                    let tally = match u.direction {
+                        Direction::Send => &mut self.send,
+                        Direction::Recv => &mut self.recv,
+                    };
+                    tally.untouch(u.id);
+                    if result.is_err() {
+                        tally.restore(u);
                     }
-                    return Err(e);
                 }
+                result?;
             }
         }
 
         // Nothing below can fail: commit.
         self.quorum = quorum;
+        let call_high = sources()
+            .map(|(_, o)| o.expected_finished_count)
+            .max()
+            .unwrap_or(0);
+        self.quorum_high = self.quorum_high.max(call_high);
         for (_, o) in sources() {
             if let Some(ev) = &o.kv_events {
                 match &mut kv_events {
@@ -484,48 +498,37 @@ impl<M: WorkerMeta> Aggregator<M> {
         })
     }
 
-    /// Checks I-21 (every open count is strictly between 0 and its target; in strict mode its
-    /// reports come from distinct ranks), I-26 (the quorum is positive) and the salvage rule of
+    /// Checks I-21 (an open cycle still needs between 1 and quorum−1 reports — emission is due
+    /// at 0; in strict mode its reports came from distinct ranks), I-26 (the quorum is positive,
+    /// and no cycle needs more reports than any quorum ever in force) and the salvage rule of
     /// §2.6 (salvaged outputs carry no KV events).
     pub fn check_invariants(&self) -> Result<(), crate::InvariantViolation> {
         use crate::ensure_invariant;
         ensure_invariant!(self.quorum >= 1, "I-26", "quorum is {}", self.quorum);
+        ensure_invariant!(
+            self.quorum_high >= self.quorum,
+            "I-26",
+            "quorum {} above the recorded high {}",
+            self.quorum,
+            self.quorum_high
+        );
         for (direction, tally) in [(Direction::Send, &self.send), (Direction::Recv, &self.recv)] {
-            let mut live = 0;
-            for (i, c) in tally.counts.iter().enumerate() {
-                if c.target == 0 {
-                    ensure_invariant!(
-                        c.seen == 0,
-                        "I-21",
-                        "{direction:?} id {i}: {} reports counted without an open cycle",
-                        c.seen
-                    );
-                } else {
-                    live += 1;
-                    ensure_invariant!(
-                        c.seen >= 1 && c.seen < c.target,
-                        "I-21",
-                        "{direction:?} id {i}: open cycle at {}/{} (emission is due at the target)",
-                        c.seen,
-                        c.target
-                    );
-                }
+            for (i, &r) in tally.remaining.iter().enumerate() {
+                ensure_invariant!(
+                    r < self.quorum_high,
+                    "I-21",
+                    "{direction:?} id {i}: needs {r} more reports, above any quorum ({})",
+                    self.quorum_high
+                );
                 if self.mode == Mode::Strict {
                     let reporters = tally.reporters.get(i).map_or(0, RankBits::len);
                     ensure_invariant!(
-                        reporters == c.seen,
+                        (r == 0) == (reporters == 0),
                         "I-21",
-                        "strict {direction:?} id {i}: {} reports from {reporters} distinct ranks",
-                        c.seen
+                        "strict {direction:?} id {i}: {reporters} reporters with {r} reports to go"
                     );
                 }
             }
-            ensure_invariant!(
-                live == tally.live,
-                "I-21",
-                "{direction:?}: {live} open cycles, {} recorded",
-                tally.live
-            );
         }
         let failed = self.failed_pending.iter().filter(|&&p| p).count();
         ensure_invariant!(

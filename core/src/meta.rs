@@ -75,10 +75,16 @@ pub enum Meta {
 ///
 /// A rank marks each job it finished (or acknowledged without transferring) with count 1; merge
 /// adds counts per job, and adds `bytes` and `transfers`.
+///
+/// Jobs and counts are kept in two parallel arrays sorted by job. Job ids are strictly
+/// increasing and every rank of a step usually completes the same jobs, so the common merge is
+/// one slice comparison and one vectorisable addition of counts.
 #[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OffloadMeta {
-    /// `(job, count)`, sorted by job, one entry per job.
-    completed_jobs: Vec<(JobId, u32)>,
+    /// Completed jobs, ascending, distinct.
+    jobs: Vec<JobId>,
+    /// `counts[i]` is the count of `jobs[i]`.
+    counts: Vec<u32>,
     /// Bytes moved.
     pub bytes: u64,
     /// Transfers performed.
@@ -97,14 +103,16 @@ impl OffloadMeta {
         v.sort_unstable_by_key(|&(j, _)| j);
         v.dedup_by(|later, earlier| {
             if later.0 == earlier.0 {
-                earlier.1 = earlier.1.saturating_add(later.1);
+                earlier.1 = earlier.1.wrapping_add(later.1);
                 true
             } else {
                 false
             }
         });
+        let (jobs, counts) = v.into_iter().unzip();
         Self {
-            completed_jobs: v,
+            jobs,
+            counts,
             bytes: 0,
             transfers: 0,
         }
@@ -112,59 +120,80 @@ impl OffloadMeta {
 
     /// Records that this rank completed `job` (count 1, as `mark_completed` does).
     pub fn mark_completed(&mut self, job: JobId) {
-        match self.completed_jobs.binary_search_by_key(&job, |&(j, _)| j) {
-            Ok(at) => self.completed_jobs[at].1 = 1,
-            Err(at) => self.completed_jobs.insert(at, (job, 1)),
+        match self.jobs.binary_search(&job) {
+            Ok(at) => self.counts[at] = 1,
+            Err(at) => {
+                self.jobs.insert(at, job);
+                self.counts.insert(at, 1);
+            }
         }
     }
 
     /// The completed jobs with their counts, ascending by job.
-    pub fn completed_jobs(&self) -> &[(JobId, u32)] {
-        &self.completed_jobs
+    pub fn completed_jobs(&self) -> impl ExactSizeIterator<Item = (JobId, u32)> + '_ {
+        self.jobs.iter().copied().zip(self.counts.iter().copied())
+    }
+
+    /// Number of distinct completed jobs.
+    pub fn len(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// Whether no job is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.jobs.is_empty()
     }
 
     /// The count of `job` (0 if absent).
     pub fn count(&self, job: JobId) -> u32 {
-        self.completed_jobs
-            .binary_search_by_key(&job, |&(j, _)| j)
-            .map_or(0, |at| self.completed_jobs[at].1)
+        self.jobs
+            .binary_search(&job)
+            .map_or(0, |at| self.counts[at])
     }
 
     /// Adds `other`'s counts and stats into `self` (cannot fail).
     pub fn add(&mut self, other: &OffloadMeta) {
         self.bytes = self.bytes.saturating_add(other.bytes);
         self.transfers = self.transfers.saturating_add(other.transfers);
-        let (a, b) = (&mut self.completed_jobs, &other.completed_jobs);
-        // Fast path: every rank completed the same jobs (the common case): add in place.
-        if a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.0 == y.0) {
-            for (x, y) in a.iter_mut().zip(b) {
-                x.1 = x.1.saturating_add(y.1);
+        // Fast path: the same jobs on both sides (the common case): add the counts in place.
+        // Counts add modulo 2^32 (wrapping keeps the addition vectorisable and the merge a
+        // commutative monoid; a count is bounded by the number of ranks, far below 2^32).
+        if self.jobs == other.jobs {
+            for (x, y) in self.counts.iter_mut().zip(&other.counts) {
+                *x = x.wrapping_add(*y);
             }
             return;
         }
-        let mut out = Vec::with_capacity(a.len() + b.len());
+        let n = self.jobs.len() + other.jobs.len();
+        let (mut jobs, mut counts) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (a, ac, b, bc) = (&self.jobs, &self.counts, &other.jobs, &other.counts);
         let (mut i, mut j) = (0, 0);
         while i < a.len() && j < b.len() {
-            let (x, y) = (a[i], b[j]);
-            match x.0.cmp(&y.0) {
+            match a[i].cmp(&b[j]) {
                 core::cmp::Ordering::Less => {
-                    out.push(x);
+                    jobs.push(a[i]);
+                    counts.push(ac[i]);
                     i += 1;
                 }
                 core::cmp::Ordering::Greater => {
-                    out.push(y);
+                    jobs.push(b[j]);
+                    counts.push(bc[j]);
                     j += 1;
                 }
                 core::cmp::Ordering::Equal => {
-                    out.push((x.0, x.1.saturating_add(y.1)));
+                    jobs.push(a[i]);
+                    counts.push(ac[i].wrapping_add(bc[j]));
                     i += 1;
                     j += 1;
                 }
             }
         }
-        out.extend_from_slice(&a[i..]);
-        out.extend_from_slice(&b[j..]);
-        *a = out;
+        jobs.extend_from_slice(&a[i..]);
+        counts.extend_from_slice(&ac[i..]);
+        jobs.extend_from_slice(&b[j..]);
+        counts.extend_from_slice(&bc[j..]);
+        self.jobs = jobs;
+        self.counts = counts;
     }
 }
 

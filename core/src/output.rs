@@ -23,7 +23,10 @@ impl<T: Ord> SortedSet<T> {
 
     /// The set of the elements of `items` (sorted and deduplicated here).
     pub fn from_vec(mut items: Vec<T>) -> Self {
-        items.sort_unstable();
+        // Most sets arrive sorted already (a rank's set, or ids emitted in a sorted set's order).
+        if !items.is_sorted() {
+            items.sort_unstable();
+        }
         items.dedup();
         Self(items)
     }

@@ -443,7 +443,6 @@ fn render_meta(m: &Meta) -> Value {
         Meta::Offload(o) => {
             let jobs: Map<String, Value> = o
                 .completed_jobs()
-                .iter()
                 .map(|(j, n)| (j.0.to_string(), json!(n)))
                 .collect();
             json!({ "offload": { "completed_jobs": jobs, "bytes": o.bytes, "transfers": o.transfers } })
