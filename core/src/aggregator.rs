@@ -73,6 +73,52 @@ impl AggregateError {
     }
 }
 
+/// A dense table indexed by request id whose equality and hash ignore trailing default
+/// entries: how far the table has grown is capacity, not state. (Two aggregators that saw the
+/// same reports are equal even if one of them was pre-sized; the model checker relies on it.)
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
+struct Dense<T>(Vec<T>);
+
+impl<T: Default + PartialEq> Dense<T> {
+    fn live(&self) -> &[T] {
+        let default = T::default();
+        let end = self
+            .0
+            .iter()
+            .rposition(|x| *x != default)
+            .map_or(0, |i| i + 1);
+        &self.0[..end]
+    }
+}
+
+impl<T: Default + PartialEq> PartialEq for Dense<T> {
+    fn eq(&self, other: &Self) -> bool {
+        self.live() == other.live()
+    }
+}
+
+impl<T: Default + Eq> Eq for Dense<T> {}
+
+impl<T: Default + PartialEq + core::hash::Hash> core::hash::Hash for Dense<T> {
+    fn hash<H: core::hash::Hasher>(&self, state: &mut H) {
+        self.live().hash(state);
+    }
+}
+
+impl<T> core::ops::Deref for Dense<T> {
+    type Target = Vec<T>;
+    fn deref(&self) -> &Vec<T> {
+        &self.0
+    }
+}
+
+impl<T> core::ops::DerefMut for Dense<T> {
+    fn deref_mut(&mut self) -> &mut Vec<T> {
+        &mut self.0
+    }
+}
+
 /// A set of ranks as a bitset (strict mode's per-id reporters): ranks 0..64 inline, higher
 /// ranks in `high` (empty, so free to clone, on every common world size).
 #[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -115,11 +161,11 @@ impl RankBits {
 struct Tally {
     /// Reports still needed to close the id's count cycle; 0 = no cycle open (vLLM's
     /// `_send_remaining_count` / `_recv_remaining_count`, with "absent" as 0).
-    remaining: Vec<u32>,
+    remaining: Dense<u32>,
     /// Strict mode only: the ranks that reported in the current cycle.
-    reporters: Vec<RankBits>,
+    reporters: Dense<RankBits>,
     /// Strict mode only: touched by the call in progress (all false between calls).
-    touched: Vec<bool>,
+    touched: Dense<bool>,
 }
 
 /// The state of one (direction, id) before a strict-mode call first touched it.
@@ -238,7 +284,7 @@ pub struct Aggregator<M = Meta> {
     send: Tally,
     recv: Tally,
     /// Indexed by request id: reported in some `failed_recving`, not yet emitted.
-    failed_pending: Vec<bool>,
+    failed_pending: Dense<bool>,
     failed_pending_len: u32,
     /// Outputs of failed steps, with the rank that produced them, counted first next time.
     salvaged: Vec<(Rank, WorkerOutput<M>)>,
@@ -257,7 +303,7 @@ impl<M: WorkerMeta> Aggregator<M> {
             quorum_high: quorum,
             send: Tally::default(),
             recv: Tally::default(),
-            failed_pending: Vec::new(),
+            failed_pending: Dense::default(),
             failed_pending_len: 0,
             salvaged: Vec::new(),
         }
@@ -549,4 +595,109 @@ impl<M: WorkerMeta> Aggregator<M> {
 fn rank_of(index: usize) -> Rank {
     // Ranks index a slice of outputs, so they fit u32 on every supported world size.
     Rank(u32::try_from(index).expect("more than u32::MAX ranks"))
+}
+
+#[cfg(test)]
+mod tests {
+    use alloc::vec;
+    use alloc::vec::Vec;
+
+    use super::*;
+
+    fn ids(xs: &[u32]) -> SortedSet<RequestId> {
+        xs.iter().copied().map(RequestId).collect()
+    }
+
+    fn sending(xs: &[u32]) -> Option<WorkerOutput> {
+        Some(WorkerOutput {
+            finished_sending: Some(ids(xs)),
+            ..WorkerOutput::default()
+        })
+    }
+
+    #[test]
+    fn strict_duplicate_rolls_back_every_counter_and_keeps_the_salvage() {
+        let mut a: Aggregator = Aggregator::new(3, Mode::Strict);
+        a.aggregate(&[sending(&[1, 2]), sending(&[2]), None], Rank(0))
+            .unwrap();
+        a.salvage(vec![None, None, sending(&[1])]);
+        let before = a.clone();
+        // Rank 2's salvaged report of 1 plus ranks 0 and 1 would close 1's cycle; rank 0 then
+        // repeats 2 in the same cycle.
+        let err = a
+            .aggregate(
+                &[sending(&[2, 3]), sending(&[1, 3]), sending(&[3])],
+                Rank(0),
+            )
+            .unwrap_err();
+        assert_eq!(
+            err,
+            AggregateError::DuplicateReport {
+                rank: Rank(0),
+                request: RequestId(2),
+                direction: Direction::Send
+            }
+        );
+        assert_eq!(a, before, "a rejected call changes nothing");
+        a.check_invariants().unwrap();
+        let out = a.aggregate(&[sending(&[3]), sending(&[1, 3]), sending(&[3])], Rank(0));
+        let out = out.unwrap().unwrap();
+        assert_eq!(out.finished_sending, Some(ids(&[1, 3])));
+        assert_eq!(a.salvaged_len(), 0);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn strict_mode_tracks_ranks_beyond_64() {
+        let mut a: Aggregator = Aggregator::new(2, Mode::Strict);
+        let mut outputs: Vec<Option<WorkerOutput>> = vec![Some(WorkerOutput::default()); 71];
+        outputs[70] = sending(&[5]);
+        a.aggregate(&outputs, Rank(0)).unwrap();
+        assert_eq!(a.remaining(Direction::Send, RequestId(5)), Some(1));
+        let err = a.aggregate(&outputs, Rank(0)).unwrap_err();
+        assert_eq!(err.kind(), "duplicate_report");
+        outputs[70] = None;
+        outputs[64] = sending(&[5]);
+        let out = a.aggregate(&outputs, Rank(0)).unwrap().unwrap();
+        assert_eq!(out.finished_sending, Some(ids(&[5])));
+        assert!(a.is_idle(RequestId(5)));
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn quorum_changes_within_one_call_keep_the_invariants() {
+        let mut a: Aggregator = Aggregator::new(2, Mode::Compat);
+        let raise = Some(WorkerOutput {
+            expected_finished_count: 5,
+            finished_recving: Some(ids(&[7])),
+            ..WorkerOutput::default()
+        });
+        let lower = Some(WorkerOutput {
+            expected_finished_count: 3,
+            ..WorkerOutput::default()
+        });
+        let out = a.aggregate(&[raise, lower], Rank(0)).unwrap().unwrap();
+        assert_eq!(out.expected_finished_count, 3);
+        // 7 started counting under quorum 5 and keeps needing 4 more reports (I-26).
+        assert_eq!(a.remaining(Direction::Recv, RequestId(7)), Some(4));
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn an_absent_output_rank_consumes_nothing_and_a_bad_one_is_an_error() {
+        let mut a: Aggregator = Aggregator::new(1, Mode::Compat);
+        a.salvage(vec![sending(&[1])]);
+        assert_eq!(a.aggregate(&[None, sending(&[2])], Rank(0)), Ok(None));
+        assert_eq!(a.salvaged_len(), 1);
+        assert!(a.is_idle(RequestId(2)));
+        let err = a.aggregate(&[sending(&[2])], Rank(1)).unwrap_err();
+        assert_eq!(
+            err,
+            AggregateError::RankOutOfRange {
+                output_rank: Rank(1),
+                ranks: 1
+            }
+        );
+        assert_eq!(a.salvaged_len(), 1);
+    }
 }

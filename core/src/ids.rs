@@ -160,3 +160,22 @@ impl Interner {
         self.names.len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interning_is_dense_first_seen_and_recycles_released_ids() {
+        let mut i = Interner::new();
+        assert_eq!(i.intern("b"), RequestId(0));
+        assert_eq!(i.intern("a"), RequestId(1));
+        assert_eq!(i.intern("b"), RequestId(0));
+        assert_eq!(i.resolve(RequestId(1)), Some("a"));
+        assert_eq!(i.release("b"), Some(RequestId(0)));
+        assert_eq!(i.release("b"), None);
+        assert_eq!(i.resolve(RequestId(0)), None);
+        assert_eq!(i.intern("c"), RequestId(0), "released ids are reused");
+        assert_eq!((i.len(), i.capacity()), (2, 2));
+    }
+}
