@@ -1,1 +1,40 @@
+//! kvrelay-model-check: stateright models built from kvrelay-core's own transition functions.
+//!
+//! The models do not restate the core: every transition calls the real machine
+//! ([`kvrelay_core::WorkerProtocol`], [`kvrelay_core::Aggregator`]), so what is checked is the
+//! code that runs in the engine, under every interleaving of the environment (which rank
+//! finishes which transfer when, which rank runs its step first, where a fault strikes).
+//!
+//! # The completion model
+//!
+//! [`CompletionModel`] explores how W ranks report the completions of R requests' transfers (one
+//! load and one save per request on every rank) through their step protocol to the executor's
+//! aggregator, and checks the aggregation invariants of SEMANTICS.md §8.4 (I-21 exactly-once
+//! emission after every rank reported, I-24 failed loads travel with their `finished_recving`),
+//! the step protocol of §8.1 (I-1…I-6) and every machine's own `check_invariants()`. Faults can
+//! be injected to show the checker finds the hazards the spec describes: a rank reporting a
+//! completion twice (vLLM's aggregator has no per-rank dedup, §4.2) and a runner calling `bind`
+//! before `handle_preemptions` (vLLM PR #42676).
+//!
+//! # Running a check
+//!
+//! [`check_completions`] runs the breadth-first checker (shortest counterexamples) with progress
+//! callbacks and returns a [`CheckReport`]; it is what `kvrelay check` calls. The presets
+//! [`CompletionConfig::ci`] and [`CompletionConfig::deep`] are the configurations CI and a longer
+//! local run explore exhaustively.
+//!
+//! ```no_run
+//! use kvrelay_model_check::{CompletionConfig, check_completions};
+//!
+//! let report = check_completions(CompletionConfig::ci(), 2, &mut |_| {});
+//! assert!(report.complete && report.properties.iter().all(|p| p.holds));
+//! ```
 
+mod completion;
+mod runner;
+
+pub use completion::{
+    CompletionAction, CompletionConfig, CompletionModel, CompletionState, Ghost, RankState,
+    Transfer, property_names,
+};
+pub use runner::{CheckReport, Progress, PropertyResult, check_completions};
