@@ -148,8 +148,9 @@ impl RankBits {
         }
     }
     fn clear(&mut self) {
+        // Truncate, not zero: an empty set must equal (and hash as) the default one.
         self.low = 0;
-        self.high.iter_mut().for_each(|w| *w = 0);
+        self.high.clear();
     }
     fn len(&self) -> u32 {
         self.low.count_ones() + self.high.iter().map(|w| w.count_ones()).sum::<u32>()

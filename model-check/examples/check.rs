@@ -1,5 +1,6 @@
-//! Runs one completion check and prints the report: `cargo run --release -p kvrelay-model-check
-//! --example check -- [ci|deep] [threads]`.
+//! Runs one preset exhaustively and prints the report:
+//! `cargo run --release -p kvrelay-model-check --example check -- [ci|deep] [threads]`.
+//! (`kvrelay check` is the full command line.)
 
 use kvrelay_model_check::{CompletionConfig, check_completions};
 
@@ -10,20 +11,9 @@ fn main() {
         Some("deep") => CompletionConfig::deep(),
         Some(other) => panic!("unknown preset {other}: use ci or deep"),
     };
-    let mut config = config;
-    for kv in std::env::var("MC_OVERRIDE").unwrap_or_default().split(',').filter(|s| !s.is_empty()) {
-        let (k, v) = kv.split_once('=').expect("k=v");
-        match k {
-            "ranks" => config.ranks = v.parse().unwrap(),
-            "requests" => config.requests = v.parse().unwrap(),
-            "failures" => config.failures = v.parse().unwrap(),
-            "strict" => config.mode = if v.parse().unwrap() { kvrelay_core::Mode::Strict } else { kvrelay_core::Mode::Compat },
-            "double" => config.faulty_double_report = v.parse().unwrap(),
-            "bind" => config.faulty_bind_first = v.parse().unwrap(),
-            _ => panic!("unknown {k}"),
-        }
-    }
-    let threads = args.next().map_or(2, |t| t.parse().expect("threads"));
+    let threads = args
+        .next()
+        .map_or(2, |t| t.parse().expect("threads: a number"));
     let report = check_completions(config, threads, &mut |p| {
         eprintln!(
             "  states {} unique {} depth {} {:.1} s",
@@ -31,10 +21,11 @@ fn main() {
         );
     });
     println!(
-        "{config:?}: states {} unique {} depth {} in {:.2} s, complete {}",
+        "{config:?}: {} states, {} unique, depth {}, {:.2} s, complete {}",
         report.states, report.unique_states, report.max_depth, report.seconds, report.complete
     );
     for p in &report.properties {
         println!("  {:<9} {:<5} {}", p.expectation, p.holds, p.name);
     }
+    std::process::exit(if report.passed() { 0 } else { 1 });
 }

@@ -2,6 +2,8 @@
 //! worker step protocol to the real aggregator (SEMANTICS.md §2.4, §4.1–§4.2, §8.1, §8.4).
 
 use core::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvrelay_core::{
     AggregateError, AggregatedOutput, Aggregator, Direction, Mode, Rank, RequestId, SortedSet,
@@ -29,8 +31,9 @@ pub mod property_names {
     /// `sometimes`: a state where every transfer of every request has been emitted is reachable.
     pub const ALL_EMITTED: &str = "all transfers emitted";
     /// `sometimes`, only with [`super::CompletionConfig::faulty_double_report`] in strict mode:
-    /// the strict aggregator rejected a duplicate report (so the fault was really exercised).
-    pub const DUPLICATE_REJECTED: &str = "duplicate report rejected (strict)";
+    /// the strict aggregator rejected a duplicate report (so the fault was really exercised) and
+    /// still every transfer was emitted afterwards (the rejected step lost nothing).
+    pub const DUPLICATE_REJECTED: &str = "duplicate rejected, then all transfers emitted (strict)";
 }
 
 /// Per-layer hook pairs a forward step runs (`wait_for_layer_load` + `save_kv_layer`).
@@ -284,7 +287,6 @@ impl CompletionState {
             .filter(|r| r.transfer(request, dir) == Transfer::Reported)
             .count()
     }
-
 }
 
 /// One step of the environment or of a rank.
@@ -382,10 +384,35 @@ impl fmt::Display for CompletionAction {
 /// because from `Idle` the guard's answers depend only on its phase (`begin_step` resets the
 /// shape); only the step number inside a future violation message would differ. Emission counts
 /// saturate at 2, and at most one double-report fault is injected per run.
-#[derive(Clone, Debug)]
+///
+/// **First discoveries only.** stateright 0.31 overwrites a property's recorded path with every
+/// later state that violates it (or, for `sometimes`, satisfies it; CRATES.md §1.7.2), so a
+/// breadth-first run would report the *last* path found, not the shortest. Each property
+/// therefore reports a discovery once per model value — the first state found, which
+/// breadth-first is a shortest one — and answers "nothing to report" for later states. A clone
+/// starts afresh; use one model value per checker run ([`crate::check_completions`] does).
+#[derive(Debug)]
 pub struct CompletionModel {
     config: CompletionConfig,
+    /// Per property slot (`SLOT_*`): a discovery was already reported.
+    discovered: Arc<[AtomicBool; SLOTS]>,
 }
+
+impl Clone for CompletionModel {
+    /// The same configuration, with no discovery reported yet.
+    fn clone(&self) -> Self {
+        Self::new(self.config)
+    }
+}
+
+const SLOT_EXACTLY_ONCE: usize = 0;
+const SLOT_FAILED_SUBSET: usize = 1;
+const SLOT_FAILURES_TRAVEL: usize = 2;
+const SLOT_PROTOCOL: usize = 3;
+const SLOT_CORE_INVARIANTS: usize = 4;
+const SLOT_ALL_EMITTED: usize = 5;
+const SLOT_DUPLICATE_REJECTED: usize = 6;
+const SLOTS: usize = 7;
 
 impl CompletionModel {
     /// The model of `config`.
@@ -396,7 +423,16 @@ impl CompletionModel {
         if let Err(e) = config.validate() {
             panic!("invalid completion model configuration: {e}");
         }
-        Self { config }
+        Self {
+            config,
+            discovered: Arc::new(core::array::from_fn(|_| AtomicBool::new(false))),
+        }
+    }
+
+    /// Whether to report `discovery` (a violation of an `always` property, an example of a
+    /// `sometimes` one) for the property in `slot`: only the first time.
+    fn first(&self, slot: usize, discovery: bool) -> bool {
+        discovery && !self.discovered[slot].swap(true, Ordering::Relaxed)
     }
 
     /// The configuration.
@@ -744,35 +780,51 @@ impl Model for CompletionModel {
     }
 }
 
-fn exactly_once(_: &CompletionModel, s: &CompletionState) -> bool {
-    !s.ghost.emitted_early && s.ghost.emitted.iter().flatten().all(|&n| n <= 1)
+// The property conditions: each evaluates a pure predicate on the state and reports only the
+// first discovery (see `CompletionModel` on why).
+
+fn exactly_once(m: &CompletionModel, s: &CompletionState) -> bool {
+    let holds = !s.ghost.emitted_early && s.ghost.emitted.iter().flatten().all(|&n| n <= 1);
+    !m.first(SLOT_EXACTLY_ONCE, !holds)
 }
 
-fn failed_subset(_: &CompletionModel, s: &CompletionState) -> bool {
-    !s.ghost.failed_not_subset
+fn failed_subset(m: &CompletionModel, s: &CompletionState) -> bool {
+    !m.first(SLOT_FAILED_SUBSET, s.ghost.failed_not_subset)
 }
 
-fn failures_travel(_: &CompletionModel, s: &CompletionState) -> bool {
-    !s.ghost.failure_mismatch
+fn failures_travel(m: &CompletionModel, s: &CompletionState) -> bool {
+    !m.first(SLOT_FAILURES_TRAVEL, s.ghost.failure_mismatch)
 }
 
-fn protocol_kept(_: &CompletionModel, s: &CompletionState) -> bool {
-    !s.ghost.protocol_violated && s.ranks.iter().all(|r| r.protocol.violation().is_none())
+fn protocol_kept(m: &CompletionModel, s: &CompletionState) -> bool {
+    let holds =
+        !s.ghost.protocol_violated && s.ranks.iter().all(|r| r.protocol.violation().is_none());
+    !m.first(SLOT_PROTOCOL, !holds)
 }
 
-fn core_invariants(_: &CompletionModel, s: &CompletionState) -> bool {
-    !s.ghost.invariant_broken
+fn core_invariants(m: &CompletionModel, s: &CompletionState) -> bool {
+    let holds = !s.ghost.invariant_broken
         && !s.ghost.unexpected_error
         && s.aggregator.check_invariants().is_ok()
-        && s.ranks.iter().all(|r| r.protocol.check_invariants().is_ok())
+        && s.ranks
+            .iter()
+            .all(|r| r.protocol.check_invariants().is_ok());
+    !m.first(SLOT_CORE_INVARIANTS, !holds)
 }
 
-fn all_emitted(_: &CompletionModel, s: &CompletionState) -> bool {
+fn all_emitted(m: &CompletionModel, s: &CompletionState) -> bool {
+    m.first(SLOT_ALL_EMITTED, every_transfer_emitted(s))
+}
+
+fn duplicate_rejected(m: &CompletionModel, s: &CompletionState) -> bool {
+    m.first(
+        SLOT_DUPLICATE_REJECTED,
+        s.ghost.duplicate_rejected && every_transfer_emitted(s),
+    )
+}
+
+fn every_transfer_emitted(s: &CompletionState) -> bool {
     s.ghost.emitted.iter().flatten().all(|&n| n >= 1)
-}
-
-fn duplicate_rejected(_: &CompletionModel, s: &CompletionState) -> bool {
-    s.ghost.duplicate_rejected
 }
 
 /// Index of a direction in the `[send, recv]` per-request arrays.
@@ -791,10 +843,6 @@ fn dir_name(dir: Direction) -> &'static str {
 }
 
 fn ids(set: Option<&SortedSet<RequestId>>) -> String {
-    let items: Vec<String> = set
-        .into_iter()
-        .flatten()
-        .map(|id| id.to_string())
-        .collect();
+    let items: Vec<String> = set.into_iter().flatten().map(|id| id.to_string()).collect();
     format!("{{{}}}", items.join(","))
 }

@@ -79,7 +79,7 @@ fn percentile(v: &[u64], q: f64) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
-    if q == 0.5 && v.len() % 2 == 0 {
+    if q == 0.5 && v.len().is_multiple_of(2) {
         let m = v.len() / 2;
         return (v[m - 1] as f64 + v[m] as f64) / 2.0;
     }
