@@ -62,7 +62,8 @@ pub struct CompletionConfig {
 
 impl CompletionConfig {
     /// The configuration CI explores exhaustively: W=2, R=2, loads and saves, load failures on,
-    /// compat mode, no faults. Runs in about a second in release on 2 cores.
+    /// compat mode, no faults. 83,592 unique states (198,397 generated), about 0.3 s and 40 MB
+    /// in release on 2 cores.
     pub fn ci() -> Self {
         Self {
             ranks: 2,
@@ -74,8 +75,10 @@ impl CompletionConfig {
         }
     }
 
-    /// A larger configuration: W=3 ranks, R=2 requests, otherwise as [`CompletionConfig::ci`].
-    /// About 1.3 M unique states; a minute or so in release on 2 cores.
+    /// A larger configuration: W=3 ranks (partial quorums of 1 and 2 reports), R=2 requests,
+    /// otherwise as [`CompletionConfig::ci`]. 15.6 M unique states (37.3 M generated), about
+    /// 65–80 s and **5.3 GB** of memory in release on 2 cores (breadth-first search keeps whole
+    /// states on its frontier). Without load failures the same size is 1.2 M states and 6 s.
     pub fn deep() -> Self {
         Self {
             ranks: 3,
