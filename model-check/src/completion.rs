@@ -204,7 +204,8 @@ fn ids_of(mask: u64) -> impl Iterator<Item = RequestId> {
         .map(RequestId)
 }
 
-/// History kept only for the properties ("ghost" state: the system never reads it).
+/// History kept for the properties ("ghost" state: neither the ranks nor the aggregator read
+/// it), plus the environment's fault budget.
 ///
 /// Violations are sticky flags; a state with a flag set has no successors, so a counterexample
 /// ends at the step that broke the property.
@@ -223,7 +224,8 @@ pub struct Ghost {
     load_failed: Vec<bool>,
     /// Some protocol call was rejected.
     protocol_violated: bool,
-    /// Some `check_invariants()` failed between two hooks of a step.
+    /// Some `check_invariants()` failed: a protocol guard's between two hooks of a step, or the
+    /// aggregator's after a call.
     invariant_broken: bool,
     /// The aggregator returned an error other than a strict-mode `DuplicateReport`, or no output
     /// although rank 0 produced one.
@@ -381,6 +383,11 @@ impl fmt::Display for CompletionAction {
 /// other ranks' outputs are stashed with [`Aggregator::salvage`] and counted first at the next
 /// aggregate; the faulty rank's output is dropped and its genuinely new completions in it return
 /// to "finished, not reported", so that rank reports them again in its next step.
+///
+/// **Reduction.** Ranks share nothing until the aggregate, so the ranks run each step in rank
+/// order and transfers finish (and the fault strikes) only on the next rank to run; any other
+/// interleaving reaches the same aggregator inputs (see `actions`). A state that broke a
+/// property has no successors.
 ///
 /// **Finite state space.** There is no step counter: a protocol guard that completed a step
 /// cleanly (phase `Idle`, no violation) is replaced by `WorkerProtocol::new()`. This is sound
@@ -750,6 +757,9 @@ impl Model for CompletionModel {
                         self.reject_step(&mut state, rank);
                     }
                     Ok(None) | Err(_) => state.ghost.unexpected_error = true,
+                }
+                if state.aggregator.check_invariants().is_err() {
+                    state.ghost.invariant_broken = true;
                 }
                 for r in &mut state.ranks {
                     r.output = None;

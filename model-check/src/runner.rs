@@ -74,10 +74,12 @@ pub struct Progress {
 /// Model-checks the completion model of `config` breadth-first on `threads` threads (at least
 /// one), calling `on_progress` about every 200 ms and once when done.
 ///
-/// Breadth-first search makes counterexamples short (shortest up to the depth the checker's
-/// threads had reached when the first violation was found; exactly shortest modulo one level
-/// with `threads == 1`). The run stops at the first violated `always` property, because
-/// stateright overwrites a property's counterexample with every later violation it finds.
+/// Breadth-first search makes counterexamples short: each property reports the first state
+/// found (see [`CompletionModel`]), which with `threads == 1` is a shortest path and with more
+/// threads is at most as deep as the threads had got when it was found. The run stops at the
+/// first violated `always` property (`HasDiscoveries::AnyFailures`); `complete` is then
+/// `false`, and a `sometimes` property without an example only means none was found before
+/// the stop.
 ///
 /// # Panics
 /// If `config` is invalid ([`CompletionConfig::validate`]).

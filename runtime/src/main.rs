@@ -197,6 +197,14 @@ fn run_bench(path: &PathBuf, repeat: usize) -> ExitCode {
 }
 
 fn run_check(config: CompletionConfig, threads: usize) -> ExitCode {
+    if let Err(e) = config.validate() {
+        eprintln!("kvrelay check: invalid configuration: {e}");
+        return ExitCode::from(2);
+    }
+    if threads == 0 {
+        eprintln!("kvrelay check: --threads must be at least 1");
+        return ExitCode::from(2);
+    }
     eprintln!("kvrelay check: {config:?}, {threads} threads");
     let mut last_line_len = 0;
     let mut on_progress = |p: &Progress| {
