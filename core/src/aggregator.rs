@@ -169,6 +169,15 @@ struct Tally {
     touched: Dense<bool>,
 }
 
+/// Counts one report against an id's `remaining` reports (0 = no cycle open: one starts with
+/// `quorum`); returns whether this report closed the cycle, i.e. the id is emitted now.
+#[inline]
+fn tick(remaining: &mut u32, quorum: u32) -> bool {
+    let left = if *remaining == 0 { quorum } else { *remaining } - 1;
+    *remaining = left;
+    left == 0
+}
+
 /// The state of one (direction, id) before a strict-mode call first touched it.
 #[derive(Debug)]
 struct Undo {
@@ -190,6 +199,27 @@ impl Tally {
         }
     }
 
+    /// Counts `rank`'s reports of `ids` (sorted), pushing the ids whose cycle completes to
+    /// `emitted`: compat mode without `undo`, strict mode with it.
+    #[inline]
+    fn count(
+        &mut self,
+        direction: Direction,
+        rank: Rank,
+        ids: &[RequestId],
+        quorum: u32,
+        emitted: &mut Vec<RequestId>,
+        undo: Option<&mut Vec<Undo>>,
+    ) -> Result<(), AggregateError> {
+        match undo {
+            None => {
+                self.count_compat(ids, quorum, emitted);
+                Ok(())
+            }
+            Some(undo) => self.count_strict(direction, rank, ids, quorum, emitted, undo),
+        }
+    }
+
     /// Counts compat-mode reports of `ids` (sorted); pushes the ids whose cycle completes to
     /// `emitted`. This is the hot path: one array update per report.
     #[inline]
@@ -198,10 +228,7 @@ impl Tally {
         self.ensure(max, false);
         let remaining = &mut self.remaining[..];
         for &id in ids {
-            let r = &mut remaining[id.index()];
-            let left = if *r == 0 { quorum } else { *r } - 1;
-            *r = left;
-            if left == 0 {
+            if tick(&mut remaining[id.index()], quorum) {
                 emitted.push(id);
             }
         }
@@ -241,10 +268,7 @@ impl Tally {
                     reporters: self.reporters[i].clone(),
                 });
             }
-            let r = &mut self.remaining[i];
-            let left = if *r == 0 { quorum } else { *r } - 1;
-            *r = left;
-            if left == 0 {
+            if tick(&mut self.remaining[i], quorum) {
                 self.reporters[i].clear();
                 emitted.push(id);
             } else {
@@ -435,64 +459,36 @@ impl<M: WorkerMeta> Aggregator<M> {
         let mut recvd = Vec::with_capacity(largest(|o| &o.finished_recving));
         let mut invalid: Vec<BlockId> = Vec::new();
         let mut kv_events: Option<KvEvents> = None;
-        match self.mode {
-            Mode::Compat => {
-                for (_, o) in sources() {
-                    if o.expected_finished_count > 0 {
-                        quorum = o.expected_finished_count;
-                    }
-                    if let Some(ids) = &o.finished_sending {
-                        self.send.count_compat(ids.as_slice(), quorum, &mut sent);
-                    }
-                    if let Some(ids) = &o.finished_recving {
-                        self.recv.count_compat(ids.as_slice(), quorum, &mut recvd);
-                    }
+        // Strict mode logs what each call first touches, so a duplicate can be rolled back.
+        let mut undo = (self.mode == Mode::Strict).then(Vec::new);
+        let mut counted = || -> Result<(), AggregateError> {
+            for (rank, o) in sources() {
+                if o.expected_finished_count > 0 {
+                    quorum = o.expected_finished_count;
+                }
+                if let Some(ids) = &o.finished_sending {
+                    let (d, t) = (Direction::Send, &mut self.send);
+                    t.count(d, rank, ids.as_slice(), quorum, &mut sent, undo.as_mut())?;
+                }
+                if let Some(ids) = &o.finished_recving {
+                    let (d, t) = (Direction::Recv, &mut self.recv);
+                    t.count(d, rank, ids.as_slice(), quorum, &mut recvd, undo.as_mut())?;
                 }
             }
-            Mode::Strict => {
-                let mut undo = Vec::new();
-                let mut counted = || -> Result<(), AggregateError> {
-                    for (rank, o) in sources() {
-                        if o.expected_finished_count > 0 {
-                            quorum = o.expected_finished_count;
-                        }
-                        if let Some(ids) = &o.finished_sending {
-                            self.send.count_strict(
-                                Direction::Send,
-                                rank,
-                                ids.as_slice(),
-                                quorum,
-                                &mut sent,
-                                &mut undo,
-                            )?;
-                        }
-                        if let Some(ids) = &o.finished_recving {
-                            self.recv.count_strict(
-                                Direction::Recv,
-                                rank,
-                                ids.as_slice(),
-                                quorum,
-                                &mut recvd,
-                                &mut undo,
-                            )?;
-                        }
-                    }
-                    Ok(())
-                };
-                let result = counted();
-                for u in undo {
-                    let tally = match u.direction {
-                        Direction::Send => &mut self.send,
-                        Direction::Recv => &mut self.recv,
-                    };
-                    tally.untouch(u.id);
-                    if result.is_err() {
-                        tally.restore(u);
-                    }
-                }
-                result?;
+            Ok(())
+        };
+        let result = counted();
+        for u in undo.into_iter().flatten() {
+            let tally = match u.direction {
+                Direction::Send => &mut self.send,
+                Direction::Recv => &mut self.recv,
+            };
+            tally.untouch(u.id);
+            if result.is_err() {
+                tally.restore(u);
             }
         }
+        result?;
 
         // Nothing below can fail: commit.
         self.quorum = quorum;
