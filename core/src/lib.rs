@@ -13,6 +13,14 @@
 //! | [`WorkerMeta`] / [`Meta`] | `KVConnectorWorkerMetadata.aggregate` | §4.3–§4.4, I-25, I-31 |
 //! | [`EventAccumulator`] | the scheduler connector's `KVConnectorKVEvents` | §4.5 |
 //! | [`WorkerProtocol`] | the order of one rank's connector calls per step | §2.4, I-1…I-6 |
+//! | [`Scheduler`] + [`BlockPool`] | vLLM's `Scheduler` and `BlockPool`, as connectors see them | §1.2, §2.2–§2.3, §2.7–§2.9, §6.1, I-14…I-20, I-33…I-37 |
+//!
+//! # The connector contract
+//!
+//! [`SchedulerConnector`] and [`WorkerConnector`] are the two roles of a connector. The scheduler
+//! lends a connector a read-only [`SchedulerView`] for each call and applies the [`Intent`]s the
+//! connector returns; [`GuardedWorker`] puts the worker side behind the step protocol.
+//! [`ScriptedConnector`] answers from a table set by tests; [`NoopConnector`] does nothing.
 //!
 //! # Ids
 //!
@@ -38,18 +46,34 @@
 extern crate alloc;
 
 mod aggregator;
+mod block_pool;
+mod connector;
 mod events;
 mod ids;
 mod meta;
 mod output;
 mod protocol;
+mod scheduler;
+mod scripted;
 
 pub use aggregator::{AggregateError, Aggregator, Direction};
+pub use block_pool::{BlockHash, BlockPool, NULL_BLOCK, Token, hash_block};
+pub use connector::{
+    FinishDecision, GuardedWorker, Intent, Lookup, NoopConnector, Params, SchedulerConnector,
+    Transfer, TransferCommand, TransferDirection, TransferDone, TransferResults, WorkerConnector,
+};
 pub use events::{EventAccumulator, KvEvent, KvEvents};
 pub use ids::{BlockId, Interner, JobId, Rank, RequestId, StepId};
 pub use meta::{Meta, MetaMismatch, OffloadMeta, WorkerMeta, build_multi, merge};
 pub use output::{AggregatedOutput, SortedSet, WorkerOutput};
 pub use protocol::{ProtocolViolation, StepShape, WorkerCall, WorkerPhase, WorkerProtocol};
+pub use scheduler::{
+    CachedRequestData, Completion, FinishReason, GroupKind, LoadFailurePolicy, ModelOutput,
+    NewRequestData, RequestOutput, RequestSpec, RequestStatus, RequestView, ScheduledStep,
+    Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput, SchedulerView, StepResult,
+    fake_token,
+};
+pub use scripted::{ConnectorCall, ScriptedConnector, ScriptedLoad, ScriptedMeta};
 
 use alloc::string::String;
 

@@ -1,0 +1,384 @@
+//! The GPU block pool with prefix caching (vLLM's `BlockPool`, SEMANTICS.md §1.2, I-20).
+//!
+//! One pool serves every KV cache group (vLLM's hybrid allocator shares one pool between groups
+//! of equal page size). Block `0` is the *null block*: it stands for a block a sliding-window
+//! group no longer needs and is never allocated, freed or cached.
+//!
+//! * Every block has a reference count: the number of owners (requests holding it in a block
+//!   table, plus connector pins, see [`crate::Intent`]).
+//! * A block whose count drops to 0 goes to the tail of the *free queue* but keeps its prefix-cache
+//!   hash: it is still a cache hit until it is reused. New blocks are taken from the head, so the
+//!   least recently freed cached block is evicted first (LRU). A request's blocks are freed tail
+//!   first, so that a prefix outlives its suffix.
+//! * A cache hit on a free block ([`BlockPool::touch`]) takes it out of the free queue.
+//!
+//! The free queue is an intrusive doubly linked list over block indices, so touching, freeing and
+//! allocating are O(1) and the state stays plain data (it derives `Hash` for the model checker).
+
+use alloc::collections::BTreeMap;
+use alloc::vec::Vec;
+
+use crate::ids::BlockId;
+
+/// The hash of a full block of tokens, chained over the prefix (vLLM's `BlockHash`).
+#[derive(
+    Clone, Copy, Debug, Eq, Hash, Ord, PartialEq, PartialOrd, serde::Serialize, serde::Deserialize,
+)]
+#[serde(transparent)]
+pub struct BlockHash(pub u64);
+
+/// A token id.
+pub type Token = u32;
+
+/// The hash of one full block given the hash of the block before it: FNV-1a over the parent
+/// hash and the tokens. Deterministic on every platform (no `RandomState`).
+pub fn hash_block(parent: Option<BlockHash>, tokens: &[Token]) -> BlockHash {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut h = OFFSET;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(PRIME);
+        }
+    };
+    match parent {
+        Some(p) => eat(&p.0.to_le_bytes()),
+        None => eat(&[0xff]),
+    }
+    for t in tokens {
+        eat(&t.to_le_bytes());
+    }
+    BlockHash(h)
+}
+
+/// The null block's id.
+pub const NULL_BLOCK: BlockId = BlockId(0);
+
+/// A prefix-cache key: a block hash within one KV cache group.
+type CacheKey = (BlockHash, u8);
+
+const NIL: u32 = u32::MAX;
+
+/// The GPU block pool. See the module docs.
+#[derive(Clone, Debug, Eq, Hash, PartialEq)]
+pub struct BlockPool {
+    ref_cnt: Vec<u32>,
+    hash: Vec<Option<CacheKey>>,
+    /// Free-queue links; `NIL` ends the list. A block is in the queue iff its count is 0
+    /// (and it is not the null block).
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    head: u32,
+    tail: u32,
+    num_free: u32,
+    /// Hash → the blocks carrying it, in insertion order; the first one is the hit.
+    cached: BTreeMap<CacheKey, Vec<BlockId>>,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` blocks, the null block included; all others free, in id order.
+    pub fn new(num_blocks: u32) -> Self {
+        let n = num_blocks as usize;
+        let mut pool = Self {
+            ref_cnt: alloc::vec![0; n],
+            hash: alloc::vec![None; n],
+            prev: alloc::vec![NIL; n],
+            next: alloc::vec![NIL; n],
+            head: NIL,
+            tail: NIL,
+            num_free: 0,
+            cached: BTreeMap::new(),
+        };
+        for b in 1..num_blocks {
+            pool.push_back(b);
+        }
+        pool
+    }
+
+    /// Number of blocks, the null block included.
+    pub fn num_blocks(&self) -> u32 {
+        self.ref_cnt.len() as u32
+    }
+
+    /// Blocks that can be handed out now (free, cached or not).
+    pub fn num_free(&self) -> u32 {
+        self.num_free
+    }
+
+    /// Whether `b` names a block of this pool.
+    pub fn contains(&self, b: BlockId) -> bool {
+        b.0 < self.ref_cnt.len() as u64
+    }
+
+    /// Owners of `b` (0 for a free block). `b` must be in range.
+    pub fn ref_cnt(&self, b: BlockId) -> u32 {
+        self.ref_cnt[b.0 as usize]
+    }
+
+    /// The prefix-cache key of `b`, if it is cached.
+    pub fn cached_hash(&self, b: BlockId) -> Option<(BlockHash, u8)> {
+        self.hash[b.0 as usize]
+    }
+
+    /// The cached block for `hash` in `group`, if any.
+    pub fn get_cached(&self, hash: BlockHash, group: u8) -> Option<BlockId> {
+        self.cached
+            .get(&(hash, group))
+            .and_then(|v| v.first().copied())
+    }
+
+    /// Take one more reference on each block (a prefix-cache hit, or a connector pin). A free
+    /// block leaves the free queue. Null blocks are skipped.
+    pub fn touch(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
+        for b in blocks {
+            if b == NULL_BLOCK {
+                continue;
+            }
+            let i = b.0 as u32;
+            if self.ref_cnt[i as usize] == 0 {
+                self.unlink(i);
+            }
+            self.ref_cnt[i as usize] += 1;
+        }
+    }
+
+    /// Hand out `n` blocks from the head of the free queue, evicting their cached hashes.
+    /// Returns `None` (and changes nothing) when fewer than `n` are free.
+    pub fn get_new_blocks(&mut self, n: u32) -> Option<Vec<BlockId>> {
+        if n > self.num_free {
+            return None;
+        }
+        let mut out = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            let i = self.head;
+            self.unlink(i);
+            self.evict_hash(i);
+            self.ref_cnt[i as usize] = 1;
+            out.push(BlockId(u64::from(i)));
+        }
+        Some(out)
+    }
+
+    /// Drop one reference on each block, in the given order; blocks reaching 0 join the tail of
+    /// the free queue in that order. Null blocks are skipped.
+    ///
+    /// Panics if a block's count is already 0: the caller freed a block it did not own, a bug in
+    /// the scheduler (owners are tracked exactly, I-15).
+    pub fn free_blocks(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
+        for b in blocks {
+            if b == NULL_BLOCK {
+                continue;
+            }
+            let i = b.0 as u32;
+            let rc = &mut self.ref_cnt[i as usize];
+            assert!(*rc > 0, "block {i} freed with no owner");
+            *rc -= 1;
+            if *rc == 0 {
+                self.push_back(i);
+            }
+        }
+    }
+
+    /// Give `b` the prefix-cache key `(hash, group)` (vLLM's `cache_full_blocks` for one block).
+    /// A block that already carries a key keeps it.
+    pub fn cache_block(&mut self, b: BlockId, hash: BlockHash, group: u8) {
+        if b == NULL_BLOCK || self.hash[b.0 as usize].is_some() {
+            return;
+        }
+        self.hash[b.0 as usize] = Some((hash, group));
+        self.cached.entry((hash, group)).or_default().push(b);
+    }
+
+    /// Remove the cache keys of these blocks (vLLM's `evict_blocks`, used by the `fail` load
+    /// failure policy, I-35). Owners keep the blocks.
+    pub fn evict_blocks(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
+        for b in blocks {
+            if self.contains(b) && b != NULL_BLOCK {
+                self.evict_hash(b.0 as u32);
+            }
+        }
+    }
+
+    /// The free queue, head (next to be evicted) first. For tests and conformance output.
+    pub fn free_queue(&self) -> Vec<BlockId> {
+        let mut out = Vec::with_capacity(self.num_free as usize);
+        let mut i = self.head;
+        while i != NIL {
+            out.push(BlockId(u64::from(i)));
+            i = self.next[i as usize];
+        }
+        out
+    }
+
+    /// Number of blocks that carry a prefix-cache key.
+    pub fn num_cached(&self) -> usize {
+        self.cached.values().map(Vec::len).sum()
+    }
+
+    fn evict_hash(&mut self, i: u32) {
+        if let Some(key) = self.hash[i as usize].take() {
+            let b = BlockId(u64::from(i));
+            if let Some(v) = self.cached.get_mut(&key) {
+                v.retain(|&x| x != b);
+                if v.is_empty() {
+                    self.cached.remove(&key);
+                }
+            }
+        }
+    }
+
+    fn push_back(&mut self, i: u32) {
+        self.prev[i as usize] = self.tail;
+        self.next[i as usize] = NIL;
+        if self.tail == NIL {
+            self.head = i;
+        } else {
+            self.next[self.tail as usize] = i;
+        }
+        self.tail = i;
+        self.num_free += 1;
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let (p, n) = (self.prev[i as usize], self.next[i as usize]);
+        if p == NIL {
+            self.head = n;
+        } else {
+            self.next[p as usize] = n;
+        }
+        if n == NIL {
+            self.tail = p;
+        } else {
+            self.prev[n as usize] = p;
+        }
+        self.prev[i as usize] = NIL;
+        self.next[i as usize] = NIL;
+        self.num_free -= 1;
+    }
+
+    /// The pool's own invariants: the free queue holds exactly the blocks with count 0 (the null
+    /// block excluded), once each; the cache map and the per-block keys agree (I-20's "free
+    /// blocks are never owned").
+    pub fn check_invariants(&self) -> Result<(), crate::InvariantViolation> {
+        use crate::ensure_invariant;
+        let n = self.ref_cnt.len();
+        let mut seen = alloc::vec![false; n];
+        let mut count = 0u32;
+        let mut i = self.head;
+        let mut prev = NIL;
+        while i != NIL {
+            ensure_invariant!(
+                (i as usize) < n && i != 0,
+                "I-20",
+                "free queue holds block {i}"
+            );
+            ensure_invariant!(
+                !seen[i as usize],
+                "I-20",
+                "block {i} twice in the free queue"
+            );
+            ensure_invariant!(
+                self.prev[i as usize] == prev,
+                "I-20",
+                "free queue links broken at block {i}"
+            );
+            seen[i as usize] = true;
+            ensure_invariant!(
+                self.ref_cnt[i as usize] == 0,
+                "I-20",
+                "block {i} is in the free queue with {} owners",
+                self.ref_cnt[i as usize]
+            );
+            count += 1;
+            prev = i;
+            i = self.next[i as usize];
+        }
+        ensure_invariant!(self.tail == prev, "I-20", "free queue tail is stale");
+        ensure_invariant!(
+            count == self.num_free,
+            "I-20",
+            "free count {} but {count} blocks queued",
+            self.num_free
+        );
+        for (b, &rc) in self.ref_cnt.iter().enumerate().skip(1) {
+            ensure_invariant!(
+                rc > 0 || seen[b],
+                "I-20",
+                "block {b} has no owner but is not in the free queue"
+            );
+        }
+        for (key, blocks) in &self.cached {
+            ensure_invariant!(!blocks.is_empty(), "I-20", "empty cache entry");
+            for b in blocks {
+                ensure_invariant!(
+                    self.hash[b.0 as usize] == Some(*key),
+                    "I-20",
+                    "cache map and block {} disagree",
+                    b.0
+                );
+            }
+        }
+        let keyed = self.hash.iter().filter(|h| h.is_some()).count();
+        ensure_invariant!(
+            keyed == self.num_cached(),
+            "I-20",
+            "{keyed} blocks carry a key but the map holds {}",
+            self.num_cached()
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lru_eviction_prefers_least_recently_freed() {
+        let mut pool = BlockPool::new(5);
+        assert_eq!(pool.num_free(), 4);
+        let a = pool.get_new_blocks(2).unwrap();
+        assert_eq!(a, [BlockId(1), BlockId(2)]);
+        pool.cache_block(a[0], BlockHash(10), 0);
+        pool.cache_block(a[1], BlockHash(11), 0);
+        // Freed tail first: 2 then 1 join the queue after 3, 4.
+        pool.free_blocks(a.iter().rev().copied());
+        assert_eq!(
+            pool.free_queue(),
+            [BlockId(3), BlockId(4), BlockId(2), BlockId(1)]
+        );
+        assert_eq!(pool.get_cached(BlockHash(10), 0), Some(BlockId(1)));
+        // A hit takes block 1 out of the free queue.
+        pool.touch([BlockId(1)]);
+        assert_eq!(pool.num_free(), 3);
+        // Taking 3 blocks evicts block 2's hash, not block 1's.
+        let b = pool.get_new_blocks(3).unwrap();
+        assert_eq!(b, [BlockId(3), BlockId(4), BlockId(2)]);
+        assert_eq!(pool.get_cached(BlockHash(11), 0), None);
+        assert_eq!(pool.get_cached(BlockHash(10), 0), Some(BlockId(1)));
+        assert!(pool.get_new_blocks(1).is_none());
+        pool.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn duplicate_hashes_keep_the_first_block_as_the_hit() {
+        let mut pool = BlockPool::new(4);
+        let a = pool.get_new_blocks(2).unwrap();
+        pool.cache_block(a[0], BlockHash(7), 0);
+        pool.cache_block(a[1], BlockHash(7), 0);
+        assert_eq!(pool.get_cached(BlockHash(7), 0), Some(a[0]));
+        pool.evict_blocks([a[0]]);
+        assert_eq!(pool.get_cached(BlockHash(7), 0), Some(a[1]));
+        assert_eq!(pool.get_cached(BlockHash(7), 1), None);
+        pool.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn hash_chain_depends_on_parent_and_tokens() {
+        let a = hash_block(None, &[1, 2]);
+        assert_eq!(a, hash_block(None, &[1, 2]));
+        assert_ne!(a, hash_block(None, &[2, 1]));
+        assert_ne!(hash_block(Some(a), &[3]), hash_block(None, &[3]));
+    }
+}
