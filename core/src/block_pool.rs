@@ -64,7 +64,8 @@ const NIL: u32 = u32::MAX;
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 pub struct BlockPool {
     ref_cnt: Vec<u32>,
-    hash: Vec<Option<CacheKey>>,
+    /// The block's cache key and its insertion number.
+    hash: Vec<Option<(CacheKey, u64)>>,
     /// Free-queue links; `NIL` ends the list. A block is in the queue iff its count is 0
     /// (and it is not the null block).
     prev: Vec<u32>,
@@ -72,8 +73,11 @@ pub struct BlockPool {
     head: u32,
     tail: u32,
     num_free: u32,
-    /// Hash → the blocks carrying it, in insertion order; the first one is the hit.
-    cached: BTreeMap<CacheKey, Vec<BlockId>>,
+    /// (hash, group, insertion number) → block. Several blocks may carry one key (vLLM keeps
+    /// them all); the hit is the earliest inserted. One flat map, so caching a block allocates
+    /// nothing beyond the tree node.
+    cached: BTreeMap<(BlockHash, u8, u64), BlockId>,
+    inserted: u64,
 }
 
 impl BlockPool {
@@ -89,6 +93,7 @@ impl BlockPool {
             tail: NIL,
             num_free: 0,
             cached: BTreeMap::new(),
+            inserted: 0,
         };
         for b in 1..num_blocks {
             pool.push_back(b);
@@ -118,14 +123,15 @@ impl BlockPool {
 
     /// The prefix-cache key of `b`, if it is cached.
     pub fn cached_hash(&self, b: BlockId) -> Option<(BlockHash, u8)> {
-        self.hash[b.0 as usize]
+        self.hash[b.0 as usize].map(|(k, _)| k)
     }
 
     /// The cached block for `hash` in `group`, if any.
     pub fn get_cached(&self, hash: BlockHash, group: u8) -> Option<BlockId> {
         self.cached
-            .get(&(hash, group))
-            .and_then(|v| v.first().copied())
+            .range((hash, group, 0)..=(hash, group, u64::MAX))
+            .next()
+            .map(|(_, &b)| b)
     }
 
     /// Take one more reference on each block (a prefix-cache hit, or a connector pin). A free
@@ -186,8 +192,10 @@ impl BlockPool {
         if b == NULL_BLOCK || self.hash[b.0 as usize].is_some() {
             return;
         }
-        self.hash[b.0 as usize] = Some((hash, group));
-        self.cached.entry((hash, group)).or_default().push(b);
+        let n = self.inserted;
+        self.inserted += 1;
+        self.hash[b.0 as usize] = Some(((hash, group), n));
+        self.cached.insert((hash, group, n), b);
     }
 
     /// Remove the cache keys of these blocks (vLLM's `evict_blocks`, used by the `fail` load
@@ -213,18 +221,12 @@ impl BlockPool {
 
     /// Number of blocks that carry a prefix-cache key.
     pub fn num_cached(&self) -> usize {
-        self.cached.values().map(Vec::len).sum()
+        self.cached.len()
     }
 
     fn evict_hash(&mut self, i: u32) {
-        if let Some(key) = self.hash[i as usize].take() {
-            let b = BlockId(u64::from(i));
-            if let Some(v) = self.cached.get_mut(&key) {
-                v.retain(|&x| x != b);
-                if v.is_empty() {
-                    self.cached.remove(&key);
-                }
-            }
+        if let Some(((h, g), n)) = self.hash[i as usize].take() {
+            self.cached.remove(&(h, g, n));
         }
     }
 
@@ -308,16 +310,13 @@ impl BlockPool {
                 "block {b} has no owner but is not in the free queue"
             );
         }
-        for (key, blocks) in &self.cached {
-            ensure_invariant!(!blocks.is_empty(), "I-20", "empty cache entry");
-            for b in blocks {
-                ensure_invariant!(
-                    self.hash[b.0 as usize] == Some(*key),
-                    "I-20",
-                    "cache map and block {} disagree",
-                    b.0
-                );
-            }
+        for (&(h, g, n), b) in &self.cached {
+            ensure_invariant!(
+                self.hash[b.0 as usize] == Some(((h, g), n)),
+                "I-20",
+                "cache map and block {} disagree",
+                b.0
+            );
         }
         let keyed = self.hash.iter().filter(|h| h.is_some()).count();
         ensure_invariant!(

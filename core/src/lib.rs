@@ -68,10 +68,10 @@ pub use meta::{Meta, MetaMismatch, OffloadMeta, WorkerMeta, build_multi, merge};
 pub use output::{AggregatedOutput, SortedSet, WorkerOutput};
 pub use protocol::{ProtocolViolation, StepShape, WorkerCall, WorkerPhase, WorkerProtocol};
 pub use scheduler::{
-    CachedRequestData, Completion, FinishReason, GroupKind, LoadFailurePolicy, ModelOutput,
-    NewRequestData, RequestOutput, RequestSpec, RequestStatus, RequestView, ScheduledStep,
-    Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput, SchedulerView, StepResult,
-    fake_token,
+    CachedRequestData, Completion, FinishReason, GroupKind, LoadFailurePolicy, MAX_REQUEST_ID,
+    ModelOutput, NewRequestData, RequestOutput, RequestSpec, RequestStatus, RequestView,
+    ScheduledStep, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput, SchedulerView,
+    StepResult, fake_token,
 };
 pub use scripted::{ConnectorCall, ScriptedConnector, ScriptedLoad, ScriptedMeta};
 

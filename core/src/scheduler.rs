@@ -542,13 +542,75 @@ struct InFlightStep {
     scheduled: Vec<ScheduledEntry>,
 }
 
+/// The requests the scheduler holds, indexed densely by [`RequestId`] (ids come from an
+/// [`crate::Interner`], which keeps them dense): lookups on the hot path are array indexing, not
+/// tree walks. Ids at or above [`MAX_REQUEST_ID`] are rejected at `add_request`. Trailing empty
+/// slots are trimmed so that equal contents compare (and hash) equal.
+#[derive(Clone, Debug, Default, Eq, Hash, PartialEq)]
+struct RequestTable {
+    slots: Vec<Option<Request>>,
+    len: usize,
+}
+
+/// Request ids must be below this (about a million live requests).
+pub const MAX_REQUEST_ID: u32 = 1 << 20;
+
+impl RequestTable {
+    fn get(&self, id: &RequestId) -> Option<&Request> {
+        self.slots.get(id.index()).and_then(Option::as_ref)
+    }
+    fn get_mut(&mut self, id: &RequestId) -> Option<&mut Request> {
+        self.slots.get_mut(id.index()).and_then(Option::as_mut)
+    }
+    fn contains_key(&self, id: &RequestId) -> bool {
+        self.get(id).is_some()
+    }
+    fn insert(&mut self, id: RequestId, r: Request) {
+        let i = id.index();
+        if self.slots.len() <= i {
+            self.slots.resize_with(i + 1, || None);
+        }
+        if self.slots[i].replace(r).is_none() {
+            self.len += 1;
+        }
+    }
+    fn remove(&mut self, id: &RequestId) -> Option<Request> {
+        let r = self.slots.get_mut(id.index()).and_then(Option::take);
+        if r.is_some() {
+            self.len -= 1;
+            while matches!(self.slots.last(), Some(None)) {
+                self.slots.pop();
+            }
+        }
+        r
+    }
+    fn values(&self) -> impl Iterator<Item = &Request> {
+        self.slots.iter().flatten()
+    }
+    fn keys(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.values().map(|r| r.id)
+    }
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl core::ops::Index<&RequestId> for RequestTable {
+    type Output = Request;
+    /// Panics on an id the table does not hold: callers index only ids they know are held (queued
+    /// or scheduled requests), so a miss is a bookkeeping bug.
+    fn index(&self, id: &RequestId) -> &Request {
+        self.get(id).expect("request held by the scheduler")
+    }
+}
+
 /// Everything the scheduler owns except the connector (so that the connector can be called with
 /// a view of it).
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 struct State {
     config: SchedulerConfig,
     pool: BlockPool,
-    requests: BTreeMap<RequestId, Request>,
+    requests: RequestTable,
     waiting: VecDeque<RequestId>,
     kv_holding_waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
@@ -810,11 +872,8 @@ impl State {
     ) -> Option<Vec<Vec<BlockId>>> {
         let bs = self.bs();
         let ngroups = self.config.groups.len();
-        let empty: Vec<Vec<BlockId>> = alloc::vec![Vec::new(); ngroups];
-        let (hit_blocks, hit_tokens) = match hit {
-            Some((b, t)) => (b, *t),
-            None => (&empty, 0),
-        };
+        let hit_tokens = hit.map_or(0, |h| h.1);
+        let hit_of = |g: usize| -> &[BlockId] { hit.map_or(&[], |h| h.0[g].as_slice()) };
         let r = &self.requests[&id];
         let local = r.num_computed_tokens + hit_tokens;
         let total_computed = (local + ext).min(self.config.max_model_len);
@@ -831,9 +890,14 @@ impl State {
         self.remove_skipped_blocks(id, processed);
         let r = &self.requests[&id];
         let mut needed = 0;
-        for (g, hit) in hit_blocks.iter().enumerate() {
-            needed +=
-                self.blocks_to_allocate(g, r.blocks[g].len() as u32, hit, need_slot, local + ext);
+        for g in 0..ngroups {
+            needed += self.blocks_to_allocate(
+                g,
+                r.blocks[g].len() as u32,
+                hit_of(g),
+                need_slot,
+                local + ext,
+            );
         }
         let available = self.pool.num_free().saturating_sub(reserved);
         if needed + watermark > available || needed + watermark + reserved > self.pool.num_free() {
@@ -842,7 +906,8 @@ impl State {
         let r = self.requests.get_mut(&id).expect("checked above");
         // Adopt the hit, then blocks for the external tokens (nulls below a window).
         if hit_tokens > 0 || ext > 0 {
-            for (g, hit) in hit_blocks.iter().enumerate() {
+            for g in 0..ngroups {
+                let hit = hit_of(g);
                 self.pool.touch(hit.iter().copied());
                 r.blocks[g].extend_from_slice(hit);
                 r.num_cached_blocks[g] = r.blocks[g].len() as u32;
@@ -963,7 +1028,7 @@ impl<C: SchedulerConnector> Scheduler<C> {
             state: State {
                 config,
                 pool,
-                requests: BTreeMap::new(),
+                requests: RequestTable::default(),
                 waiting: VecDeque::new(),
                 kv_holding_waiting: VecDeque::new(),
                 running: Vec::new(),
@@ -1039,7 +1104,7 @@ impl<C: SchedulerConnector> Scheduler<C> {
 
     /// Ids of every request the scheduler holds, in id order.
     pub fn request_ids(&self) -> impl Iterator<Item = RequestId> + '_ {
-        self.state.requests.keys().copied()
+        self.state.requests.keys()
     }
 
     fn check_broken(&self) -> Result<(), SchedulerError> {
@@ -1110,6 +1175,12 @@ impl<C: SchedulerConnector> Scheduler<C> {
         let id = spec.id;
         if self.state.requests.contains_key(&id) {
             return Err(SchedulerError::DuplicateRequest(id));
+        }
+        if id.0 >= MAX_REQUEST_ID {
+            return Err(SchedulerError::BadRequest {
+                id,
+                why: format!("request ids must be below {MAX_REQUEST_ID} (intern them densely)"),
+            });
         }
         let bad = |why: &str| {
             Err(SchedulerError::BadRequest {
@@ -1628,9 +1699,12 @@ impl<C: SchedulerConnector> Scheduler<C> {
             });
         }
         let front = front.expect("checked");
-        let mut seen = BTreeSet::new();
-        for (id, _) in &output.sampled {
-            if !seen.insert(*id) || !front.scheduled.iter().any(|e| e.id == *id) {
+        let mut scheduled: Vec<RequestId> = front.scheduled.iter().map(|e| e.id).collect();
+        scheduled.sort_unstable();
+        let mut sampled: Vec<RequestId> = output.sampled.iter().map(|(id, _)| *id).collect();
+        sampled.sort_unstable();
+        for (i, id) in sampled.iter().enumerate() {
+            if (i > 0 && sampled[i - 1] == *id) || scheduled.binary_search(id).is_err() {
                 return Err(SchedulerError::NotScheduled { step, id: *id });
             }
         }
@@ -1690,9 +1764,18 @@ impl<C: SchedulerConnector> Scheduler<C> {
 
         // 4. Per scheduled request.
         let mut result = StepResult::default();
-        let mut sampled: BTreeMap<RequestId, Vec<Token>> = output.sampled.into_iter().collect();
+        // Outputs usually come in scheduling order: take them by position, look up otherwise.
+        let mut sampled: Vec<(RequestId, Vec<Token>)> = output.sampled;
+        let in_order = sampled.len() == record.scheduled.len()
+            && sampled
+                .iter()
+                .zip(&record.scheduled)
+                .all(|((a, _), e)| *a == e.id);
+        if !in_order {
+            sampled.sort_unstable_by_key(|(id, _)| *id);
+        }
         let mut stopped: Vec<RequestId> = Vec::new();
-        for e in &record.scheduled {
+        for (pos, e) in record.scheduled.iter().enumerate() {
             let st = &mut self.state;
             let mut stale = false;
             if let Some(r) = st.requests.get_mut(&e.id) {
@@ -1711,18 +1794,25 @@ impl<C: SchedulerConnector> Scheduler<C> {
             if r.status.is_finished() || (stale && r.drop_stale_output) {
                 continue;
             }
-            let tokens = sampled.remove(&e.id).unwrap_or_default();
+            let tokens = if in_order {
+                core::mem::take(&mut sampled[pos].1)
+            } else {
+                match sampled.binary_search_by_key(&e.id, |(id, _)| *id) {
+                    Ok(i) => core::mem::take(&mut sampled[i].1),
+                    Err(_) => Vec::new(),
+                }
+            };
             if tokens.is_empty() {
                 continue;
             }
             let was_running = r.status == RequestStatus::Running;
             let had_placeholders = r.num_output_placeholders > 0;
             let n_tokens = tokens.len() as u32;
-            let mut kept = Vec::with_capacity(tokens.len());
+            let mut kept = tokens;
             let mut finish = None;
-            for (i, t) in tokens.into_iter().enumerate() {
+            for i in 0..kept.len() {
+                let t = kept[i];
                 r.append_token(t, st.config.block_size);
-                kept.push(t);
                 let reason = if Some(t) == r.stop_token {
                     Some(FinishReason::Stopped)
                 } else if r.num_tokens() >= st.config.max_model_len
@@ -1737,6 +1827,7 @@ impl<C: SchedulerConnector> Scheduler<C> {
                         r.num_computed_tokens -= n_tokens - (i as u32 + 1);
                     }
                     finish = Some(reason);
+                    kept.truncate(i + 1);
                     break;
                 }
             }
