@@ -214,3 +214,412 @@ fn bad_inputs_are_typed_errors() {
     check(&s);
     let _ = (Mode::Strict, LoadFailurePolicy::Recompute);
 }
+
+fn spec_with(id: u32, prompt: Vec<u32>, max_tokens: u32) -> RequestSpec {
+    RequestSpec {
+        id: rid(id),
+        prompt,
+        max_tokens,
+        stop_token: None,
+        kv_transfer_params: None,
+    }
+}
+
+fn computed(s: &Scheduler<ScriptedConnector>, id: u32) -> u32 {
+    s.view().request(rid(id)).unwrap().num_computed_tokens()
+}
+
+fn schedule(s: &mut Scheduler<ScriptedConnector>) -> kvrelay_core::SchedulerOutput {
+    let out = s.schedule().unwrap().output;
+    check(s);
+    out
+}
+
+fn apply(
+    s: &mut Scheduler<ScriptedConnector>,
+    step: StepId,
+    kv: Option<AggregatedOutput>,
+) -> kvrelay_core::StepResult {
+    let sampled = s.fake_sample(step);
+    let r = s
+        .update_from_output(
+            step,
+            ModelOutput {
+                sampled,
+                kv_connector_output: kv,
+            },
+        )
+        .unwrap();
+    check(s);
+    r
+}
+
+/// §6.1: the last running request is preempted when blocks run out; its id is in the same step's
+/// `preempted_req_ids`, its blocks are freed, and it is looked up again on re-admission.
+#[test]
+fn preemption_frees_blocks_and_relooks_up_on_readmission() {
+    let mut s = sched(SchedulerConfig {
+        block_size: 4,
+        num_gpu_blocks: 9, // 8 usable
+        ..SchedulerConfig::default()
+    });
+    s.add_request(spec(1, 12, 20)).unwrap();
+    s.add_request(spec(2, 12, 20)).unwrap();
+    let mut preempted = None;
+    for _ in 0..20 {
+        let (out, _) = step(&mut s, None);
+        if !out.preempted_req_ids.is_empty() {
+            preempted = Some(out);
+            break;
+        }
+    }
+    let out = preempted.expect("the pool runs out");
+    assert_eq!(out.preempted_req_ids.as_slice(), &[rid(2)]);
+    assert_eq!(s.status(rid(2)), Some(RequestStatus::Preempted));
+    assert_eq!(computed(&s, 2), 0);
+    assert!(s.view().request(rid(2)).unwrap().block_ids(0).is_empty());
+    // No request_finished for a preemption.
+    let calls = s.connector_mut().take_calls();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| matches!(c, ConnectorCall::RequestFinished { .. }))
+    );
+    // Once request 1 finishes, request 2 is re-admitted with a new lookup.
+    for _ in 0..40 {
+        step(&mut s, None);
+        if s.status(rid(2)) == Some(RequestStatus::Running) {
+            break;
+        }
+    }
+    assert_eq!(s.status(rid(2)), Some(RequestStatus::Running));
+    let calls = s.connector_mut().take_calls();
+    assert!(calls.iter().any(|c| matches!(
+        c,
+        ConnectorCall::GetNumNewMatchedTokens { id, .. } if *id == rid(2)
+    )));
+}
+
+/// §2.3 step 1: `has_pending_block_frees() == true` suppresses preemption.
+#[test]
+fn pending_block_frees_veto_preemption() {
+    let mut s = sched(SchedulerConfig {
+        block_size: 4,
+        num_gpu_blocks: 9,
+        ..SchedulerConfig::default()
+    });
+    s.connector_mut().set_pending_block_frees(true);
+    s.add_request(spec(1, 12, 20)).unwrap();
+    s.add_request(spec(2, 12, 20)).unwrap();
+    for _ in 0..20 {
+        let (out, _) = step(&mut s, None);
+        assert!(out.preempted_req_ids.is_empty());
+    }
+    assert_eq!(s.status(rid(2)), Some(RequestStatus::Running));
+}
+
+/// I-15 and §2.9: a delayed free keeps the request and its blocks until the aggregated
+/// `finished_sending`; its id reaches the workers in the next step's `finished_req_ids`.
+#[test]
+fn delayed_free_holds_blocks_until_finished_sending() {
+    let mut s = sched(SchedulerConfig::default());
+    s.connector_mut().set_delay_free(rid(1), true);
+    s.add_request(spec(1, 20, 1)).unwrap();
+    let free0 = s.block_pool().num_free();
+    let (_, res) = step(&mut s, None);
+    assert_eq!(res.outputs[0].finish, Some(FinishReason::LengthCapped));
+    assert_eq!(s.status(rid(1)), Some(RequestStatus::FinishedLengthCapped));
+    assert!(s.has_requests());
+    assert!(s.block_pool().num_free() < free0);
+    let out = schedule(&mut s);
+    assert_eq!(out.finished_req_ids.as_slice(), &[rid(1)]);
+    apply(&mut s, out.step, Some(send(&[1])));
+    assert_eq!(s.status(rid(1)), None);
+    assert_eq!(s.block_pool().num_free(), free0);
+    assert!(!s.has_requests());
+}
+
+/// I-17 (PR #32255): an abort while loading keeps the blocks until `finished_recving`; an
+/// abort after the load was reported frees at once.
+#[test]
+fn abort_while_loading_holds_blocks_until_the_load_reports() {
+    let mut s = sched(SchedulerConfig::default());
+    let free0 = s.block_pool().num_free();
+    for id in [1, 2] {
+        s.connector_mut().set_lookup(
+            rid(id),
+            Lookup::Hit {
+                tokens: 32,
+                load_async: true,
+            },
+        );
+        s.add_request(spec(id, 40, 4)).unwrap();
+    }
+    step(&mut s, None);
+    assert!(s.abort(rid(1)).unwrap());
+    check(&s);
+    assert_eq!(s.status(rid(1)), Some(RequestStatus::FinishedAborted));
+    assert!(!s.abort(rid(1)).unwrap(), "a finished request is not live");
+    // Request 2's load is reported, then it is aborted before promotion: freed at once.
+    step(&mut s, Some(recv(&[2])));
+    assert!(s.abort(rid(2)).unwrap());
+    check(&s);
+    assert_eq!(s.status(rid(2)), None);
+    // Request 1's load reports: now its blocks go back.
+    step(&mut s, Some(recv(&[1])));
+    assert_eq!(s.status(rid(1)), None);
+    assert_eq!(s.block_pool().num_free(), free0);
+}
+
+/// Strict mode rejects what compat (vLLM) accepts: a duplicate `finished_recving`, and a
+/// `finished_recving` for a request held only for a send.
+#[test]
+fn strict_mode_rejects_stale_and_duplicate_completions() {
+    for mode in [Mode::Compat, Mode::Strict] {
+        // Two steps in flight, so the second report arrives before the promotion.
+        let mut s = sched(SchedulerConfig {
+            mode,
+            async_depth: 2,
+            ..SchedulerConfig::default()
+        });
+        s.connector_mut().set_lookup(
+            rid(1),
+            Lookup::Hit {
+                tokens: 16,
+                load_async: true,
+            },
+        );
+        s.add_request(spec(1, 20, 4)).unwrap();
+        let a = schedule(&mut s);
+        let out = schedule(&mut s);
+        apply(&mut s, a.step, Some(recv(&[1])));
+        let r = s.update_from_output(
+            out.step,
+            ModelOutput {
+                sampled: vec![],
+                kv_connector_output: Some(recv(&[1])),
+            },
+        );
+        match mode {
+            Mode::Compat => {
+                r.unwrap();
+            }
+            Mode::Strict => assert_eq!(r.unwrap_err().kind(), "duplicate_completion"),
+        }
+        check(&s);
+    }
+    for mode in [Mode::Compat, Mode::Strict] {
+        let mut s = sched(SchedulerConfig {
+            mode,
+            ..SchedulerConfig::default()
+        });
+        s.connector_mut().set_delay_free(rid(1), true);
+        s.add_request(spec(1, 20, 1)).unwrap();
+        step(&mut s, None);
+        let out = schedule(&mut s);
+        let r = s.update_from_output(
+            out.step,
+            ModelOutput {
+                sampled: vec![],
+                kv_connector_output: Some(recv(&[1])),
+            },
+        );
+        match mode {
+            // vLLM frees the blocks of a request whose send is still in flight.
+            Mode::Compat => {
+                r.unwrap();
+                assert_eq!(s.status(rid(1)), None);
+            }
+            Mode::Strict => {
+                assert_eq!(r.unwrap_err().kind(), "stale_completion");
+                // The error sticks.
+                assert_eq!(s.schedule().unwrap_err().kind(), "stale_completion");
+            }
+        }
+    }
+}
+
+/// A shared prefix: request 1 computes and caches three blocks; request 2 hits the first two.
+fn shared_prefix(policy: LoadFailurePolicy) -> (Scheduler<ScriptedConnector>, StepId, BlockId) {
+    let mut s = sched(SchedulerConfig {
+        block_size: 4,
+        load_failure_policy: policy,
+        ..SchedulerConfig::default()
+    });
+    let p1: Vec<u32> = (1..=12).collect();
+    let mut p2: Vec<u32> = (1..=8).collect();
+    p2.extend([100, 101, 102, 103]);
+    s.add_request(spec_with(1, p1, 10)).unwrap();
+    step(&mut s, None);
+    s.add_request(spec_with(2, p2, 10)).unwrap();
+    let out = schedule(&mut s);
+    assert_eq!(out.num_scheduled_tokens, vec![(rid(1), 1), (rid(2), 4)]);
+    let shared = s.view().request(rid(1)).unwrap().block_ids(0)[0];
+    assert_eq!(s.view().request(rid(2)).unwrap().block_ids(0)[0], shared);
+    (s, out.step, shared)
+}
+
+/// I-33/I-34: the first request of the scan claims a shared invalid block and truncates at it;
+/// the later sharer treats it as computed and reverts to its pre-step count.
+#[test]
+fn recompute_policy_truncates_the_first_claimant_only() {
+    let (mut s, step_id, shared) = shared_prefix(LoadFailurePolicy::Recompute);
+    let bad = AggregatedOutput {
+        invalid_block_ids: SortedSet::from_vec(vec![shared]),
+        ..agg()
+    };
+    let res = apply(&mut s, step_id, Some(bad));
+    assert!(
+        res.outputs.is_empty(),
+        "affected requests consume no output"
+    );
+    assert_eq!(computed(&s, 1), 0);
+    assert_eq!(computed(&s, 2), 8);
+    assert_eq!(s.status(rid(1)), Some(RequestStatus::Running));
+    // Recompute never evicts (I-35).
+    assert!(s.block_pool().cached_hash(shared).is_some());
+}
+
+/// I-35: under `fail`, affected requests finish with an error and the invalid block and the
+/// blocks after it are evicted from the prefix cache.
+#[test]
+fn fail_policy_errors_affected_requests_and_evicts() {
+    let (mut s, step_id, shared) = shared_prefix(LoadFailurePolicy::Fail);
+    let bad = AggregatedOutput {
+        invalid_block_ids: SortedSet::from_vec(vec![shared]),
+        ..agg()
+    };
+    let res = apply(&mut s, step_id, Some(bad));
+    let errors: Vec<_> = res
+        .outputs
+        .iter()
+        .filter(|o| o.finish == Some(FinishReason::Error))
+        .map(|o| o.id)
+        .collect();
+    assert_eq!(errors, vec![rid(1), rid(2)]);
+    assert!(s.block_pool().cached_hash(shared).is_none());
+    assert!(!s.has_requests());
+}
+
+/// I-36/I-37: `failed_recving` under `recompute` resets a loading request to 0 computed tokens;
+/// after its `finished_recving` it is promoted, frees its blocks and is looked up again.
+#[test]
+fn failed_recving_with_recompute_restarts_the_request() {
+    let mut s = sched(SchedulerConfig {
+        load_failure_policy: LoadFailurePolicy::Recompute,
+        groups: vec![
+            GroupKind::FullAttention,
+            GroupKind::SlidingWindow { window: 32 },
+        ],
+        ..SchedulerConfig::default()
+    });
+    s.connector_mut().set_lookup(
+        rid(1),
+        Lookup::Hit {
+            tokens: 32,
+            load_async: true,
+        },
+    );
+    s.add_request(spec(1, 40, 4)).unwrap();
+    step(&mut s, None);
+    let failed = AggregatedOutput {
+        failed_recving: SortedSet::from_vec(vec![rid(1)]),
+        ..recv(&[1])
+    };
+    step(&mut s, Some(failed));
+    assert_eq!(computed(&s, 1), 0);
+    s.connector_mut().set_lookup(rid(1), Lookup::MISS);
+    s.connector_mut().take_calls();
+    let out = schedule(&mut s);
+    assert_eq!(out.num_scheduled_tokens, vec![(rid(1), 40)]);
+    let calls = s.connector_mut().take_calls();
+    assert!(
+        calls
+            .iter()
+            .any(|c| matches!(c, ConnectorCall::GetNumNewMatchedTokens { .. }))
+    );
+}
+
+/// I-36: block-level failures with several KV cache groups are refused (vLLM raises).
+#[test]
+fn invalid_blocks_with_two_groups_is_an_error() {
+    let mut s = sched(SchedulerConfig {
+        groups: vec![
+            GroupKind::FullAttention,
+            GroupKind::SlidingWindow { window: 32 },
+        ],
+        ..SchedulerConfig::default()
+    });
+    s.add_request(spec(1, 20, 4)).unwrap();
+    let out = schedule(&mut s);
+    let bad = AggregatedOutput {
+        invalid_block_ids: SortedSet::from_vec(vec![BlockId(1)]),
+        ..agg()
+    };
+    let before = s.clone();
+    let e = s
+        .update_from_output(
+            out.step,
+            ModelOutput {
+                sampled: vec![],
+                kv_connector_output: Some(bad),
+            },
+        )
+        .unwrap_err();
+    assert_eq!(e, SchedulerError::InvalidBlocksWithMultipleGroups);
+    assert_eq!(s, before, "a rejected output changes nothing");
+}
+
+/// I-12: with async depth 2, step k+1 is built before step k's output is applied; a third
+/// schedule is refused and outputs must come oldest first.
+#[test]
+fn async_depth_two_schedules_ahead() {
+    let mut s = sched(SchedulerConfig {
+        async_depth: 2,
+        ..SchedulerConfig::default()
+    });
+    s.add_request(spec(1, 20, 8)).unwrap();
+    let a = schedule(&mut s);
+    let b = schedule(&mut s);
+    assert_eq!(
+        b.num_scheduled_tokens,
+        vec![(rid(1), 1)],
+        "a decode on a placeholder"
+    );
+    assert_eq!(s.schedule().unwrap_err().kind(), "pipeline_full");
+    assert_eq!(
+        s.update_from_output(b.step, ModelOutput::default())
+            .unwrap_err()
+            .kind(),
+        "step_out_of_order"
+    );
+    apply(&mut s, a.step, None);
+    apply(&mut s, b.step, None);
+    assert_eq!(
+        s.view().request(rid(1)).unwrap().tokens().len(),
+        22,
+        "two sampled tokens"
+    );
+}
+
+/// §7.3: pins are applied by the scheduler and counted as owners; an unpin of a block that is
+/// not pinned is a sticky `intent_rejected`.
+#[test]
+fn intents_pin_and_unpin_blocks() {
+    use kvrelay_core::Intent;
+    let mut s = sched(SchedulerConfig::default());
+    s.add_request(spec(1, 20, 1)).unwrap();
+    let out = schedule(&mut s);
+    let b = s.view().request(rid(1)).unwrap().block_ids(0)[0];
+    s.connector_mut().push_intent(Intent::Pin(vec![b]));
+    apply(&mut s, out.step, None);
+    // Finished and freed, but the pin keeps block b owned.
+    assert_eq!(s.status(rid(1)), None);
+    assert_eq!(s.view().block_ref_cnt(b), Some(1));
+    s.connector_mut().push_intent(Intent::Unpin(vec![b]));
+    let out = schedule(&mut s);
+    assert_eq!(s.view().block_ref_cnt(b), Some(0));
+    apply(&mut s, out.step, None);
+    s.connector_mut().push_intent(Intent::Unpin(vec![b]));
+    assert_eq!(s.schedule().unwrap_err().kind(), "intent_rejected");
+}
