@@ -34,6 +34,7 @@ pub fn bench_case(case: &AnyCase, repeat: usize) -> Result<Vec<KindStats>, Strin
         AnyCase::WorkerMeta(c) => bench_prepared(c, repeat),
         AnyCase::EventAccumulator(c) => bench_prepared(c, repeat),
         AnyCase::WorkerProtocol(c) => bench_prepared(c, repeat),
+        AnyCase::Engine(c) => bench_prepared(c, repeat),
     }
 }
 

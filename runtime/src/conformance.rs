@@ -12,9 +12,11 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use kvrelay_core::{
-    AggregatedOutput, Aggregator, BlockId, EventAccumulator, Interner, JobId, KvEvent, KvEvents,
-    Meta, Mode, OffloadMeta, Rank, RequestId, SortedSet, StepShape, WorkerCall, WorkerOutput,
-    WorkerProtocol,
+    AggregatedOutput, Aggregator, BlockId, ConnectorCall, EventAccumulator, GroupKind, Interner,
+    JobId, KvEvent, KvEvents, LoadFailurePolicy, Lookup, Meta, Mode, ModelOutput, OffloadMeta,
+    Params, Rank, RequestId, RequestSpec, RequestStatus, ScheduledStep, Scheduler, SchedulerConfig,
+    SchedulerError, ScriptedConnector, ScriptedMeta, SortedSet, StepId, StepResult, StepShape,
+    Token, WorkerCall, WorkerOutput, WorkerProtocol,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -36,11 +38,12 @@ fn err<T>(msg: impl Into<String>) -> Result<T, CaseError> {
 }
 
 /// The machines a case may name, and whether this build implements them.
-pub const MACHINES: [(&str, bool); 6] = [
+pub const MACHINES: [(&str, bool); 7] = [
     ("aggregator", true),
     ("worker_meta", true),
     ("event_accumulator", true),
     ("worker_protocol", true),
+    ("engine", true),
     ("offload_manager", false),
     ("multi", false),
 ];
@@ -246,6 +249,8 @@ pub enum AnyCase {
     EventAccumulator(PreparedCase<EventHarness>),
     /// A `worker_protocol` case.
     WorkerProtocol(PreparedCase<ProtocolHarness>),
+    /// An `engine` case.
+    Engine(PreparedCase<EngineHarness>),
 }
 
 impl AnyCase {
@@ -267,6 +272,7 @@ impl AnyCase {
             "worker_meta" => PreparedCase::prepare(raw).map(AnyCase::WorkerMeta),
             "event_accumulator" => PreparedCase::prepare(raw).map(AnyCase::EventAccumulator),
             "worker_protocol" => PreparedCase::prepare(raw).map(AnyCase::WorkerProtocol),
+            "engine" => PreparedCase::prepare(raw).map(AnyCase::Engine),
             m @ ("offload_manager" | "multi") => Err((
                 raw.name,
                 CaseError(format!(
@@ -290,6 +296,7 @@ impl AnyCase {
             AnyCase::WorkerMeta(c) => &c.name,
             AnyCase::EventAccumulator(c) => &c.name,
             AnyCase::WorkerProtocol(c) => &c.name,
+            AnyCase::Engine(c) => &c.name,
         }
     }
 
@@ -300,6 +307,7 @@ impl AnyCase {
             AnyCase::WorkerMeta(c) => c.run(),
             AnyCase::EventAccumulator(c) => c.run(),
             AnyCase::WorkerProtocol(c) => c.run(),
+            AnyCase::Engine(c) => c.run(),
         }
     }
 }
@@ -910,5 +918,716 @@ impl Harness for ProtocolHarness {
 
     fn normalize_expected(_call: &str, v: &Value, _ids: &mut Interner) -> Result<Value, CaseError> {
         Ok(v.clone())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// engine
+
+/// The `engine` machine: the scheduler ([`Scheduler`]) driven by the [`ScriptedConnector`].
+#[derive(Debug)]
+pub struct EngineHarness(Scheduler<ScriptedConnector>);
+
+/// A converted `engine` call.
+#[derive(Debug, Clone)]
+pub enum EngineOp {
+    /// `add_request`: the spec, the scripted lookup answer (if given) and delay-free (if given).
+    AddRequest {
+        /// The request.
+        spec: RequestSpec,
+        /// `Some(answer)` when the case gave `lookup`.
+        lookup: Option<Lookup>,
+        /// `Some(delay)` when the case gave `delay_free`.
+        delay_free: Option<bool>,
+    },
+    /// `set_lookup`.
+    SetLookup(RequestId, Lookup),
+    /// `set_delay_free`.
+    SetDelayFree(RequestId, bool),
+    /// `set_delay_all`.
+    SetDelayAll(bool),
+    /// `set_finish_params`.
+    SetFinishParams(RequestId, Params),
+    /// `set_pending_block_frees`.
+    SetPendingBlockFrees(bool),
+    /// `set_push_work`.
+    SetPushWork(bool),
+    /// `abort`.
+    Abort(RequestId),
+    /// `schedule`.
+    Schedule,
+    /// `apply_output`.
+    ApplyOutput {
+        /// The step (`None`: the oldest in flight).
+        step: Option<StepId>,
+        /// Per-request overrides of the fake sampler.
+        sampled: Vec<(RequestId, Vec<Token>)>,
+        /// The aggregated connector output (`None`: the step produced none).
+        kv: Option<AggregatedOutput>,
+    },
+    /// `request`.
+    Request(RequestId),
+    /// `state`.
+    State,
+    /// `connector_calls`.
+    ConnectorCalls,
+}
+
+/// A request as `request` shows it.
+#[derive(Debug, Clone)]
+pub struct RequestSnapshot {
+    status: RequestStatus,
+    num_computed_tokens: u32,
+    block_ids: Vec<Vec<BlockId>>,
+    num_preemptions: u32,
+}
+
+/// What an `engine` call returns, before rendering.
+#[derive(Debug)]
+pub enum EngineOut {
+    /// `"ok"`.
+    Ok,
+    /// `abort`'s answer.
+    Bool(bool),
+    /// `schedule`'s step.
+    Scheduled(Box<ScheduledStep<ScriptedMeta>>),
+    /// `apply_output`'s result.
+    Applied(StepResult),
+    /// `request`'s answer.
+    Request(Option<RequestSnapshot>),
+    /// `state`'s answer.
+    State {
+        /// Running requests, in order.
+        running: Vec<RequestId>,
+        /// Waiting requests, in admission order.
+        waiting: Vec<RequestId>,
+        /// Free GPU blocks.
+        free_blocks: u32,
+        /// `has_requests()`.
+        has_requests: bool,
+        /// Steps in flight, oldest first.
+        in_flight: Vec<u64>,
+    },
+    /// The drained connector call log.
+    Calls(Vec<ConnectorCall>),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EngineConfig {
+    block_size: Option<u32>,
+    num_gpu_blocks: Option<u32>,
+    groups: Option<Vec<Value>>,
+    max_num_batched_tokens: Option<u32>,
+    max_num_seqs: Option<u32>,
+    max_model_len: Option<u32>,
+    enable_prefix_caching: Option<bool>,
+    enable_chunked_prefill: Option<bool>,
+    long_prefill_token_threshold: Option<u32>,
+    watermark_blocks: Option<u32>,
+    load_failure_policy: Option<LoadFailurePolicy>,
+    async_depth: Option<u32>,
+    mode: Option<Mode>,
+    requires_kv_delivery: Option<bool>,
+}
+
+fn parse_group(v: &Value) -> Result<GroupKind, CaseError> {
+    if v.as_str() == Some("full") {
+        return Ok(GroupKind::FullAttention);
+    }
+    if let Some(o) = v.as_object()
+        && o.len() == 1
+        && let Some(w) = o.get("sliding_window").and_then(Value::as_u64)
+        && let Ok(window) = u32::try_from(w)
+    {
+        return Ok(GroupKind::SlidingWindow { window });
+    }
+    err(format!(
+        "group {v}: expected \"full\" or {{\"sliding_window\": n}}"
+    ))
+}
+
+/// A scripted lookup answer: `null` = pending, `{"tokens": n, "async": bool}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JHit {
+    tokens: u32,
+    #[serde(default, rename = "async")]
+    load_async: bool,
+}
+
+fn parse_lookup(v: &Value) -> Result<Lookup, CaseError> {
+    match serde_json::from_value::<Option<JHit>>(v.clone()) {
+        Ok(None) => Ok(Lookup::Pending),
+        Ok(Some(h)) => Ok(Lookup::Hit {
+            tokens: h.tokens,
+            load_async: h.load_async,
+        }),
+        Err(e) => err(format!(
+            "argument `lookup`: {e} (expected null or {{\"tokens\": n, \"async\": bool}})"
+        )),
+    }
+}
+
+/// FNV-1a (32 bit) of a request name: the seed of its generated prompt.
+fn name_seed(name: &str) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in name.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h
+}
+
+/// The prompt `prompt_len` generates for request `name`: token `i` is
+/// `1 + (fnv1a32(name) + i) mod 1_000_000`.
+pub fn generated_prompt(name: &str, len: u32) -> Vec<Token> {
+    let seed = name_seed(name);
+    (0..len)
+        .map(|i| 1 + seed.wrapping_add(i) % 1_000_000)
+        .collect()
+}
+
+fn id_arg(args: &Map<String, Value>, ids: &mut Interner) -> Result<RequestId, CaseError> {
+    let name: String = arg(args, "id", None)?;
+    Ok(ids.intern(&name))
+}
+
+fn opt_id_set(
+    args: &Map<String, Value>,
+    key: &str,
+    ids: &mut Interner,
+) -> Result<Option<SortedSet<RequestId>>, CaseError> {
+    let v: Option<Vec<String>> = arg(args, key, Some(None))?;
+    Ok(v.map(|s| id_set(s, ids)))
+}
+
+fn render_id(id: RequestId, ids: &Interner) -> Value {
+    json!(ids.resolve(id).unwrap_or("?"))
+}
+
+fn render_id_list(list: &[RequestId], ids: &Interner) -> Value {
+    Value::Array(list.iter().map(|&id| render_id(id, ids)).collect())
+}
+
+fn render_tables(t: &[Vec<BlockId>]) -> Value {
+    json!(
+        t.iter()
+            .map(|g| g.iter().map(|b| b.0).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    )
+}
+
+fn render_lookup(l: &Lookup) -> Value {
+    match l {
+        Lookup::Pending => Value::Null,
+        Lookup::Hit { tokens, load_async } => json!({ "tokens": tokens, "async": load_async }),
+    }
+}
+
+fn status_name(s: RequestStatus) -> Value {
+    serde_json::to_value(s).unwrap_or(Value::Null)
+}
+
+fn render_params(p: Option<&Params>) -> Value {
+    p.map_or(Value::Null, |p| json!(p))
+}
+
+fn render_call(c: &ConnectorCall, ids: &Interner) -> Value {
+    match c {
+        ConnectorCall::OnNewRequest { id } => {
+            json!({ "call": "on_new_request", "id": render_id(*id, ids) })
+        }
+        ConnectorCall::GetNumNewMatchedTokens {
+            id,
+            num_computed_tokens,
+            answer,
+        } => json!({
+            "call": "get_num_new_matched_tokens",
+            "id": render_id(*id, ids),
+            "num_computed_tokens": num_computed_tokens,
+            "answer": render_lookup(answer),
+        }),
+        ConnectorCall::UpdateStateAfterAlloc {
+            id,
+            blocks,
+            num_external_tokens,
+        } => json!({
+            "call": "update_state_after_alloc",
+            "id": render_id(*id, ids),
+            "blocks": render_tables(blocks),
+            "num_external_tokens": num_external_tokens,
+        }),
+        ConnectorCall::BuildConnectorMeta { step } => {
+            json!({ "call": "build_connector_meta", "step": step.0 })
+        }
+        ConnectorCall::UpdateConnectorOutput {
+            finished_sending,
+            finished_recving,
+        } => json!({
+            "call": "update_connector_output",
+            "finished_sending": render_opt_ids(finished_sending.as_ref(), ids),
+            "finished_recving": render_opt_ids(finished_recving.as_ref(), ids),
+        }),
+        ConnectorCall::RequestFinished {
+            id,
+            blocks,
+            delay_free,
+        } => json!({
+            "call": "request_finished",
+            "id": render_id(*id, ids),
+            "blocks": render_tables(blocks),
+            "delay_free": delay_free,
+        }),
+    }
+}
+
+fn render_scheduled(s: &ScheduledStep<ScriptedMeta>, ids: &Interner) -> Value {
+    let o = &s.output;
+    let name = |id: RequestId| ids.resolve(id).unwrap_or("?").to_string();
+    let mut block_ids = Map::new();
+    let mut new_block_ids = Map::new();
+    for n in &o.scheduled_new_reqs {
+        block_ids.insert(name(n.id), render_tables(&n.block_ids));
+    }
+    let mut resumed = Vec::new();
+    for c in &o.scheduled_cached_reqs {
+        if c.resumed {
+            resumed.push(render_id(c.id, ids));
+            block_ids.insert(name(c.id), render_tables(&c.new_block_ids));
+        } else {
+            new_block_ids.insert(name(c.id), render_tables(&c.new_block_ids));
+        }
+    }
+    let loads: Vec<Value> = s
+        .meta
+        .loads
+        .iter()
+        .map(|l| {
+            json!({
+                "id": render_id(l.id, ids),
+                "blocks": render_tables(&l.blocks),
+                "tokens": l.tokens,
+                "async": l.load_async,
+            })
+        })
+        .collect();
+    json!({
+        "step": o.step.0,
+        "scheduled": o.num_scheduled_tokens.iter().map(|(id, n)| json!([render_id(*id, ids), n])).collect::<Vec<_>>(),
+        "total": o.total_num_scheduled_tokens,
+        "new": o.scheduled_new_reqs.iter().map(|n| render_id(n.id, ids)).collect::<Vec<_>>(),
+        "resumed": resumed,
+        "block_ids": block_ids,
+        "new_block_ids": new_block_ids,
+        "finished_req_ids": render_ids(&o.finished_req_ids, ids),
+        "preempted_req_ids": render_ids(&o.preempted_req_ids, ids),
+        "has_sync_kv_loads": o.has_sync_kv_loads,
+        "meta": { "loads": loads },
+    })
+}
+
+fn render_step_result(r: &StepResult, ids: &Interner) -> Value {
+    let outputs: Vec<Value> = r
+        .outputs
+        .iter()
+        .map(|o| {
+            json!({
+                "id": render_id(o.id, ids),
+                "new_tokens": o.new_tokens,
+                "finish": o.finish.map_or(Value::Null, |f| serde_json::to_value(f).unwrap_or(Value::Null)),
+                "kv_transfer_params": render_params(o.kv_transfer_params.as_ref()),
+            })
+        })
+        .collect();
+    let mut events: Vec<&str> = r.events.iter().map(|e| e.0.as_str()).collect();
+    events.sort_unstable();
+    json!({ "outputs": outputs, "events": events })
+}
+
+/// Sorts and deduplicates the string array at `key` of object `v` (a set-valued field).
+fn normalize_set_field(v: &mut Value, key: &str) -> Result<(), CaseError> {
+    let Some(slot) = v.get_mut(key) else {
+        return Ok(());
+    };
+    if slot.is_null() {
+        return Ok(());
+    }
+    let mut names: Vec<String> = serde_json::from_value(slot.clone())
+        .map_err(|e| CaseError(format!("`{key}` must be an array of request ids: {e}")))?;
+    names.sort_unstable();
+    names.dedup();
+    *slot = json!(names);
+    Ok(())
+}
+
+const ENGINE_CALLS: [&str; 13] = [
+    "add_request",
+    "set_lookup",
+    "set_delay_free",
+    "set_delay_all",
+    "set_finish_params",
+    "set_pending_block_frees",
+    "set_push_work",
+    "abort",
+    "schedule",
+    "apply_output",
+    "request",
+    "state",
+    "connector_calls",
+];
+
+impl Harness for EngineHarness {
+    type Op = EngineOp;
+    type Out = EngineOut;
+
+    fn new(config: &Map<String, Value>) -> Result<Self, CaseError> {
+        let c: EngineConfig = serde_json::from_value(Value::Object(config.clone()))
+            .map_err(|e| CaseError(e.to_string()))?;
+        let d = SchedulerConfig::default();
+        let groups = match &c.groups {
+            None => d.groups,
+            Some(gs) => gs.iter().map(parse_group).collect::<Result<_, _>>()?,
+        };
+        let sc = SchedulerConfig {
+            block_size: c.block_size.unwrap_or(d.block_size),
+            num_gpu_blocks: c.num_gpu_blocks.unwrap_or(d.num_gpu_blocks),
+            groups,
+            max_num_batched_tokens: c.max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
+            max_num_seqs: c.max_num_seqs.unwrap_or(d.max_num_seqs),
+            max_model_len: c.max_model_len.unwrap_or(d.max_model_len),
+            enable_prefix_caching: c.enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
+            enable_chunked_prefill: c.enable_chunked_prefill.unwrap_or(d.enable_chunked_prefill),
+            long_prefill_token_threshold: c
+                .long_prefill_token_threshold
+                .unwrap_or(d.long_prefill_token_threshold),
+            watermark_blocks: c.watermark_blocks.unwrap_or(d.watermark_blocks),
+            load_failure_policy: c.load_failure_policy.unwrap_or(d.load_failure_policy),
+            async_depth: c.async_depth.unwrap_or(d.async_depth),
+            mode: c.mode.unwrap_or(d.mode),
+        };
+        let mut conn = ScriptedConnector::new();
+        conn.set_requires_kv_delivery(c.requires_kv_delivery.unwrap_or(false));
+        Scheduler::new(sc, conn)
+            .map(Self)
+            .map_err(|e| CaseError(e.to_string()))
+    }
+
+    fn convert(
+        call: &str,
+        args: &Map<String, Value>,
+        ids: &mut Interner,
+    ) -> Result<Self::Op, CaseError> {
+        match call {
+            "add_request" => {
+                only(
+                    args,
+                    &[
+                        "id",
+                        "prompt_len",
+                        "prompt",
+                        "max_tokens",
+                        "stop_token",
+                        "lookup",
+                        "delay_free",
+                    ],
+                )?;
+                let name: String = arg(args, "id", None)?;
+                let id = ids.intern(&name);
+                let prompt = match (args.get("prompt"), args.get("prompt_len")) {
+                    (Some(_), Some(_)) => {
+                        return err("give either `prompt` or `prompt_len`, not both");
+                    }
+                    (Some(_), None) => arg::<Vec<Token>>(args, "prompt", None)?,
+                    (None, Some(_)) => generated_prompt(&name, arg(args, "prompt_len", None)?),
+                    (None, None) => return err("missing argument `prompt_len` (or `prompt`)"),
+                };
+                let lookup = match args.get("lookup") {
+                    None => None,
+                    Some(v) => Some(parse_lookup(v)?),
+                };
+                Ok(EngineOp::AddRequest {
+                    spec: RequestSpec {
+                        id,
+                        prompt,
+                        max_tokens: arg(args, "max_tokens", None)?,
+                        stop_token: arg(args, "stop_token", Some(None))?,
+                        kv_transfer_params: None,
+                    },
+                    lookup,
+                    delay_free: arg(args, "delay_free", Some(None))?,
+                })
+            }
+            "set_lookup" => {
+                only(args, &["id", "lookup"])?;
+                let id = id_arg(args, ids)?;
+                let v = args.get("lookup").ok_or_else(|| {
+                    CaseError("missing argument `lookup` (null = pending)".into())
+                })?;
+                Ok(EngineOp::SetLookup(id, parse_lookup(v)?))
+            }
+            "set_delay_free" => {
+                only(args, &["id", "delay"])?;
+                Ok(EngineOp::SetDelayFree(
+                    id_arg(args, ids)?,
+                    arg(args, "delay", None)?,
+                ))
+            }
+            "set_delay_all" => {
+                only(args, &["value"])?;
+                Ok(EngineOp::SetDelayAll(arg(args, "value", None)?))
+            }
+            "set_finish_params" => {
+                only(args, &["id", "params"])?;
+                Ok(EngineOp::SetFinishParams(
+                    id_arg(args, ids)?,
+                    arg(args, "params", None)?,
+                ))
+            }
+            "set_pending_block_frees" => {
+                only(args, &["value"])?;
+                Ok(EngineOp::SetPendingBlockFrees(arg(args, "value", None)?))
+            }
+            "set_push_work" => {
+                only(args, &["value"])?;
+                Ok(EngineOp::SetPushWork(arg(args, "value", None)?))
+            }
+            "abort" => {
+                only(args, &["id"])?;
+                Ok(EngineOp::Abort(id_arg(args, ids)?))
+            }
+            "schedule" => {
+                only(args, &[])?;
+                Ok(EngineOp::Schedule)
+            }
+            "apply_output" => {
+                only(
+                    args,
+                    &[
+                        "step",
+                        "sampled",
+                        "finished_sending",
+                        "finished_recving",
+                        "failed_recving",
+                        "invalid_block_ids",
+                        "no_kv_output",
+                    ],
+                )?;
+                let step: Option<u64> = arg(args, "step", Some(None))?;
+                let sampled: BTreeMap<String, Vec<Token>> =
+                    arg(args, "sampled", Some(BTreeMap::new()))?;
+                let sampled = sampled
+                    .into_iter()
+                    .map(|(n, t)| (ids.intern(&n), t))
+                    .collect();
+                let no_kv: bool = arg(args, "no_kv_output", Some(false))?;
+                let kv_keys = [
+                    "finished_sending",
+                    "finished_recving",
+                    "failed_recving",
+                    "invalid_block_ids",
+                ];
+                if no_kv && let Some(k) = kv_keys.iter().find(|k| args.contains_key(**k)) {
+                    return err(format!("`{k}` given together with `no_kv_output: true`"));
+                }
+                let kv = if no_kv {
+                    None
+                } else {
+                    let failed: Vec<String> = arg(args, "failed_recving", Some(Vec::new()))?;
+                    let invalid: Vec<u64> = arg(args, "invalid_block_ids", Some(Vec::new()))?;
+                    Some(AggregatedOutput {
+                        finished_sending: opt_id_set(args, "finished_sending", ids)?,
+                        finished_recving: opt_id_set(args, "finished_recving", ids)?,
+                        invalid_block_ids: invalid.into_iter().map(BlockId).collect(),
+                        failed_recving: id_set(failed, ids),
+                        worker_meta: None,
+                        kv_events: None,
+                        expected_finished_count: 1,
+                    })
+                };
+                Ok(EngineOp::ApplyOutput {
+                    step: step.map(StepId),
+                    sampled,
+                    kv,
+                })
+            }
+            "request" => {
+                only(args, &["id"])?;
+                Ok(EngineOp::Request(id_arg(args, ids)?))
+            }
+            "state" => {
+                only(args, &[])?;
+                Ok(EngineOp::State)
+            }
+            "connector_calls" => {
+                only(args, &[])?;
+                Ok(EngineOp::ConnectorCalls)
+            }
+            _ => unknown_call(call, &ENGINE_CALLS),
+        }
+    }
+
+    fn apply(&mut self, op: &Self::Op) -> Result<Self::Out, &'static str> {
+        let s = &mut self.0;
+        let kind = |e: SchedulerError| e.kind();
+        match op {
+            EngineOp::AddRequest {
+                spec,
+                lookup,
+                delay_free,
+            } => {
+                // The script is set before `on_new_request`, so that a scripted answer is in
+                // place for the first lookup; a rejected request leaves the script as it was.
+                let id = spec.id;
+                let before = s.connector().clone();
+                if let Some(l) = lookup {
+                    s.connector_mut().set_lookup(id, *l);
+                }
+                if let Some(d) = delay_free {
+                    s.connector_mut().set_delay_free(id, *d);
+                }
+                match s.add_request(spec.clone()) {
+                    Ok(()) => Ok(EngineOut::Ok),
+                    Err(e) => {
+                        // Nothing was called on the connector; undo the script change.
+                        *s.connector_mut() = before;
+                        Err(kind(e))
+                    }
+                }
+            }
+            EngineOp::SetLookup(id, l) => {
+                s.connector_mut().set_lookup(*id, *l);
+                Ok(EngineOut::Ok)
+            }
+            EngineOp::SetDelayFree(id, d) => {
+                s.connector_mut().set_delay_free(*id, *d);
+                Ok(EngineOut::Ok)
+            }
+            EngineOp::SetDelayAll(v) => {
+                s.connector_mut().set_delay_all(*v);
+                Ok(EngineOut::Ok)
+            }
+            EngineOp::SetFinishParams(id, p) => {
+                s.connector_mut().set_finish_params(*id, p.clone());
+                Ok(EngineOut::Ok)
+            }
+            EngineOp::SetPendingBlockFrees(v) => {
+                s.connector_mut().set_pending_block_frees(*v);
+                Ok(EngineOut::Ok)
+            }
+            EngineOp::SetPushWork(v) => {
+                s.connector_mut().set_push_work(*v);
+                Ok(EngineOut::Ok)
+            }
+            EngineOp::Abort(id) => s.abort(*id).map(EngineOut::Bool).map_err(kind),
+            EngineOp::Schedule => s
+                .schedule()
+                .map(|st| EngineOut::Scheduled(Box::new(st)))
+                .map_err(kind),
+            EngineOp::ApplyOutput { step, sampled, kv } => {
+                // No step in flight and none named: a step that cannot be the oldest one.
+                let step = step
+                    .or_else(|| s.steps_in_flight().next())
+                    .unwrap_or(StepId(u64::MAX));
+                let mut tokens = s.fake_sample(step);
+                for (id, t) in sampled {
+                    match tokens.iter_mut().find(|(x, _)| x == id) {
+                        Some(slot) => slot.1.clone_from(t),
+                        None => tokens.push((*id, t.clone())),
+                    }
+                }
+                s.update_from_output(
+                    step,
+                    ModelOutput {
+                        sampled: tokens,
+                        kv_connector_output: kv.clone(),
+                    },
+                )
+                .map(EngineOut::Applied)
+                .map_err(kind)
+            }
+            EngineOp::Request(id) => {
+                let v = s.view();
+                let n = v.config().groups.len();
+                Ok(EngineOut::Request(v.request(*id).map(|r| {
+                    RequestSnapshot {
+                        status: r.status(),
+                        num_computed_tokens: r.num_computed_tokens(),
+                        block_ids: (0..n).map(|g| r.block_ids(g).to_vec()).collect(),
+                        num_preemptions: r.num_preemptions(),
+                    }
+                })))
+            }
+            EngineOp::State => {
+                let v = s.view();
+                Ok(EngineOut::State {
+                    running: v.running().to_vec(),
+                    waiting: v.waiting().collect(),
+                    free_blocks: v.num_free_blocks(),
+                    has_requests: s.has_requests(),
+                    in_flight: s.steps_in_flight().map(|x| x.0).collect(),
+                })
+            }
+            EngineOp::ConnectorCalls => Ok(EngineOut::Calls(s.connector_mut().take_calls())),
+        }
+    }
+
+    fn check_invariants(&self) -> Result<(), String> {
+        self.0.check_invariants().map_err(|e| e.to_string())
+    }
+
+    fn render(out: &Self::Out, ids: &Interner) -> Value {
+        match out {
+            EngineOut::Ok => json!("ok"),
+            EngineOut::Bool(b) => json!(b),
+            EngineOut::Scheduled(s) => render_scheduled(s, ids),
+            EngineOut::Applied(r) => render_step_result(r, ids),
+            EngineOut::Request(None) => Value::Null,
+            EngineOut::Request(Some(r)) => json!({
+                "status": status_name(r.status),
+                "num_computed_tokens": r.num_computed_tokens,
+                "block_ids": render_tables(&r.block_ids),
+                "num_preemptions": r.num_preemptions,
+            }),
+            EngineOut::State {
+                running,
+                waiting,
+                free_blocks,
+                has_requests,
+                in_flight,
+            } => json!({
+                "running": render_id_list(running, ids),
+                "waiting": render_id_list(waiting, ids),
+                "free_blocks": free_blocks,
+                "has_requests": has_requests,
+                "in_flight": in_flight,
+            }),
+            EngineOut::Calls(calls) => {
+                Value::Array(calls.iter().map(|c| render_call(c, ids)).collect())
+            }
+        }
+    }
+
+    fn normalize_expected(call: &str, v: &Value, _ids: &mut Interner) -> Result<Value, CaseError> {
+        let mut v = v.clone();
+        match call {
+            "schedule" => {
+                normalize_set_field(&mut v, "finished_req_ids")?;
+                normalize_set_field(&mut v, "preempted_req_ids")?;
+            }
+            "connector_calls" => {
+                if let Some(calls) = v.as_array_mut() {
+                    for c in calls {
+                        if c.get("call").and_then(Value::as_str) == Some("update_connector_output")
+                        {
+                            normalize_set_field(c, "finished_sending")?;
+                            normalize_set_field(c, "finished_recving")?;
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+        Ok(v)
     }
 }
