@@ -1449,6 +1449,18 @@ impl<C: SchedulerConnector> Scheduler<C> {
                         continue;
                     }
                     self.update_waiting_for_remote_kv(id);
+                    // A failed load recomputed from scratch gave its blocks back but is still
+                    // at the head of `kv_holding_waiting`. vLLM (compat) admits it from there:
+                    // if it cannot allocate, the loop stops, and the finished loads behind it
+                    // are never promoted and keep their blocks, possibly forever. Strict moves
+                    // it to the waiting queue (tried from the next step on).
+                    if self.state.config.mode == Mode::Strict
+                        && from_holding
+                        && self.state.requests[&id].blocks.iter().all(Vec::is_empty)
+                    {
+                        skip(&mut self.state);
+                        continue;
+                    }
                 }
                 let r = &self.state.requests[&id];
                 if r.num_stale_output_tokens > 0 && !r.drop_stale_output {
@@ -1983,6 +1995,7 @@ impl<C: SchedulerConnector> Scheduler<C> {
         evict: bool,
     ) -> (Vec<RequestId>, Vec<BlockId>) {
         let bs = st.config.block_size;
+        let strict = st.config.mode == Mode::Strict;
         let mut affected = Vec::new();
         let mut to_evict = Vec::new();
         let mut claimed: BTreeSet<BlockId> = BTreeSet::new();
@@ -1993,7 +2006,8 @@ impl<C: SchedulerConnector> Scheduler<C> {
                 .iter()
                 .find(|e| e.id == id)
                 .map_or(0, |e| e.tokens);
-            let c0 = r.num_computed_tokens.saturating_sub(scheduled);
+            let pre = r.num_computed_tokens;
+            let c0 = pre.saturating_sub(scheduled);
             let nblocks = cdiv(c0, bs) as usize;
             let table = &r.blocks[0];
             let mut is_affected = false;
@@ -2018,6 +2032,21 @@ impl<C: SchedulerConnector> Scheduler<C> {
             if is_affected {
                 if !marked {
                     r.num_computed_tokens = c0;
+                }
+                if evict && strict && r.num_in_flight_tokens > 0 {
+                    // Async scheduling. vLLM skips the affected request's output but keeps the
+                    // placeholder that output would have resolved, and counts the steps still
+                    // in flight as computed: the request can then never reach `max_tokens`
+                    // (`schedule`'s guard counts the placeholder as an output to come) or has
+                    // nothing left to schedule, and stays RUNNING forever; compat reproduces
+                    // this. Strict rolls back to the materialised frontier, as a preemption
+                    // does: the outputs in flight were computed on the failed KV and are
+                    // dropped, and their placeholders go with them.
+                    let frontier = pre.saturating_sub(r.num_in_flight_tokens);
+                    r.num_computed_tokens = r.num_computed_tokens.min(frontier);
+                    r.drop_stale_output = true;
+                    r.num_stale_output_tokens = r.num_in_flight_tokens;
+                    r.num_output_placeholders = 0;
                 }
                 affected.push(id);
             }

@@ -623,3 +623,77 @@ fn intents_pin_and_unpin_blocks() {
     s.connector_mut().push_intent(Intent::Unpin(vec![b]));
     assert_eq!(s.schedule().unwrap_err().kind(), "intent_rejected");
 }
+
+/// A failed async load recomputed from scratch at the head of `kv_holding_waiting` (vLLM 0.33.0,
+/// reproduced by compat): it gives its blocks back on promotion but stays at the head; its
+/// recompute (a sliding window needs every block of a fresh prefill, fewer for a load) does not
+/// fit beside the finished load behind it, so the loop stops there, the load behind it is never
+/// promoted and nothing ever runs again. Strict moves the freed request to the waiting queue.
+fn head_of_line_after_failed_load(mode: Mode) -> Scheduler<ScriptedConnector> {
+    let mut s = sched(SchedulerConfig {
+        block_size: 8,
+        num_gpu_blocks: 23,
+        groups: vec![
+            GroupKind::FullAttention,
+            GroupKind::SlidingWindow { window: 11 },
+        ],
+        max_num_batched_tokens: 84,
+        max_model_len: 84,
+        enable_prefix_caching: false,
+        enable_chunked_prefill: false,
+        load_failure_policy: LoadFailurePolicy::Recompute,
+        mode,
+        ..SchedulerConfig::default()
+    });
+    let load = |tokens| Lookup::Hit {
+        tokens,
+        load_async: true,
+    };
+    s.connector_mut().set_lookup(rid(1), load(64));
+    s.connector_mut().set_lookup(rid(2), load(24));
+    s.add_request(spec(1, 65, 1)).unwrap();
+    s.add_request(spec(2, 25, 1)).unwrap();
+    let out = schedule(&mut s);
+    assert!(out.num_scheduled_tokens.is_empty());
+    // Request 1: 8 full + 2 window blocks; request 2: 3 + 2.
+    assert_eq!(s.block_pool().num_free(), 22 - 15);
+    apply(
+        &mut s,
+        out.step,
+        Some(AggregatedOutput {
+            failed_recving: SortedSet::from_vec(vec![rid(1)]),
+            ..recv(&[1, 2])
+        }),
+    );
+    s.connector_mut().set_lookup(rid(1), Lookup::MISS);
+    s
+}
+
+#[test]
+fn compat_failed_load_at_the_head_blocks_the_loads_behind_it() {
+    let mut s = head_of_line_after_failed_load(Mode::Compat);
+    for _ in 0..5 {
+        let out = schedule(&mut s);
+        assert!(out.num_scheduled_tokens.is_empty(), "{out:?}");
+        apply(&mut s, out.step, None);
+    }
+    // Request 1 gave its blocks back and needs 9 + 9; request 2 keeps its 5.
+    assert_eq!(s.status(rid(1)), Some(RequestStatus::Waiting));
+    assert_eq!(s.status(rid(2)), Some(RequestStatus::WaitingForRemoteKvs));
+    assert_eq!(s.block_pool().num_free(), 22 - 5);
+}
+
+#[test]
+fn strict_failed_load_at_the_head_moves_to_the_waiting_queue() {
+    let mut s = head_of_line_after_failed_load(Mode::Strict);
+    let out = schedule(&mut s);
+    // Request 2 is promoted and computes its last token; request 1 waits for a later step.
+    assert_eq!(out.num_scheduled_tokens, vec![(rid(2), 1)]);
+    apply(&mut s, out.step, None);
+    assert_eq!(s.status(rid(2)), None);
+    let out = schedule(&mut s);
+    assert_eq!(out.num_scheduled_tokens, vec![(rid(1), 65)]);
+    apply(&mut s, out.step, None);
+    assert!(!s.has_requests());
+    assert_eq!(s.block_pool().num_free(), 22);
+}
