@@ -298,7 +298,8 @@ pub struct CachedRequestData {
     pub id: RequestId,
     /// Re-admitted after a preemption: `new_block_ids` is the full table.
     pub resumed: bool,
-    /// Blocks allocated this step (or the full table when resumed), one list per group.
+    /// Blocks allocated this step (or the full table when resumed), one list per group; empty
+    /// (no list at all, vLLM's `None`) when a running request got no new block in any group.
     pub new_block_ids: Vec<Vec<BlockId>>,
     /// Computed tokens before this step.
     pub num_computed_tokens: u32,
@@ -928,7 +929,9 @@ impl State {
             }
         }
         let required = cdiv(need_slot, bs) as usize;
-        let mut new_blocks = Vec::with_capacity(ngroups);
+        // vLLM's `get_block_ids(allow_none=True)`: no list at all when no group got a block
+        // (most decode steps; and no allocation on the hot path).
+        let mut new_blocks = Vec::new();
         for g in 0..ngroups {
             let skipped = (num_skipped_tokens(self.config.groups[g], total_computed) / bs) as usize;
             while r.blocks[g].len() < required.min(skipped) {
@@ -942,7 +945,12 @@ impl State {
                 // accounting is wrong, a bug.
                 .expect("counted in blocks_to_allocate");
             r.blocks[g].extend_from_slice(&fresh);
-            new_blocks.push(fresh);
+            if !fresh.is_empty() && new_blocks.is_empty() {
+                new_blocks.resize_with(ngroups, Vec::new);
+            }
+            if !new_blocks.is_empty() {
+                new_blocks[g] = fresh;
+            }
         }
         if !delay_cache {
             let upto = (total_computed + num_new_tokens).min(r.num_tokens());
@@ -1347,9 +1355,10 @@ impl<C: SchedulerConnector> Scheduler<C> {
         let bs = self.state.config.block_size;
         let max_model_len = self.state.config.max_model_len;
         let mut budget = self.state.config.max_num_batched_tokens;
-        let mut scheduled: Vec<(RequestId, u32)> = Vec::new();
+        let n_running = self.state.running.len();
+        let mut scheduled: Vec<(RequestId, u32)> = Vec::with_capacity(n_running);
         let mut new_reqs: Vec<NewRequestData> = Vec::new();
-        let mut cached_reqs: Vec<CachedRequestData> = Vec::new();
+        let mut cached_reqs: Vec<CachedRequestData> = Vec::with_capacity(n_running);
         let mut preempted_any = false;
         let mut has_sync_kv_loads = false;
         let n_eligible = self.state.running.len()

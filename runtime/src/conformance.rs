@@ -989,8 +989,8 @@ pub enum EngineOut {
     Ok,
     /// `abort`'s answer.
     Bool(bool),
-    /// `schedule`'s step.
-    Scheduled(Box<ScheduledStep<ScriptedMeta>>),
+    /// `schedule`'s step, and the number of KV cache groups.
+    Scheduled(Box<ScheduledStep<ScriptedMeta>>, usize),
     /// `apply_output`'s result.
     Applied(StepResult),
     /// `request`'s answer.
@@ -1182,7 +1182,7 @@ fn render_call(c: &ConnectorCall, ids: &Interner) -> Value {
     }
 }
 
-fn render_scheduled(s: &ScheduledStep<ScriptedMeta>, ids: &Interner) -> Value {
+fn render_scheduled(s: &ScheduledStep<ScriptedMeta>, groups: usize, ids: &Interner) -> Value {
     let o = &s.output;
     let name = |id: RequestId| ids.resolve(id).unwrap_or("?").to_string();
     let mut block_ids = Map::new();
@@ -1195,6 +1195,9 @@ fn render_scheduled(s: &ScheduledStep<ScriptedMeta>, ids: &Interner) -> Value {
         if c.resumed {
             resumed.push(render_id(c.id, ids));
             block_ids.insert(name(c.id), render_tables(&c.new_block_ids));
+        } else if c.new_block_ids.is_empty() {
+            // No block in any group (vLLM's `None`): rendered as one empty list per group.
+            new_block_ids.insert(name(c.id), json!(vec![Vec::<u32>::new(); groups]));
         } else {
             new_block_ids.insert(name(c.id), render_tables(&c.new_block_ids));
         }
@@ -1520,10 +1523,12 @@ impl Harness for EngineHarness {
                 Ok(EngineOut::Ok)
             }
             EngineOp::Abort(id) => s.abort(*id).map(EngineOut::Bool).map_err(kind),
-            EngineOp::Schedule => s
-                .schedule()
-                .map(|st| EngineOut::Scheduled(Box::new(st)))
-                .map_err(kind),
+            EngineOp::Schedule => {
+                let groups = s.config().groups.len();
+                s.schedule()
+                    .map(|st| EngineOut::Scheduled(Box::new(st), groups))
+                    .map_err(kind)
+            }
             EngineOp::ApplyOutput { step, sampled, kv } => {
                 // No step in flight and none named: a step that cannot be the oldest one.
                 let step = step
@@ -1580,7 +1585,7 @@ impl Harness for EngineHarness {
         match out {
             EngineOut::Ok => json!("ok"),
             EngineOut::Bool(b) => json!(b),
-            EngineOut::Scheduled(s) => render_scheduled(s, ids),
+            EngineOut::Scheduled(s, groups) => render_scheduled(s, *groups, ids),
             EngineOut::Applied(r) => render_step_result(r, ids),
             EngineOut::Request(None) => Value::Null,
             EngineOut::Request(Some(r)) => json!({
