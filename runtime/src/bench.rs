@@ -35,6 +35,8 @@ pub fn bench_case(case: &AnyCase, repeat: usize) -> Result<Vec<KindStats>, Strin
         AnyCase::EventAccumulator(c) => bench_prepared(c, repeat),
         AnyCase::WorkerProtocol(c) => bench_prepared(c, repeat),
         AnyCase::Engine(c) => bench_prepared(c, repeat),
+        AnyCase::OffloadManager(c) => bench_prepared(c, repeat),
+        AnyCase::Multi(c) => bench_prepared(c, repeat),
     }
 }
 

@@ -21,6 +21,12 @@ use kvrelay_core::{
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
+mod multi;
+mod offload_manager;
+
+pub use multi::MultiHarness;
+pub use offload_manager::OffloadManagerHarness;
+
 /// Why a case could not be run as written.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CaseError(pub String);
@@ -251,6 +257,10 @@ pub enum AnyCase {
     WorkerProtocol(PreparedCase<ProtocolHarness>),
     /// An `engine` case.
     Engine(PreparedCase<EngineHarness>),
+    /// An `offload_manager` case.
+    OffloadManager(PreparedCase<OffloadManagerHarness>),
+    /// A `multi` case.
+    Multi(PreparedCase<MultiHarness>),
 }
 
 impl AnyCase {
@@ -273,12 +283,8 @@ impl AnyCase {
             "event_accumulator" => PreparedCase::prepare(raw).map(AnyCase::EventAccumulator),
             "worker_protocol" => PreparedCase::prepare(raw).map(AnyCase::WorkerProtocol),
             "engine" => PreparedCase::prepare(raw).map(AnyCase::Engine),
-            m @ ("offload_manager" | "multi") => Err((
-                raw.name,
-                CaseError(format!(
-                    "machine `{m}` is not implemented yet (it follows in the offloading issue)"
-                )),
-            )),
+            "offload_manager" => PreparedCase::prepare(raw).map(AnyCase::OffloadManager),
+            "multi" => PreparedCase::prepare(raw).map(AnyCase::Multi),
             m => Err((
                 raw.name,
                 CaseError(format!(
@@ -297,6 +303,8 @@ impl AnyCase {
             AnyCase::EventAccumulator(c) => &c.name,
             AnyCase::WorkerProtocol(c) => &c.name,
             AnyCase::Engine(c) => &c.name,
+            AnyCase::OffloadManager(c) => &c.name,
+            AnyCase::Multi(c) => &c.name,
         }
     }
 
@@ -308,6 +316,8 @@ impl AnyCase {
             AnyCase::EventAccumulator(c) => c.run(),
             AnyCase::WorkerProtocol(c) => c.run(),
             AnyCase::Engine(c) => c.run(),
+            AnyCase::OffloadManager(c) => c.run(),
+            AnyCase::Multi(c) => c.run(),
         }
     }
 }
