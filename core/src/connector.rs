@@ -161,6 +161,15 @@ pub trait SchedulerConnector: Debug {
         Vec::new()
     }
 
+    /// A breach of the connector contract that the connector itself detected during its last
+    /// call (draining), e.g. two children of a [`crate::MultiConnector`] setting the same
+    /// `kv_transfer_params` key, where vLLM raises. The methods above have no error channel;
+    /// the scheduler calls this with [`SchedulerConnector::take_intents`] and stops with the
+    /// sticky [`crate::SchedulerError::ConnectorContract`].
+    fn take_error(&mut self) -> Option<String> {
+        None
+    }
+
     /// Asked when a running request cannot get blocks: `true` suppresses preemption because
     /// pending transfers will release blocks.
     fn has_pending_block_frees(&self, _view: &SchedulerView<'_>) -> bool {

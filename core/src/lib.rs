@@ -13,6 +13,7 @@
 //! | [`WorkerMeta`] / [`Meta`] | `KVConnectorWorkerMetadata.aggregate` | §4.3–§4.4, I-25, I-31 |
 //! | [`EventAccumulator`] | the scheduler connector's `KVConnectorKVEvents` | §4.5 |
 //! | [`WorkerProtocol`] | the order of one rank's connector calls per step | §2.4, I-1…I-6 |
+//! | [`MultiConnector`] + [`MultiWorker`] | `MultiConnector` (both roles) | §1.7, §4.3, I-28…I-32 |
 //! | [`Scheduler`] + [`BlockPool`] | vLLM's `Scheduler` and `BlockPool`, as connectors see them | §1.2, §2.2–§2.3, §2.7–§2.9, §6.1, I-14…I-20, I-33…I-37 |
 //!
 //! # The connector contract
@@ -20,7 +21,8 @@
 //! [`SchedulerConnector`] and [`WorkerConnector`] are the two roles of a connector. The scheduler
 //! lends a connector a read-only [`SchedulerView`] for each call and applies the [`Intent`]s the
 //! connector returns; [`GuardedWorker`] puts the worker side behind the step protocol.
-//! [`ScriptedConnector`] answers from a table set by tests; [`NoopConnector`] does nothing.
+//! [`ScriptedConnector`] answers from a table set by tests ([`ScriptedWorker`] is its worker
+//! twin); [`NoopConnector`] does nothing.
 //!
 //! # Ids
 //!
@@ -51,10 +53,12 @@ mod connector;
 mod events;
 mod ids;
 mod meta;
+mod multi;
 mod output;
 mod protocol;
 mod scheduler;
 mod scripted;
+mod scripted_worker;
 
 pub use aggregator::{AggregateError, Aggregator, Direction};
 pub use block_pool::{BlockHash, BlockPool, NULL_BLOCK, Token, hash_block};
@@ -65,6 +69,10 @@ pub use connector::{
 pub use events::{EventAccumulator, KvEvent, KvEvents};
 pub use ids::{BlockId, Interner, JobId, Rank, RequestId, StepId};
 pub use meta::{Meta, MetaMismatch, OffloadMeta, WorkerMeta, build_multi, merge};
+pub use multi::{
+    ExtraAsyncSaves, MultiConnector, MultiError, MultiMeta, MultiWorker, combine_finished_counts,
+    route_worker_meta,
+};
 pub use output::{AggregatedOutput, SortedSet, WorkerOutput};
 pub use protocol::{ProtocolViolation, StepShape, WorkerCall, WorkerPhase, WorkerProtocol};
 pub use scheduler::{
@@ -74,6 +82,7 @@ pub use scheduler::{
     StepResult, fake_token,
 };
 pub use scripted::{ConnectorCall, ScriptedConnector, ScriptedLoad, ScriptedMeta};
+pub use scripted_worker::ScriptedWorker;
 
 use alloc::string::String;
 

@@ -1129,6 +1129,9 @@ impl<C: SchedulerConnector> Scheduler<C> {
 
     /// Apply the intents of the connector's last call.
     fn apply_intents(&mut self) -> Result<(), SchedulerError> {
+        if let Some(why) = self.connector.take_error() {
+            return Err(self.fail(SchedulerError::ConnectorContract(why)));
+        }
         for intent in self.connector.take_intents() {
             let st = &mut self.state;
             let why = match &intent {

@@ -102,6 +102,8 @@ pub struct ScriptedConnector {
     pending_block_frees: bool,
     push_work: bool,
     requires_kv_delivery: bool,
+    finished_count: Option<u32>,
+    observed_worker_meta: Option<Meta>,
     /// Loads admitted since the last `build_connector_meta`, and the async-load answers per
     /// request, so `update_state_after_alloc` knows whether the load is async.
     step_loads: Vec<ScriptedLoad>,
@@ -147,6 +149,21 @@ impl ScriptedConnector {
     /// `kv_transfer_params` returned when `id` finishes.
     pub fn set_finish_params(&mut self, id: RequestId, params: Params) {
         self.finish_params.insert(id, params);
+    }
+
+    /// `request_finished(id)` returns no `kv_transfer_params` again.
+    pub fn clear_finish_params(&mut self, id: RequestId) {
+        self.finish_params.remove(&id);
+    }
+
+    /// The worker metadata the last `update_connector_output` carried.
+    pub fn observed_worker_meta(&self) -> Option<&Meta> {
+        self.observed_worker_meta.as_ref()
+    }
+
+    /// What `get_finished_count` answers.
+    pub fn set_finished_count(&mut self, count: Option<u32>) {
+        self.finished_count = count;
     }
 
     /// What `has_pending_block_frees` answers.
@@ -249,6 +266,7 @@ impl SchedulerConnector for ScriptedConnector {
     }
 
     fn update_connector_output(&mut self, _view: &SchedulerView<'_>, output: &AggregatedOutput) {
+        self.observed_worker_meta.clone_from(&output.worker_meta);
         self.log(ConnectorCall::UpdateConnectorOutput {
             finished_sending: output.finished_sending.clone(),
             finished_recving: output.finished_recving.clone(),
@@ -284,6 +302,10 @@ impl SchedulerConnector for ScriptedConnector {
 
     fn has_pending_push_work(&self) -> bool {
         self.push_work
+    }
+
+    fn get_finished_count(&self) -> Option<u32> {
+        self.finished_count
     }
 
     fn requires_kv_delivery(&self) -> bool {

@@ -51,7 +51,7 @@ pub const MACHINES: [(&str, bool); 7] = [
     ("worker_protocol", true),
     ("engine", true),
     ("offload_manager", false),
-    ("multi", false),
+    ("multi", true),
 ];
 
 // ---------------------------------------------------------------------------------------------

@@ -80,8 +80,8 @@ fn malformed_cases_fail_with_clear_messages() {
         "unknown machine `teleporter`",
     );
     fails_with(
-        r#"{"name":"x","machine":"multi","config":{"children":2},"calls":[]}"#,
-        "not implemented yet",
+        r#"{"name":"x","machine":"multi","config":{"children":0},"calls":[]}"#,
+        "`children` must be at least 1",
     );
     fails_with(
         r#"{"name":"x","machine":"aggregator","config":{"quorum":1},"calls":[{"call":"explode"}]}"#,
