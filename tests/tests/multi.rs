@@ -999,3 +999,67 @@ proptest! {
         prop_assert!(w.extra_async_saves().is_empty());
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Composition of compositions.
+
+type DynWorker = Box<dyn WorkerConnector<Meta = ScriptedMeta, WorkerMeta = Meta>>;
+
+#[test]
+fn boxed_worker_children_compose() {
+    let children: Vec<DynWorker> = vec![
+        Box::new(ScriptedWorker::new()),
+        Box::new(ScriptedWorker::new()),
+    ];
+    let mut w = MultiWorker::new(children);
+    let meta = MultiMeta {
+        metadata: vec![ScriptedMeta::default(); 2],
+        extra_async_saves: Some([(rid(1), 1)].into_iter().collect()),
+    };
+    w.bind(&meta);
+    assert_eq!(w.build_connector_worker_meta(), None);
+    assert_eq!(w.extra_async_saves().get(&rid(1)), Some(&1));
+    w.clear();
+}
+
+#[test]
+fn a_multi_connector_nests_as_a_child() {
+    let s = idle();
+    let v = s.view();
+    let inner = || MultiConnector::new(vec![ScriptedConnector::new(); 2]).unwrap();
+    let mut m = MultiConnector::new(vec![inner(), inner()]).unwrap();
+    // The second inner connector's second child loads.
+    m.child_mut(1)
+        .unwrap()
+        .child_mut(1)
+        .unwrap()
+        .set_lookup(rid(1), hit(16, false));
+    assert_eq!(m.get_num_new_matched_tokens(&v, rid(1), 0), hit(16, false));
+    assert_eq!(m.loader(rid(1)), Some(1));
+    assert_eq!(m.children()[1].loader(rid(1)), Some(1));
+
+    // Worker metadata nests slot-wise, and each grandchild sees its own slot.
+    let nested = Meta::Multi(vec![None, Some(Meta::Multi(vec![Some(set(&["g"])), None]))]);
+    m.update_connector_output(&v, &empty_output(Some(nested)));
+    assert_eq!(
+        m.children()[1].children()[0].observed_worker_meta(),
+        Some(&set(&["g"]))
+    );
+    assert!(
+        m.children()[0].children()[0]
+            .observed_worker_meta()
+            .is_none()
+    );
+
+    // A clash inside an inner connector reaches the scheduler through take_error.
+    for i in 0..2 {
+        m.child_mut(0)
+            .unwrap()
+            .child_mut(i)
+            .unwrap()
+            .set_finish_params(rid(2), params(&[("k", "v")]));
+    }
+    assert!(!m.request_finished(&v, rid(2), &[]).delay_free);
+    assert!(m.take_error().is_some_and(|e| e.contains("\"k\"")));
+    assert_eq!(m.take_error(), None);
+}
