@@ -1,0 +1,384 @@
+//! The offloading connector, worker side (SEMANTICS.md §5.6–§5.7, I-46, I-47): vLLM 0.33.0's
+//! `OffloadingConnectorWorker` with the queue discipline of its `CPUOffloadingWorker`.
+//!
+//! The DMA itself is outside the core: hooks return [`TransferCommand`]s (start a transfer, wait
+//! for jobs) and the runtime feeds every completion back with
+//! [`WorkerConnector::handle_transfer_done`]. The worker keeps vLLM's three FIFO queues (stores,
+//! loads, expedited sync loads) and reports a transfer only once it and every earlier transfer of
+//! its queue completed (head-of-line).
+//!
+//! Per step, in the order the step protocol admits:
+//!
+//! * `handle_preemptions`: the step's flushed stores leave the step's store list (so
+//!   `wait_for_save` does not queue them again) and are submitted with the stores deferred from
+//!   the previous step; then one `Wait` for the flushed jobs in flight, before any KV write.
+//! * `start_load_kv`: the step's loads; synchronous ones go to the expedited queue and are
+//!   waited for.
+//! * `wait_for_save`: the step's stores are deferred to the start of the next step (offloading
+//!   starts after the sampling transfers). A non-writer rank (rank > 0 of a replicated layout)
+//!   acknowledges stores without transferring.
+//! * `get_transfer_results`: completed jobs become acknowledgements in the worker metadata;
+//!   async loads also report their request in `finished_recving`. Never `finished_sending`.
+//! * `build_connector_worker_meta`: the acknowledgements since the last call, or `None`.
+//!
+//! # Errors
+//!
+//! vLLM asserts that transfers never fail and that specs are well formed. Here a failed or
+//! unknown completion, or a job whose host chunks do not cover its GPU blocks, is kept as a
+//! sticky [`OffloadingWorkerError`] ([`OffloadingWorker::error`]); the job is not acknowledged.
+
+use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
+use alloc::vec::Vec;
+
+use crate::connector::{
+    Transfer, TransferCommand, TransferDirection, TransferDone, TransferResults, WorkerConnector,
+};
+use crate::ids::{BlockId, JobId, RequestId};
+use crate::meta::{Meta, OffloadMeta};
+use crate::offloading::{OffloadingConnectorMeta, TransferJob};
+use crate::output::SortedSet;
+use crate::{InvariantViolation, ensure_invariant};
+
+/// What went wrong on a worker (vLLM asserts in each case).
+#[derive(Clone, Debug, Eq, Hash, PartialEq, thiserror::Error)]
+pub enum OffloadingWorkerError {
+    /// A transfer reported failure; offloading does not support failed transfers.
+    #[error("transfer of job {0:?} failed")]
+    TransferFailed(JobId),
+    /// A completion for a job that is not in flight on this rank.
+    #[error("completion for job {0:?}, which is not in flight")]
+    UnknownJob(JobId),
+    /// A job whose host chunks do not cover its GPU blocks.
+    #[error("job {0:?} is malformed: its host chunks do not cover its GPU blocks")]
+    MalformedJob(JobId),
+}
+
+/// Configuration of one rank's offloading worker.
+#[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct OffloadingWorkerConfig {
+    /// GPU blocks per host chunk (as on the scheduler side).
+    pub blocks_per_chunk: u32,
+    /// `false` on ranks > 0 of a replicated (non-canonical) layout: stores are acknowledged,
+    /// not transferred. Loads are performed on every rank.
+    pub is_store_writer: bool,
+    /// Bytes of one GPU block on this rank, for the transfer statistics.
+    pub bytes_per_block: u64,
+}
+
+/// The three DMA queues of `CPUOffloadingWorker`, reported in this order.
+#[derive(Clone, Copy, Debug, Eq, Hash, Ord, PartialEq, PartialOrd)]
+enum Queue {
+    Store = 0,
+    Load = 1,
+    Expedited = 2,
+}
+
+/// One rank's offloading worker. See the module docs.
+#[derive(Clone, Debug, Eq, Hash, PartialEq)]
+pub struct OffloadingWorker {
+    config: OffloadingWorkerConfig,
+    /// The bound metadata, minus the stores flushed in `handle_preemptions`.
+    bound: Option<OffloadingConnectorMeta>,
+    /// Jobs flushed by this step's `handle_preemptions`.
+    flushed: BTreeSet<JobId>,
+    /// In-flight loads: the request of async ones, `None` for sync ones.
+    load_jobs: BTreeMap<JobId, Option<RequestId>>,
+    /// Stores deferred to the start of the next step.
+    unsubmitted: Vec<(JobId, TransferJob)>,
+    /// Submitted transfers per queue, in submission order, with their block count.
+    queues: [VecDeque<(JobId, u64)>; 3],
+    /// Submitted transfers whose completion was fed back, not yet reported.
+    done: BTreeSet<JobId>,
+    /// Acknowledgements since the last `build_connector_worker_meta`.
+    completed: OffloadMeta,
+    error: Option<OffloadingWorkerError>,
+}
+
+impl OffloadingWorker {
+    /// A worker with nothing in flight.
+    pub fn new(config: OffloadingWorkerConfig) -> Self {
+        Self {
+            config,
+            bound: None,
+            flushed: BTreeSet::new(),
+            load_jobs: BTreeMap::new(),
+            unsubmitted: Vec::new(),
+            queues: [VecDeque::new(), VecDeque::new(), VecDeque::new()],
+            done: BTreeSet::new(),
+            completed: OffloadMeta::new(),
+            error: None,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &OffloadingWorkerConfig {
+        &self.config
+    }
+
+    /// The sticky error, if any.
+    pub fn error(&self) -> Option<&OffloadingWorkerError> {
+        self.error.as_ref()
+    }
+
+    /// Submitted transfers not yet reported, in queue order (stores, loads, expedited loads).
+    pub fn in_flight(&self) -> impl Iterator<Item = JobId> + '_ {
+        self.queues.iter().flatten().map(|&(j, _)| j)
+    }
+
+    /// Submitted transfers whose completion has not been fed back yet.
+    pub fn awaiting_completion(&self) -> impl Iterator<Item = JobId> + '_ {
+        self.in_flight().filter(|j| !self.done.contains(j))
+    }
+
+    /// Stores deferred to the next step's start.
+    pub fn deferred_stores(&self) -> impl Iterator<Item = JobId> + '_ {
+        self.unsubmitted.iter().map(|(j, _)| *j)
+    }
+
+    fn fail(&mut self, e: OffloadingWorkerError) {
+        if self.error.is_none() {
+            self.error = Some(e);
+        }
+    }
+
+    fn acknowledge(&mut self, job: JobId) {
+        self.completed.mark_completed(job);
+    }
+
+    /// The host slot (chunk × blocks per chunk + offset) of every GPU block of `job`, in the
+    /// order of [`Transfer::gpu_blocks`]; `None` when the chunks do not cover the blocks.
+    fn transfer(&self, id: JobId, job: &TransferJob, dir: TransferDirection) -> Option<Transfer> {
+        let bpc = u64::from(self.config.blocks_per_chunk);
+        let mut gpu_blocks: Vec<BlockId> = Vec::with_capacity(job.num_blocks());
+        let mut external = Vec::with_capacity(job.num_blocks());
+        for (g, blocks) in job.gpu.block_ids.iter().enumerate() {
+            if blocks.is_empty() {
+                continue;
+            }
+            let skip = u64::from(*job.gpu.block_indices.get(g)?) % bpc;
+            let chunks = job.chunks.get(g)?;
+            for (j, &b) in blocks.iter().enumerate() {
+                let pos = skip + j as u64;
+                let chunk = chunks.get(usize::try_from(pos / bpc).ok()?)?;
+                external.push(u64::from(chunk.0) * bpc + pos % bpc);
+                gpu_blocks.push(b);
+            }
+        }
+        Some(Transfer {
+            job: id,
+            direction: dir,
+            request: job.request,
+            gpu_blocks,
+            external,
+        })
+    }
+
+    fn submit(
+        &mut self,
+        id: JobId,
+        job: &TransferJob,
+        queue: Queue,
+        out: &mut Vec<TransferCommand>,
+    ) {
+        let dir = match queue {
+            Queue::Store => TransferDirection::Store,
+            Queue::Load | Queue::Expedited => TransferDirection::Load,
+        };
+        let Some(t) = self.transfer(id, job, dir) else {
+            self.fail(OffloadingWorkerError::MalformedJob(id));
+            return;
+        };
+        self.queues[queue as usize].push_back((id, t.gpu_blocks.len() as u64));
+        out.push(TransferCommand::Start(t));
+    }
+
+    fn submit_deferred_stores(&mut self, out: &mut Vec<TransferCommand>) {
+        for (id, job) in core::mem::take(&mut self.unsubmitted) {
+            self.submit(id, &job, Queue::Store, out);
+        }
+    }
+
+    fn is_in_flight(&self, job: JobId) -> bool {
+        self.queues.iter().flatten().any(|&(j, _)| j == job)
+    }
+
+    /// I-46 (rank side): every queued job is in exactly one queue, completions are only for
+    /// queued jobs, the in-flight loads are queued or reported, no acknowledgement is pending
+    /// twice.
+    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        let mut seen = BTreeSet::new();
+        for &(j, _) in self.queues.iter().flatten() {
+            ensure_invariant!(seen.insert(j), "I-46", "job {j:?} queued twice");
+        }
+        for j in &self.done {
+            ensure_invariant!(
+                seen.contains(j),
+                "I-46",
+                "completion of {j:?} kept for a job not queued"
+            );
+        }
+        for j in self.load_jobs.keys() {
+            ensure_invariant!(
+                seen.contains(j),
+                "I-46",
+                "load {j:?} tracked but not queued"
+            );
+        }
+        for (j, _) in self.completed.completed_jobs() {
+            ensure_invariant!(
+                !seen.contains(&j),
+                "I-46",
+                "job {j:?} acknowledged while still queued"
+            );
+        }
+        for (j, _) in &self.unsubmitted {
+            ensure_invariant!(
+                !seen.contains(j) && self.completed.count(*j) == 0,
+                "I-47",
+                "deferred store {j:?} already submitted or acknowledged"
+            );
+        }
+        Ok(())
+    }
+}
+
+impl WorkerConnector for OffloadingWorker {
+    type Meta = OffloadingConnectorMeta;
+    type WorkerMeta = Meta;
+
+    fn handle_preemptions(&mut self, meta: &OffloadingConnectorMeta) -> Vec<TransferCommand> {
+        let mut out = Vec::new();
+        self.flushed = meta.jobs_to_flush.iter().copied().collect();
+        for &job in meta.jobs_to_flush.iter() {
+            let Some(entry) = meta.store_jobs.get(&job) else {
+                continue;
+            };
+            if self.config.is_store_writer {
+                self.unsubmitted.push((job, entry.clone()));
+            } else {
+                self.acknowledge(job);
+            }
+        }
+        self.submit_deferred_stores(&mut out);
+        let wait: Vec<JobId> = meta
+            .jobs_to_flush
+            .iter()
+            .copied()
+            .filter(|&j| self.is_in_flight(j) && !self.done.contains(&j))
+            .collect();
+        if !wait.is_empty() {
+            out.push(TransferCommand::Wait(SortedSet::from_vec(wait)));
+        }
+        out
+    }
+
+    fn bind(&mut self, meta: &OffloadingConnectorMeta) {
+        let mut m = meta.clone();
+        for j in &self.flushed {
+            m.store_jobs.remove(j);
+        }
+        self.bound = Some(m);
+    }
+
+    fn start_load_kv(&mut self) -> Vec<TransferCommand> {
+        let mut out = Vec::new();
+        self.submit_deferred_stores(&mut out);
+        let Some(meta) = self.bound.take() else {
+            return out;
+        };
+        let mut sync = Vec::new();
+        for (&id, job) in &meta.load_jobs {
+            if job.sync {
+                // Its request runs this step: no finished_recving.
+                self.load_jobs.insert(id, None);
+                self.submit(id, job, Queue::Expedited, &mut out);
+                sync.push(id);
+            } else {
+                self.load_jobs.insert(id, Some(job.request));
+                self.submit(id, job, Queue::Load, &mut out);
+            }
+        }
+        let queues = &self.queues;
+        self.load_jobs
+            .retain(|j, _| queues.iter().flatten().any(|&(q, _)| q == *j));
+        self.bound = Some(meta);
+        let sync: Vec<JobId> = sync
+            .into_iter()
+            .filter(|j| !self.done.contains(j))
+            .collect();
+        if !sync.is_empty() {
+            out.push(TransferCommand::Wait(SortedSet::from_vec(sync)));
+        }
+        out
+    }
+
+    fn wait_for_save(&mut self) -> Vec<TransferCommand> {
+        let Some(meta) = self.bound.take() else {
+            return Vec::new();
+        };
+        for (&id, job) in &meta.store_jobs {
+            if self.config.is_store_writer {
+                // Deferred to the start of the next step.
+                self.unsubmitted.push((id, job.clone()));
+            } else {
+                self.acknowledge(id);
+            }
+        }
+        self.bound = Some(meta);
+        Vec::new()
+    }
+
+    fn handle_transfer_done(&mut self, done: TransferDone) {
+        if !self.is_in_flight(done.job) || self.done.contains(&done.job) {
+            self.fail(OffloadingWorkerError::UnknownJob(done.job));
+            return;
+        }
+        if !done.ok {
+            self.fail(OffloadingWorkerError::TransferFailed(done.job));
+            return;
+        }
+        self.done.insert(done.job);
+    }
+
+    fn get_transfer_results(&mut self, _finished: &SortedSet<RequestId>) -> TransferResults {
+        let mut recving = Vec::new();
+        for q in 0..self.queues.len() {
+            while let Some(&(job, blocks)) = self.queues[q].front() {
+                if !self.done.remove(&job) {
+                    break;
+                }
+                self.queues[q].pop_front();
+                self.completed.transfers += 1;
+                self.completed.bytes = self
+                    .completed
+                    .bytes
+                    .saturating_add(blocks.saturating_mul(self.config.bytes_per_block));
+                self.acknowledge(job);
+                if let Some(Some(req)) = self.load_jobs.remove(&job) {
+                    recving.push(req);
+                }
+            }
+        }
+        TransferResults {
+            finished_sending: None,
+            finished_recving: (!recving.is_empty()).then(|| SortedSet::from_vec(recving)),
+            failed_recving: SortedSet::new(),
+        }
+    }
+
+    fn get_block_ids_with_load_errors(&mut self) -> SortedSet<BlockId> {
+        SortedSet::new()
+    }
+
+    fn build_connector_worker_meta(&mut self) -> Option<Meta> {
+        if self.completed.is_empty() {
+            return None;
+        }
+        Some(Meta::Offload(core::mem::take(&mut self.completed)))
+    }
+
+    fn clear(&mut self) {
+        self.bound = None;
+        self.flushed.clear();
+    }
+}
