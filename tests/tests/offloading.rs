@@ -268,6 +268,14 @@ impl Sim {
         self.check();
     }
 
+    /// Holds `rank`, runs one step and returns it with the first store job it created.
+    fn held_step(&mut self, rank: usize) -> (StepLog, JobId) {
+        self.held[rank] = true;
+        let log = self.step();
+        let job = *log.meta.store_jobs.keys().next().expect("a store job");
+        (log, job)
+    }
+
     /// Runs request `id` (prompt `p`, one output token) to the end: its prompt is offloaded.
     fn offload(&mut self, id: u32, p: &[u32]) {
         self.add(spec(id, p.to_vec(), 1));
@@ -718,9 +726,7 @@ fn a_zero_token_admission_still_counts_as_an_allocation_for_fences() {
     // happens either way (issue #46951).
     let mut sim = Sim::simple(12, false, 1);
     sim.add(spec(1, prompt(1, 24), 1));
-    sim.held[0] = true;
-    let s0 = sim.step();
-    let job = *s0.meta.store_jobs.keys().next().unwrap();
+    let (_, job) = sim.held_step(0);
     sim.add(spec(2, prompt(2, 40), 1));
     let s1 = sim.step();
     assert!(s1.meta.jobs_to_flush.contains(&job));
@@ -736,9 +742,7 @@ fn a_job_completes_only_when_every_rank_acknowledged() {
     let mut sim = Sim::simple(100, false, 2);
     let p = prompt(1, 24);
     sim.add(spec(1, p.clone(), 5));
-    sim.held[1] = true;
-    let s0 = sim.step();
-    let job = *s0.meta.store_jobs.keys().next().unwrap();
+    let (_, job) = sim.held_step(1);
     assert_eq!(sim.conn().pending_count(job), Some(2));
     let _ = sim.step();
     assert_eq!(
@@ -785,9 +789,7 @@ fn reset_with_jobs_in_flight_fences_their_late_acknowledgements() {
     let mut sim = Sim::simple(100, false, 1);
     let p = prompt(1, 36);
     sim.add(spec(1, p.clone(), 20));
-    sim.held[0] = true;
-    let s0 = sim.step();
-    let job = *s0.meta.store_jobs.keys().next().unwrap();
+    let (_, job) = sim.held_step(0);
     let _ = sim.step();
     assert_eq!(sim.s.reset_connector_cache().unwrap(), Some(true));
     sim.check();
