@@ -307,7 +307,7 @@ impl OffloadingConnector {
         {
             return bad("tokens per chunk overflow");
         }
-        let manager = CpuOffloadingManager::new(config.manager.clone())
+        let manager = CpuOffloadingManager::new(config.manager)
             .map_err(|e| OffloadingError::InvalidConfig(format!("manager: {e:?}")))?;
         let groups = scheduler.groups.clone();
         let mut swa: Vec<usize> = (0..groups.len())
