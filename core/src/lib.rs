@@ -14,6 +14,7 @@
 //! | [`EventAccumulator`] | the scheduler connector's `KVConnectorKVEvents` | §4.5 |
 //! | [`WorkerProtocol`] | the order of one rank's connector calls per step | §2.4, I-1…I-6 |
 //! | [`MultiConnector`] + [`MultiWorker`] | `MultiConnector` (both roles) | §1.7, §4.3, I-28…I-32 |
+//! | [`CpuOffloadingManager`] | `CPUOffloadingManager` + its LRU/ARC policies | §5.2–§5.4, I-40 |
 //! | [`Scheduler`] + [`BlockPool`] | vLLM's `Scheduler` and `BlockPool`, as connectors see them | §1.2, §2.2–§2.3, §2.7–§2.9, §6.1, I-14…I-20, I-33…I-37 |
 //!
 //! # The connector contract
@@ -54,6 +55,7 @@ mod events;
 mod ids;
 mod meta;
 mod multi;
+mod offload_manager;
 mod output;
 mod protocol;
 mod scheduler;
@@ -72,6 +74,10 @@ pub use meta::{Meta, MetaMismatch, OffloadMeta, WorkerMeta, build_multi, merge};
 pub use multi::{
     ExtraAsyncSaves, MultiConnector, MultiError, MultiMeta, MultiWorker, combine_finished_counts,
     route_worker_meta,
+};
+pub use offload_manager::{
+    Access, ChunkId, CpuOffloadingManager, KeyLookup, ManagerConfig, ManagerError, OffloadEvent,
+    OffloadKey, PolicyKind, PrepareStoreOutput,
 };
 pub use output::{AggregatedOutput, SortedSet, WorkerOutput};
 pub use protocol::{ProtocolViolation, StepShape, WorkerCall, WorkerPhase, WorkerProtocol};

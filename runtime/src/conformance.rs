@@ -50,7 +50,7 @@ pub const MACHINES: [(&str, bool); 7] = [
     ("event_accumulator", true),
     ("worker_protocol", true),
     ("engine", true),
-    ("offload_manager", false),
+    ("offload_manager", true),
     ("multi", true),
 ];
 
