@@ -291,12 +291,17 @@ impl CpuOffloadingManager {
             counts = keys.iter().map(|k| self.track(*k)).collect();
         }
         let mut candidates: Vec<OffloadKey> = Vec::new();
-        let mut seen: BTreeSet<OffloadKey> = BTreeSet::new();
+        // The offer, sorted: duplicate detection and eviction protection by binary search.
+        let mut offer: Vec<OffloadKey> = keys.to_vec();
+        offer.sort_unstable();
+        offer.dedup();
+        let mut seen: Vec<OffloadKey> = Vec::new();
         for (i, k) in keys.iter().enumerate() {
             if self.chunks.contains_key(k) || (threshold >= 2 && counts[i] < threshold) {
                 continue;
             }
-            if seen.insert(*k) {
+            if offer.len() == keys.len() || !seen.contains(k) {
+                seen.push(*k);
                 candidates.push(*k);
             }
         }
@@ -307,11 +312,10 @@ impl CpuOffloadingManager {
         let need = candidates.len().saturating_sub(free);
         let mut evicted = Vec::new();
         if need > 0 {
-            let protected: BTreeSet<OffloadKey> = keys.iter().copied().collect();
             let victims: Vec<(u64, OffloadKey)> = self
                 .idle
                 .iter()
-                .filter(|(_, k)| !protected.contains(k))
+                .filter(|(_, k)| offer.binary_search(k).is_err())
                 .take(need)
                 .copied()
                 .collect();
