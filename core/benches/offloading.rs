@@ -12,13 +12,6 @@
 //!
 //! Run: `cargo bench -p kvrelay-core --bench offloading`.
 
-// Disabled until `kvrelay-core` registers the offloading modules, which need the CPU
-// offloading manager (`core/src/offload_manager.rs`, not committed yet). To enable: add
-// `mod offloading; mod offloading_worker;` and their `pub use` lines to core/src/lib.rs,
-// then delete the line below and register `[[bench]] name = "offloading" harness = false` in
-// core/Cargo.toml.
-#![cfg(any())]
-
 use divan::{Bencher, black_box};
 use kvrelay_core::{
     AggregatedOutput, ManagerConfig, Meta, ModelOutput, OffloadMeta, OffloadingConfig,

@@ -15,6 +15,7 @@
 //! | [`WorkerProtocol`] | the order of one rank's connector calls per step | §2.4, I-1…I-6 |
 //! | [`MultiConnector`] + [`MultiWorker`] | `MultiConnector` (both roles) | §1.7, §4.3, I-28…I-32 |
 //! | [`CpuOffloadingManager`] | `CPUOffloadingManager` + its LRU/ARC policies | §5.2–§5.4, I-40 |
+//! | [`OffloadingConnector`] + [`OffloadingWorker`] | `OffloadingConnector` (both roles) | §1.8, §5.5–§5.7, §6.4, I-38…I-47 |
 //! | [`Scheduler`] + [`BlockPool`] | vLLM's `Scheduler` and `BlockPool`, as connectors see them | §1.2, §2.2–§2.3, §2.7–§2.9, §6.1, I-14…I-20, I-33…I-37 |
 //!
 //! # The connector contract
@@ -56,6 +57,8 @@ mod ids;
 mod meta;
 mod multi;
 mod offload_manager;
+mod offloading;
+mod offloading_worker;
 mod output;
 mod protocol;
 mod scheduler;
@@ -79,6 +82,11 @@ pub use offload_manager::{
     Access, ChunkId, CpuOffloadingManager, KeyLookup, ManagerConfig, ManagerError, OffloadEvent,
     OffloadKey, PolicyKind, PrepareStoreOutput,
 };
+pub use offloading::{
+    GpuSpec, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta, OffloadingError,
+    TransferJob,
+};
+pub use offloading_worker::{OffloadingWorker, OffloadingWorkerConfig, OffloadingWorkerError};
 pub use output::{AggregatedOutput, SortedSet, WorkerOutput};
 pub use protocol::{ProtocolViolation, StepShape, WorkerCall, WorkerPhase, WorkerProtocol};
 pub use scheduler::{

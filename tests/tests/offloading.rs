@@ -8,12 +8,6 @@
 //! released. `check_invariants()` of the scheduler, the connector and every worker runs after
 //! every call.
 
-// Disabled until `kvrelay-core` registers the offloading modules, which need the CPU
-// offloading manager (`core/src/offload_manager.rs`, not committed yet). To enable: add
-// `mod offloading; mod offloading_worker;` and their `pub use` lines to core/src/lib.rs,
-// then delete the line below.
-#![cfg(any())]
-
 use kvrelay_core::{
     AggregatedOutput, Aggregator, BlockId, ChunkId, GroupKind, JobId, KeyLookup, ManagerConfig,
     Meta, Mode, ModelOutput, OffloadKey, OffloadingConfig, OffloadingConnector,
