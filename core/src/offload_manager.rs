@@ -268,7 +268,8 @@ impl CpuOffloadingManager {
         entry.1 = tick;
         let count = entry.0;
         self.tracker_order.insert((tick, k));
-        let bound = (self.config.capacity_chunks as usize).max(1) * 4;
+        // vLLM's `max_tracker_size` default.
+        let bound = 64_000;
         while self.tracker.len() > bound {
             let Some((_, old)) = self.tracker_order.pop_first() else {
                 break;
