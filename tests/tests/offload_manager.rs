@@ -2,8 +2,8 @@
 //! policies, with `check_invariants()` after every call.
 
 use kvrelay_core::{
-    Access, BlockHash, CpuOffloadingManager, KeyLookup, ManagerConfig, ManagerError, OffloadKey,
-    PolicyKind,
+    Access, BlockHash, CpuOffloadingManager, KeyLookup, ManagerConfig, ManagerError, OffloadEvent,
+    OffloadKey, PolicyKind, RequestId,
 };
 
 fn k(n: u64) -> OffloadKey {
@@ -118,6 +118,91 @@ fn reset_forgets_everything() {
         ok(&m);
         assert_eq!(m.lookup(k(1)), KeyLookup::Miss);
         assert_eq!(m.num_free_chunks(), 2);
-        assert!(m.take_events().is_empty());
+        // As vLLM: a reset clears chunks and the policy, not the events not yet drained.
+        assert_eq!(
+            m.take_events(),
+            vec![OffloadEvent {
+                keys: vec![k(1)],
+                removed: false
+            }]
+        );
     }
+}
+
+fn stored(m: &mut CpuOffloadingManager, keys: &[OffloadKey], access: Access<'_>) {
+    let out = m.prepare_store(keys, access).unwrap();
+    m.complete_store(&out.keys_to_store, true);
+    ok(m);
+}
+
+/// LRU with positions: a request's keys get the provisional rank `(request, −position)`, so its
+/// tail is evicted before its head, and an earlier request before a later one; finishing the
+/// request commits fresh ranks tail to head (the head ends most recent).
+#[test]
+fn lru_request_ranks_evict_tails_first_and_commit_at_finish() {
+    let mut m = manager(PolicyKind::Lru, 4, 1);
+    let r = RequestId(7);
+    let access = |pos: &'static [u32]| Access {
+        request: Some(r),
+        positions: Some(pos),
+    };
+    stored(&mut m, &[k(1), k(2), k(3)], access(&[12, 24, 36]));
+    stored(&mut m, &[k(9)], Access::default());
+    // Provisional: k3 (tail) < k2 < k1 < k9 (a later global rank).
+    let out = m.prepare_store(&[k(4), k(5)], Access::default()).unwrap();
+    assert_eq!(out.evicted, vec![k(3), k(2)]);
+    ok(&m);
+    m.complete_store(&[k(4), k(5)], true);
+    // Finishing commits k1 with a fresh global rank: now k9 is the oldest.
+    m.on_request_finished(r);
+    let out = m.prepare_store(&[k(6)], Access::default()).unwrap();
+    assert_eq!(out.evicted, vec![k(9)]);
+    ok(&m);
+}
+
+/// ARC: new keys enter T1; a request reusing a ready key promotes it to T2 at finish; eviction
+/// takes from T1 while it is at least the target, and evicted keys become ghosts whose later
+/// store miss grows the T1 target.
+#[test]
+fn arc_promotes_reused_keys_and_adapts_to_ghost_hits() {
+    let mut m = manager(PolicyKind::Arc, 2, 1);
+    stored(&mut m, &[k(1), k(2)], Access::default());
+    let r = RequestId(1);
+    let access = Access {
+        request: Some(r),
+        positions: None,
+    };
+    m.prepare_load(&[k(1)], access).unwrap();
+    m.complete_load(&[k(1)]).unwrap();
+    m.on_request_finished(r);
+    // T1 = [k2], T2 = [k1], target 0: T1 is evicted first.
+    let out = m.prepare_store(&[k(3)], Access::default()).unwrap();
+    assert_eq!(out.evicted, vec![k(2)]);
+    m.complete_store(&[k(3)], true);
+    ok(&m);
+    // k2 is a B1 ghost: its store miss raises the target to 1, so T1 (= [k3], size 1 ≥ 1)
+    // still gives the victim.
+    let out = m.prepare_store(&[k(2)], Access::default()).unwrap();
+    assert_eq!(out.evicted, vec![k(3)]);
+    m.complete_store(&[k(2)], true);
+    ok(&m);
+    // T1 = [k2], target 1, then k4: T1 size 1 ≥ 1 → k2 again; T2's k1 survives throughout.
+    let out = m.prepare_store(&[k(4)], Access::default()).unwrap();
+    assert_eq!(out.evicted, vec![k(2)]);
+    assert_eq!(m.lookup(k(1)), KeyLookup::Hit);
+    ok(&m);
+}
+
+/// ARC: touching a ready T1 key promotes it; touching a write-pending one keeps it in T1.
+#[test]
+fn arc_touch_promotes_only_ready_keys() {
+    let mut m = manager(PolicyKind::Arc, 2, 1);
+    stored(&mut m, &[k(1)], Access::default());
+    m.prepare_store(&[k(2)], Access::default()).unwrap();
+    m.touch(&[k(1), k(2)], Access::default());
+    m.complete_store(&[k(2)], true);
+    // T1 = [k2], T2 = [k1]: target 0 → evict from T1.
+    let out = m.prepare_store(&[k(3)], Access::default()).unwrap();
+    assert_eq!(out.evicted, vec![k(2)]);
+    ok(&m);
 }
