@@ -402,21 +402,23 @@ impl CpuOffloadingManager {
 
     /// LRU: a fresh global rank for a present key.
     fn lru_new_rank(&mut self, k: OffloadKey) {
-        let Policy::Lru {
-            ranks,
-            evictable,
-            next_rank,
-        } = &mut self.policy
+        let (Some(c), Policy::Lru { next_rank, .. }) = (self.chunks.get(&k), &mut self.policy)
         else {
             return;
         };
-        let Some(c) = self.chunks.get(&k) else {
-            return;
-        };
+        let idle = c.ref_cnt == 0;
         *next_rank += 1;
         let rank = (*next_rank, 0);
-        if let Some(old) = ranks.insert(k, rank)
-            && c.ref_cnt == 0
+        self.lru_rerank(k, rank, idle);
+    }
+
+    /// LRU: gives a ranked key its new rank, keeping the idle index in step.
+    fn lru_rerank(&mut self, k: OffloadKey, rank: Rank, idle: bool) {
+        if let Policy::Lru {
+            ranks, evictable, ..
+        } = &mut self.policy
+            && let Some(old) = ranks.insert(k, rank)
+            && idle
         {
             evictable.remove(&(old, k));
             evictable.insert((rank, k));
@@ -506,12 +508,7 @@ impl CpuOffloadingManager {
     /// LRU `on_request_access`: present keys with a known position move up to the request's
     /// provisional rank (ranks only move up).
     fn lru_request_access(&mut self, ctx: &mut RequestAccess, keys: &[OffloadKey]) {
-        let Policy::Lru {
-            ranks,
-            evictable,
-            next_rank,
-        } = &mut self.policy
-        else {
+        let Policy::Lru { next_rank, .. } = &mut self.policy else {
             return;
         };
         let request_rank = Self::lru_request_rank(next_rank, ctx);
@@ -519,17 +516,13 @@ impl CpuOffloadingManager {
             let (Some(&pos), Some(c)) = (ctx.positions.get(k), self.chunks.get(k)) else {
                 continue;
             };
+            let idle = c.ref_cnt == 0;
             let rank = (request_rank, -i64::from(pos));
-            let Some(old) = ranks.get(k).copied() else {
-                continue;
+            let Policy::Lru { ranks, .. } = &self.policy else {
+                unreachable!("matched above");
             };
-            if old >= rank {
-                continue;
-            }
-            ranks.insert(*k, rank);
-            if c.ref_cnt == 0 {
-                evictable.remove(&(old, *k));
-                evictable.insert((rank, *k));
+            if ranks.get(k).is_some_and(|old| *old < rank) {
+                self.lru_rerank(*k, rank, idle);
             }
         }
     }
