@@ -323,6 +323,7 @@ impl CpuOffloadingManager {
             out.push(c.chunk);
         }
         let mut ctx = self.take_ctx(access);
+        Self::learn_positions(&mut ctx, keys, access);
         self.record_access(&mut ctx, keys, access, keys);
         self.put_ctx(access, ctx);
         Ok(out)
@@ -472,7 +473,8 @@ impl CpuOffloadingManager {
     }
 
     /// `_record_request_cache_access`: first accesses in order (the LRU's provisional ranks),
-    /// and the reused keys that were not inserted by this request.
+    /// and the reused keys that were not inserted by this request. Positions must have been
+    /// learnt from the whole call first (`access.positions` is parallel to the call's keys).
     fn record_access(
         &mut self,
         ctx: &mut RequestAccess,
@@ -480,7 +482,14 @@ impl CpuOffloadingManager {
         access: Access<'_>,
         reused: &[OffloadKey],
     ) {
-        Self::learn_positions(ctx, keys, access);
+        if access.request.is_none() {
+            // A fresh scope that is dropped after this call: only the provisional LRU ranks of
+            // keys with positions outlive it.
+            if !ctx.positions.is_empty() {
+                self.lru_request_access(ctx, keys);
+            }
+            return;
+        }
         let mut new_keys = Vec::new();
         for k in keys {
             if ctx.seen.insert(*k) {
@@ -573,48 +582,55 @@ impl CpuOffloadingManager {
         if threshold >= 2 {
             self.track_offer(keys);
         }
+        // The offer sorted: duplicate detection and eviction protection by binary search.
+        let mut sorted: Vec<OffloadKey> = keys.to_vec();
+        sorted.sort_unstable();
+        let has_dups = sorted.windows(2).any(|w| w[0] == w[1]);
         let mut candidates: Vec<OffloadKey> = Vec::new();
         let mut ready_existing: Vec<OffloadKey> = Vec::new();
+        // Per offered key: recorded as an access of the request (a store candidate that passed
+        // the threshold, or a ready key).
+        let mut recorded_mask: Vec<bool> = Vec::with_capacity(keys.len());
         for k in keys {
-            match self.chunks.get(k) {
+            let recorded = match self.chunks.get(k) {
                 None => {
-                    if !candidates.contains(k) {
+                    let admitted =
+                        threshold < 2 || self.tracker.get(k).map_or(0, |e| e.0) >= threshold;
+                    if admitted && !(has_dups && candidates.contains(k)) {
                         candidates.push(*k);
                     }
+                    admitted
                 }
-                Some(c) if c.ref_cnt >= 0 => ready_existing.push(*k),
-                Some(_) => {}
-            }
+                Some(c) if c.ref_cnt >= 0 => {
+                    ready_existing.push(*k);
+                    true
+                }
+                Some(_) => false,
+            };
+            recorded_mask.push(recorded);
         }
-        if threshold >= 2 {
-            candidates.retain(|k| self.tracker.get(k).map_or(0, |e| e.0) >= threshold);
-        }
+        let scoped = access.request.is_some();
         let mut ctx = self.take_ctx(access);
         Self::learn_positions(&mut ctx, keys, access);
-        let new_misses: Vec<OffloadKey> = candidates
-            .iter()
-            .copied()
-            .filter(|k| !ctx.store_misses.contains(k))
-            .collect();
-        if !new_misses.is_empty() {
-            match self.policy {
-                // LRU's `on_store_miss` is `touch`: absent keys, nothing to do.
-                Policy::Lru { .. } => {}
-                Policy::Arc { .. } => {
-                    for k in new_misses.iter().rev() {
-                        self.arc_ghost_hit(*k);
-                    }
+        if matches!(self.policy, Policy::Arc { .. }) {
+            // LRU's `on_store_miss` is `touch` of absent keys: nothing to do.
+            for k in candidates.iter().rev() {
+                if !ctx.store_misses.contains(k) {
+                    self.arc_ghost_hit(*k);
                 }
             }
-            ctx.store_misses.extend(new_misses);
+        }
+        if scoped {
+            ctx.store_misses.extend(candidates.iter().copied());
         }
         let recorded: Vec<OffloadKey> = keys
             .iter()
-            .copied()
-            .filter(|k| candidates.contains(k) || ready_existing.contains(k))
+            .zip(&recorded_mask)
+            .filter(|(_, r)| **r)
+            .map(|(k, _)| *k)
             .collect();
         self.record_access(&mut ctx, &recorded, access, &ready_existing);
-        let out = self.allocate(&mut ctx, keys, candidates, access);
+        let out = self.allocate(&mut ctx, &sorted, candidates, scoped);
         self.put_ctx(access, ctx);
         out
     }
@@ -622,9 +638,9 @@ impl CpuOffloadingManager {
     fn allocate(
         &mut self,
         ctx: &mut RequestAccess,
-        offer: &[OffloadKey],
+        sorted_offer: &[OffloadKey],
         candidates: Vec<OffloadKey>,
-        _access: Access<'_>,
+        scoped: bool,
     ) -> Option<PrepareStoreOutput> {
         if candidates.is_empty() {
             return Some(PrepareStoreOutput::default());
@@ -637,9 +653,7 @@ impl CpuOffloadingManager {
             if need > self.evictable as usize {
                 return None;
             }
-            let mut protected: Vec<OffloadKey> = offer.to_vec();
-            protected.sort_unstable();
-            let victims = self.choose_victims(need, &protected)?;
+            let victims = self.choose_victims(need, sorted_offer)?;
             for k in &victims {
                 let c = self.chunks.remove(k).expect("victims are present");
                 self.free.push(c.chunk);
@@ -669,7 +683,9 @@ impl CpuOffloadingManager {
             chunks.push(chunk);
         }
         self.write_pending += candidates.len() as u32;
-        ctx.inserted.extend(candidates.iter().copied());
+        if scoped {
+            ctx.inserted.extend(candidates.iter().copied());
+        }
         Some(PrepareStoreOutput {
             keys_to_store: candidates,
             chunks,
