@@ -1092,9 +1092,12 @@ impl<C: SchedulerConnector> Scheduler<C> {
     }
 
     /// `has_requests()`: unfinished requests, finished ones still holding blocks for the
-    /// connector, or connector push work pending.
+    /// connector, finished ids not yet delivered in a step's `finished_req_ids`, or connector
+    /// push work pending. The engine keeps stepping while it is true.
     pub fn has_requests(&self) -> bool {
-        !self.state.requests.is_empty() || self.connector.has_pending_push_work()
+        !self.state.requests.is_empty()
+            || !self.state.finished_req_ids.is_empty()
+            || self.connector.has_pending_push_work()
     }
 
     /// `reset_connector_cache()`.

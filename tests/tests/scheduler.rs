@@ -146,7 +146,7 @@ fn requests_run_to_length_and_free_their_blocks() {
         }
     }
     assert_eq!(finished, Some(FinishReason::LengthCapped));
-    assert!(!s.has_requests());
+    assert_drained(&mut s);
     assert_eq!(s.block_pool().num_free(), free0);
 }
 
@@ -252,6 +252,20 @@ fn apply(
         .unwrap();
     check(s);
     r
+}
+
+/// Nothing left but finished ids not yet delivered: one empty step delivers them (vLLM's
+/// `has_finished_requests` keeps the engine stepping until then), and then the scheduler is idle.
+fn assert_drained(s: &mut Scheduler<ScriptedConnector>) {
+    assert!(
+        s.has_requests(),
+        "finished ids are delivered by one more step"
+    );
+    let out = schedule(s);
+    assert!(out.num_scheduled_tokens.is_empty(), "{out:?}");
+    assert!(!out.finished_req_ids.is_empty(), "{out:?}");
+    apply(s, out.step, None);
+    assert!(!s.has_requests());
 }
 
 /// §6.1: the last running request is preempted when blocks run out; its id is in the same step's
@@ -498,7 +512,7 @@ fn fail_policy_errors_affected_requests_and_evicts() {
         .collect();
     assert_eq!(errors, vec![rid(1), rid(2)]);
     assert!(s.block_pool().cached_hash(shared).is_none());
-    assert!(!s.has_requests());
+    assert_drained(&mut s);
 }
 
 /// I-36/I-37: `failed_recving` under `recompute` resets a loading request to 0 computed tokens;
@@ -694,6 +708,6 @@ fn strict_failed_load_at_the_head_moves_to_the_waiting_queue() {
     let out = schedule(&mut s);
     assert_eq!(out.num_scheduled_tokens, vec![(rid(1), 65)]);
     apply(&mut s, out.step, None);
-    assert!(!s.has_requests());
+    assert_drained(&mut s);
     assert_eq!(s.block_pool().num_free(), 22);
 }

@@ -438,6 +438,9 @@ struct Harness {
     reqs: BTreeMap<RequestId, Track>,
     push_work: bool,
     draining: bool,
+    /// A request finished since the last `schedule()`: its id is still to be delivered in
+    /// `finished_req_ids`, which keeps `has_requests()` true (vLLM's `has_finished_requests`).
+    undelivered_finished: bool,
 }
 
 impl std::fmt::Debug for Harness {
@@ -457,6 +460,7 @@ impl Harness {
             reqs: BTreeMap::new(),
             push_work: false,
             draining: false,
+            undelivered_finished: false,
         };
         h.check();
         h
@@ -577,7 +581,10 @@ impl Harness {
             held, expected,
             "the scheduler holds requests the model does not"
         );
-        assert_eq!(self.s.has_requests(), held > 0 || self.push_work);
+        assert_eq!(
+            self.s.has_requests(),
+            held > 0 || self.push_work || self.undelivered_finished
+        );
     }
 
     /// I-13 for every call, and I-10 bookkeeping for `request_finished` calls: returns the ids
@@ -610,6 +617,7 @@ impl Harness {
                 let (status, _) = pre[id];
                 assert!(!status.is_finished(), "I-10: {id:?} was already finished");
                 t.finished_calls += 1;
+                self.undelivered_finished = true;
                 t.live = false;
                 t.held_send = *delay_free;
                 t.held_recv = status == RequestStatus::WaitingForRemoteKvs && !t.load_reported;
@@ -686,6 +694,7 @@ impl Harness {
         self.refresh_lookups();
         let pre = self.snapshot();
         let step = self.s.schedule().expect("legal schedule");
+        self.undelivered_finished = false;
         let calls = self.calls();
         bump(|s| s.schedules += 1);
         // I-7: exactly one build_connector_meta, the last call of the schedule().
