@@ -43,9 +43,9 @@ const NKEYS: usize = 8;
 /// Named requests `0..NREQ`; slot `NREQ` of the position table is for unnamed calls.
 const NREQ: u8 = 2;
 /// Cases of the main property (a few seconds in release mode).
-const CASES: u32 = 3000;
+const CASES: u32 = 15000;
 /// Transitions per case at most.
-const MAX_TRANSITIONS: usize = 60;
+const MAX_TRANSITIONS: usize = 100;
 
 fn key(i: usize) -> OffloadKey {
     OffloadKey {
@@ -675,17 +675,21 @@ enum Transition {
         extra: Option<usize>,
         success: bool,
     },
-    /// Ready keys chosen by `mask`, and `bad`: a key that is not loadable (if any) inserted.
+    /// Ready keys chosen by `mask`, and `bad`: a key that is not loadable (if any) inserted;
+    /// `dup` repeats the last key (pinned twice by one call).
     Load {
         mask: u8,
         bad: Option<usize>,
+        dup: bool,
         req: Option<u8>,
         with_positions: bool,
     },
-    /// Pinned keys chosen by `mask`, plus an unpinned key (if any) when `unpinned`.
+    /// Pinned keys chosen by `mask`, plus an unpinned key (if any) when `unpinned`; `dup`
+    /// repeats the last key (refused unless it is pinned twice).
     CompleteLoad {
         mask: u8,
         unpinned: Option<usize>,
+        dup: bool,
     },
     Touch(Vec<usize>),
     Finish(u8),
@@ -727,14 +731,14 @@ impl ReferenceStateMachine for ManagerModel {
     fn transitions(_: &Setup) -> BoxedStrategy<Transition> {
         prop_oneof![
             1 => (0..NKEYS).prop_map(Transition::Lookup),
-            8 => (offer_strategy(), req_strategy(), any::<bool>()).prop_map(
+            6 => (offer_strategy(), req_strategy(), any::<bool>()).prop_map(
                 |(offer, req, with_positions)| Transition::Store {
                     offer,
                     req,
                     with_positions,
                 }
             ),
-            5 => (any::<u8>(), proptest::option::weighted(0.2, 0..NKEYS), proptest::bool::weighted(0.8))
+            6 => (any::<u8>(), proptest::option::weighted(0.2, 0..NKEYS), proptest::bool::weighted(0.85))
                 .prop_map(|(mask, extra, success)| Transition::CompleteStore {
                     mask,
                     extra,
@@ -743,19 +747,21 @@ impl ReferenceStateMachine for ManagerModel {
             4 => (
                 any::<u8>(),
                 proptest::option::weighted(0.2, 0..NKEYS),
+                proptest::bool::weighted(0.15),
                 req_strategy(),
                 any::<bool>()
             )
-                .prop_map(|(mask, bad, req, with_positions)| Transition::Load {
+                .prop_map(|(mask, bad, dup, req, with_positions)| Transition::Load {
                     mask,
                     bad,
+                    dup,
                     req,
                     with_positions,
                 }),
-            4 => (any::<u8>(), proptest::option::weighted(0.2, 0..NKEYS))
-                .prop_map(|(mask, unpinned)| Transition::CompleteLoad { mask, unpinned }),
-            2 => offer_strategy().prop_map(Transition::Touch),
-            2 => (0..NREQ).prop_map(Transition::Finish),
+            4 => (any::<u8>(), proptest::option::weighted(0.2, 0..NKEYS), proptest::bool::weighted(0.15))
+                .prop_map(|(mask, unpinned, dup)| Transition::CompleteLoad { mask, unpinned, dup }),
+            3 => offer_strategy().prop_map(Transition::Touch),
+            3 => (0..NREQ).prop_map(Transition::Finish),
             1 => Just(Transition::TakeEvents),
             1 => Just(Transition::Reset),
         ]
@@ -908,6 +914,7 @@ impl Harness {
             Transition::Load {
                 mask,
                 bad,
+                dup,
                 req,
                 with_positions,
             } => {
@@ -916,6 +923,9 @@ impl Harness {
                 if let Some(b) = bad {
                     let at = usize::from(mask) % (ks.len() + 1);
                     ks.insert(at, b);
+                }
+                if dup && let Some(&k) = ks.last() {
+                    ks.push(k);
                 }
                 if ks.is_empty() {
                     return;
@@ -941,12 +951,19 @@ impl Harness {
                     (got, want) => panic!("prepare_load({ks:?}): {got:?} vs model {want:?}"),
                 }
             }
-            Transition::CompleteLoad { mask, unpinned } => {
+            Transition::CompleteLoad {
+                mask,
+                unpinned,
+                dup,
+            } => {
                 let mut ks = pick(&self.keys_with(|r| r >= 1), mask);
                 if let Some(u) = unpinned
                     && self.model.rec(u).is_none_or(|r| r.ref_cnt < 1)
                 {
                     ks.push(u);
+                }
+                if dup && let Some(&k) = ks.last() {
+                    ks.push(k);
                 }
                 if ks.is_empty() {
                     return;
