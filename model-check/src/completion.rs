@@ -11,6 +11,9 @@ use kvrelay_core::{
 };
 use stateright::{Model, Property};
 
+use crate::runner::Explain;
+use crate::trace::TraceStep;
+
 /// The names of the properties of [`CompletionModel`], as they appear in a
 /// [`crate::CheckReport`].
 pub mod property_names {
@@ -450,43 +453,6 @@ impl CompletionModel {
         &self.config
     }
 
-    /// `action` taken in `state`, with what it produced (a rank's reported sets, the aggregated
-    /// output): one line of a counterexample.
-    pub fn describe(&self, state: &CompletionState, action: &CompletionAction) -> String {
-        let Some(next) = self.next_state(state, *action) else {
-            return format!("{action} (not enabled)");
-        };
-        match *action {
-            CompletionAction::RunStep { rank, .. } => {
-                let r = &next.ranks[rank.index()];
-                match (r.protocol.violation(), r.output()) {
-                    (Some(v), _) => format!("{action} → {v}"),
-                    (None, Some(o)) => format!(
-                        "{action} → sending {} recving {} failed {}",
-                        ids(o.finished_sending.as_ref()),
-                        ids(o.finished_recving.as_ref()),
-                        ids(Some(&o.failed_recving))
-                    ),
-                    (None, None) => format!("{action} → no output"),
-                }
-            }
-            CompletionAction::Aggregate => {
-                let outputs: Vec<_> = state.ranks.iter().map(RankState::output).collect();
-                match state.aggregator.clone().aggregate(&outputs, Rank(0)) {
-                    Ok(Some(o)) => format!(
-                        "{action} → emitted sending {} recving {} failed {}",
-                        ids(o.finished_sending.as_ref()),
-                        ids(o.finished_recving.as_ref()),
-                        ids(Some(&o.failed_recving))
-                    ),
-                    Ok(None) => format!("{action} → no output"),
-                    Err(e) => format!("{action} → rejected: {e}"),
-                }
-            }
-            _ => action.to_string(),
-        }
-    }
-
     fn all_requests(&self) -> impl Iterator<Item = RequestId> + use<> {
         (0..self.config.requests).map(RequestId)
     }
@@ -791,6 +757,177 @@ impl Model for CompletionModel {
     fn format_action(&self, action: &CompletionAction) -> String {
         action.to_string()
     }
+}
+
+impl Explain for CompletionModel {
+    /// `action` taken in `state`, with what it produced (a rank's reported sets, the aggregated
+    /// output): one line of a counterexample.
+    fn describe(&self, state: &CompletionState, action: &CompletionAction) -> String {
+        let Some(next) = self.next_state(state, *action) else {
+            return format!("{action} (not enabled)");
+        };
+        match *action {
+            CompletionAction::RunStep { rank, .. } => {
+                let r = &next.ranks[rank.index()];
+                match (r.protocol.violation(), r.output()) {
+                    (Some(v), _) => format!("{action} → {v}"),
+                    (None, Some(o)) => format!(
+                        "{action} → sending {} recving {} failed {}",
+                        ids(o.finished_sending.as_ref()),
+                        ids(o.finished_recving.as_ref()),
+                        ids(Some(&o.failed_recving))
+                    ),
+                    (None, None) => format!("{action} → no output"),
+                }
+            }
+            CompletionAction::Aggregate => {
+                let outputs: Vec<_> = state.ranks.iter().map(RankState::output).collect();
+                match state.aggregator.clone().aggregate(&outputs, Rank(0)) {
+                    Ok(Some(o)) => format!(
+                        "{action} → emitted sending {} recving {} failed {}",
+                        ids(o.finished_sending.as_ref()),
+                        ids(o.finished_recving.as_ref()),
+                        ids(Some(&o.failed_recving))
+                    ),
+                    Ok(None) => format!("{action} → no output"),
+                    Err(e) => format!("{action} → rejected: {e}"),
+                }
+            }
+            _ => action.to_string(),
+        }
+    }
+
+    /// `env` (transfers finishing, faults), the ranks, the aggregator and the scheduler (which
+    /// receives the aggregated output).
+    fn participants(&self) -> Vec<String> {
+        let mut p = vec!["env".to_owned()];
+        p.extend((0..self.config.ranks).map(|r| Rank(r).to_string()));
+        p.extend(["aggregator".to_owned(), "scheduler".to_owned()]);
+        p
+    }
+
+    /// A transfer finishing or an armed fault: `env` → the rank. A step: the rank → the
+    /// aggregator with its output (a rejected protocol call: a note over the rank). An aggregate:
+    /// the aggregator → the scheduler with what it emitted (a strict rejection: a note). A note
+    /// also names every property the action breaks.
+    fn arrow(&self, state: &CompletionState, action: &CompletionAction) -> TraceStep {
+        let w = self.config.ranks as usize;
+        let (env, aggregator, scheduler) = (0, w + 1, w + 2);
+        let rank_at = |rank: Rank| 1 + rank.index();
+        let Some(next) = self.next_state(state, *action) else {
+            return TraceStep::new(env, env, format!("{action} (not enabled)"));
+        };
+        let mut step = match *action {
+            CompletionAction::Complete {
+                rank,
+                request,
+                dir,
+                failed,
+            } => TraceStep::new(
+                env,
+                rank_at(rank),
+                format!(
+                    "{} of {request} completes{}",
+                    dir_name(dir),
+                    if failed { " (FAILED)" } else { "" }
+                ),
+            ),
+            CompletionAction::RunStep { rank, forward } => {
+                let label = if forward {
+                    "step (forward)"
+                } else {
+                    "step (no forward)"
+                };
+                let r = &next.ranks[rank.index()];
+                match (r.protocol.violation(), r.output()) {
+                    (Some(v), _) => {
+                        TraceStep::new(rank_at(rank), rank_at(rank), label).with_note(v.to_string())
+                    }
+                    (None, Some(o)) => TraceStep::new(
+                        rank_at(rank),
+                        aggregator,
+                        format!(
+                            "{label}: sending {} recving {} failed {}",
+                            ids(o.finished_sending.as_ref()),
+                            ids(o.finished_recving.as_ref()),
+                            ids(Some(&o.failed_recving))
+                        ),
+                    ),
+                    (None, None) => {
+                        TraceStep::new(rank_at(rank), rank_at(rank), format!("{label}: no output"))
+                    }
+                }
+            }
+            CompletionAction::Rereport { rank, request, dir } => TraceStep::new(
+                env,
+                rank_at(rank),
+                format!("will report the {} of {request} again", dir_name(dir)),
+            )
+            .with_note("FAULT: double report armed"),
+            CompletionAction::Aggregate => {
+                let outputs: Vec<_> = state.ranks.iter().map(RankState::output).collect();
+                match state.aggregator.clone().aggregate(&outputs, Rank(0)) {
+                    Ok(Some(o)) => TraceStep::new(
+                        aggregator,
+                        scheduler,
+                        format!(
+                            "emitted sending {} recving {} failed {}",
+                            ids(o.finished_sending.as_ref()),
+                            ids(o.finished_recving.as_ref()),
+                            ids(Some(&o.failed_recving))
+                        ),
+                    ),
+                    Ok(None) => TraceStep::new(aggregator, aggregator, "aggregate: no output"),
+                    Err(e) => TraceStep::new(aggregator, aggregator, "aggregate: rejected")
+                        .with_note(e.to_string()),
+                }
+            }
+        };
+        let broken = newly_broken(&state.ghost, &next.ghost);
+        if !broken.is_empty() {
+            let broken = format!("VIOLATION: {}", broken.join(", "));
+            step.note = Some(match step.note.take() {
+                Some(n) => format!("{n} — {broken}"),
+                None => broken,
+            });
+        }
+        step
+    }
+}
+
+/// The violations recorded in `after` but not in `before`, in words.
+fn newly_broken(before: &Ghost, after: &Ghost) -> Vec<&'static str> {
+    let twice = |g: &Ghost| g.emitted.iter().flatten().any(|&n| n > 1);
+    [
+        (
+            !before.emitted_early && after.emitted_early,
+            "emitted before every rank reported",
+        ),
+        (!twice(before) && twice(after), "emitted twice"),
+        (
+            !before.failed_not_subset && after.failed_not_subset,
+            "failed_recving not within finished_recving",
+        ),
+        (
+            !before.failure_mismatch && after.failure_mismatch,
+            "failed load not emitted as failed",
+        ),
+        (
+            !before.protocol_violated && after.protocol_violated,
+            "step protocol violated",
+        ),
+        (
+            !before.invariant_broken && after.invariant_broken,
+            "core invariant broken",
+        ),
+        (
+            !before.unexpected_error && after.unexpected_error,
+            "unexpected aggregator error",
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(hit, what)| hit.then_some(what))
+    .collect()
 }
 
 // The property conditions: each evaluates a pure predicate on the state and reports only the

@@ -32,9 +32,14 @@
 
 mod completion;
 mod runner;
+mod trace;
 
 pub use completion::{
     CompletionAction, CompletionConfig, CompletionModel, CompletionState, Ghost, RankState,
     Transfer, property_names,
 };
-pub use runner::{CheckReport, Progress, PropertyResult, check_completions};
+pub use runner::{
+    CheckOptions, CheckReport, Explain, ExploreError, Progress, PropertyResult, Stop, Strategy,
+    check, check_completions, check_with_symmetry, explorer_address, explorer_url, serve_explorer,
+};
+pub use trace::{TraceStep, escape_label, mermaid};
