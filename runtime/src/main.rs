@@ -1,12 +1,16 @@
 //! The `kvrelay` command line: run conformance cases, benchmark a case, model-check the core.
 
 use std::io::Write;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvrelay_core::Mode;
-use kvrelay_model_check::{CheckReport, CompletionConfig, Progress, check_completions};
+use kvrelay_model_check::{
+    CheckOptions, CheckReport, CompletionConfig, CompletionModel, Explain, ExploreError, Progress,
+    Stop, Strategy, check, explorer_address, serve_explorer,
+};
 use kvrelay_runtime::{bench, conformance};
 
 /// kvrelay: the KV-cache connector layer whose lifecycle is a model-checked state machine.
@@ -39,35 +43,128 @@ enum Command {
         #[arg(long, default_value_t = 1000)]
         repeat: usize,
     },
-    /// Model-check the core: every interleaving of W ranks reporting R requests' transfers
-    /// through the real worker-protocol and aggregator code.
+    /// Model-check the core: every interleaving of the environment, through the real code.
     ///
-    /// Prints progress on stderr, then a table of properties; a violated property comes with its
-    /// counterexample, one action per line. Exits 1 if any `always` property is violated or an
-    /// expected `sometimes` example is missing.
-    Check {
-        /// A named configuration; flags below override its fields.
-        #[arg(long, value_enum, default_value_t = Preset::Ci)]
-        config: Preset,
-        /// Worker ranks (W).
-        #[arg(long)]
-        ranks: Option<u32>,
-        /// Requests (R), each with a load and a save on every rank.
-        #[arg(long)]
-        requests: Option<u32>,
-        /// Aggregator mode.
-        #[arg(long, value_enum)]
-        mode: Option<ModeArg>,
-        /// Let loads fail (reported in finished_recving and failed_recving).
-        #[arg(long)]
-        failures: Option<bool>,
-        /// Inject the double-report fault (a rank reports a completion twice).
-        #[arg(long)]
-        faulty_double_report: bool,
-        /// Checker threads.
-        #[arg(long, default_value_t = 2)]
-        threads: usize,
-    },
+    /// Prints progress on stderr, then a table of properties on stdout; a violated property comes
+    /// with its counterexample, one numbered action per line. Exits 0 if every property holds
+    /// (exhaustively, or within --max-depth), 1 if an `always` property is violated or an
+    /// expected `sometimes` example is missing, 2 on bad flags.
+    #[command(after_long_help = CHECK_HELP)]
+    Check(Box<CheckArgs>),
+}
+
+const CHECK_HELP: &str = "\
+When to use what:
+  kvrelay check                      the CI check: the `ci` preset, exhaustive, breadth-first.
+  kvrelay check --config deep        a larger preset before a release (minutes, GBs with BFS).
+  --faulty-double-report / --faulty-bind-first
+                                     inject a known hazard and see the counterexample the
+                                     checker finds (expect exit 1).
+  --trace-out FILE                   also write the first counterexample as a Mermaid sequence
+                                     diagram (paste into a Markdown ```mermaid block or
+                                     mermaid.live); --trace-of NAME picks a property instead
+                                     (a unique part of its name, e.g. I-21), including the
+                                     example of a `sometimes` property.
+  --keep-going                       do not stop at the first violation: every property gets
+                                     its own counterexample or example.
+  --dfs                              depth-first: far less memory than BFS on large
+                                     configurations, but long counterexamples; --symmetry
+                                     (models with interchangeable parts only) needs it.
+  --max-depth N                      a quick bounded run: no violation within N is no proof.
+  --explore ADDR                     browse the state space interactively in stateright's web
+                                     explorer (e.g. 127.0.0.1:3000; loopback only unless
+                                     --allow-remote: the explorer has no authentication).
+
+Exit status: 0 every property holds (exhaustively or within --max-depth), 1 a property fails or
+the run stopped at a violation, 2 bad flags or configuration.";
+
+/// The models `kvrelay check` knows.
+#[derive(Clone, Copy, Debug, Eq, PartialEq, ValueEnum)]
+enum ModelArg {
+    /// W ranks report R requests' transfer completions through the real worker-protocol and
+    /// aggregator code (SEMANTICS.md §8.1, §8.4).
+    Completion,
+}
+
+impl ModelArg {
+    fn name(self) -> String {
+        self.to_possible_value()
+            .map_or_else(|| format!("{self:?}"), |v| v.get_name().to_owned())
+    }
+}
+
+#[derive(Args, Debug)]
+struct CheckArgs {
+    /// The model to check.
+    #[arg(long, value_enum, default_value_t = ModelArg::Completion)]
+    model: ModelArg,
+    /// A named configuration of the model; the model's flags below override its fields.
+    #[arg(long, value_enum, default_value_t = Preset::Ci)]
+    config: Preset,
+
+    /// Worker ranks (W).
+    #[arg(long, help_heading = "Completion model")]
+    ranks: Option<u32>,
+    /// Requests (R), each with a load and a save on every rank.
+    #[arg(long, help_heading = "Completion model")]
+    requests: Option<u32>,
+    /// Aggregator mode.
+    #[arg(long, value_enum, help_heading = "Completion model")]
+    mode: Option<ModeArg>,
+    /// Let loads fail (reported in finished_recving and failed_recving).
+    #[arg(long, value_name = "BOOL", help_heading = "Completion model")]
+    failures: Option<bool>,
+    /// Inject the double-report fault (a rank reports a completion twice).
+    #[arg(long, help_heading = "Completion model")]
+    faulty_double_report: bool,
+    /// Inject the bind-first fault (runners call bind before handle_preemptions).
+    #[arg(long, help_heading = "Completion model")]
+    faulty_bind_first: bool,
+
+    /// Checker threads (with BFS and more than one thread, counterexamples may not be the
+    /// shortest).
+    #[arg(long, default_value_t = 2, help_heading = "Search")]
+    threads: usize,
+    /// Breadth-first search (the default): shortest counterexamples, most memory.
+    #[arg(long, conflicts_with = "dfs", help_heading = "Search")]
+    bfs: bool,
+    /// Depth-first search: little memory, long counterexamples.
+    #[arg(long, help_heading = "Search")]
+    dfs: bool,
+    /// Symmetry reduction (implies --dfs; only for models with interchangeable parts).
+    #[arg(long, conflicts_with = "bfs", help_heading = "Search")]
+    symmetry: bool,
+    /// Explore paths of at most DEPTH states only (a bounded run, not a proof).
+    #[arg(long, value_name = "DEPTH", help_heading = "Search")]
+    max_depth: Option<usize>,
+    /// Do not stop at the first violation: look for every property's counterexample or example.
+    #[arg(long, help_heading = "Search")]
+    keep_going: bool,
+
+    /// Write the first violated property's counterexample as a Mermaid sequence diagram.
+    #[arg(long, value_name = "FILE", help_heading = "Output")]
+    trace_out: Option<PathBuf>,
+    /// With --trace-out: the property whose counterexample (or `sometimes` example) to write,
+    /// by its name or a unique case-insensitive part of it (e.g. I-21).
+    #[arg(
+        long,
+        value_name = "NAME",
+        requires = "trace_out",
+        help_heading = "Output"
+    )]
+    trace_of: Option<String>,
+
+    /// Serve stateright's web explorer of the model on ADDR (HOST:PORT) instead of checking.
+    #[arg(
+        long,
+        value_name = "ADDR",
+        conflicts_with_all = ["trace_out", "bfs", "dfs", "symmetry", "max_depth", "keep_going"],
+        help_heading = "Explorer"
+    )]
+    explore: Option<String>,
+    /// Allow --explore on a non-loopback address (the explorer has no authentication).
+    #[arg(long, requires = "explore", help_heading = "Explorer")]
+    allow_remote: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -91,37 +188,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Conformance { paths } => run_conformance(&paths),
         Command::Bench { case, repeat } => run_bench(&case, repeat),
-        Command::Check {
-            config,
-            ranks,
-            requests,
-            mode,
-            failures,
-            faulty_double_report,
-            threads,
-        } => {
-            let mut c = match config {
-                Preset::Ci => CompletionConfig::ci(),
-                Preset::Deep => CompletionConfig::deep(),
-            };
-            if let Some(w) = ranks {
-                c.ranks = w;
-            }
-            if let Some(r) = requests {
-                c.requests = r;
-            }
-            if let Some(m) = mode {
-                c.mode = match m {
-                    ModeArg::Compat => Mode::Compat,
-                    ModeArg::Strict => Mode::Strict,
-                };
-            }
-            if let Some(f) = failures {
-                c.failures = f;
-            }
-            c.faulty_double_report |= faulty_double_report;
-            run_check(c, threads)
-        }
+        Command::Check(args) => run_check(&args),
     }
 }
 
@@ -196,36 +263,381 @@ fn run_bench(path: &PathBuf, repeat: usize) -> ExitCode {
     }
 }
 
-fn run_check(config: CompletionConfig, threads: usize) -> ExitCode {
-    if let Err(e) = config.validate() {
-        eprintln!("kvrelay check: invalid configuration: {e}");
-        return ExitCode::from(2);
+/// A `kvrelay check` flag or configuration that cannot run.
+#[derive(Debug)]
+enum CheckError {
+    /// A flag that does not apply to the chosen model.
+    NotForModel {
+        flag: &'static str,
+        model: ModelArg,
+        applies_to: &'static [ModelArg],
+        why: Option<&'static str>,
+    },
+    /// The model's configuration is invalid.
+    InvalidConfig { model: ModelArg, reason: String },
+    /// `--threads 0`.
+    ZeroThreads,
+    /// `--max-depth 0`.
+    ZeroDepth,
+    /// `--trace-of NAME` matches no property of the model.
+    UnknownProperty {
+        name: String,
+        available: Vec<&'static str>,
+    },
+    /// `--trace-of NAME` matches several properties.
+    AmbiguousProperty {
+        name: String,
+        matches: Vec<&'static str>,
+    },
+    /// `--trace-out FILE` cannot be written (its folder does not exist), found before the run.
+    TraceOutFolder { path: PathBuf },
+    /// `--explore ADDR` refused or failed.
+    Explore(ExploreError),
+}
+
+impl std::fmt::Display for CheckError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CheckError::NotForModel {
+                flag,
+                model,
+                applies_to,
+                why,
+            } => {
+                write!(f, "{flag} does not apply to --model {}", model.name())?;
+                if applies_to.is_empty() {
+                    write!(f, " (no model supports it yet)")?;
+                } else {
+                    let names: Vec<String> = applies_to.iter().map(|m| m.name()).collect();
+                    write!(f, " (only to --model {})", names.join(", "))?;
+                }
+                if let Some(why) = why {
+                    write!(f, ": {why}")?;
+                }
+                Ok(())
+            }
+            CheckError::InvalidConfig { model, reason } => {
+                write!(
+                    f,
+                    "invalid configuration of the {} model: {reason}",
+                    model.name()
+                )
+            }
+            CheckError::ZeroThreads => write!(f, "--threads must be at least 1"),
+            CheckError::ZeroDepth => write!(f, "--max-depth must be at least 1"),
+            CheckError::UnknownProperty { name, available } => write!(
+                f,
+                "--trace-of {name:?} matches no property of this model; its properties are: {}",
+                quoted(available)
+            ),
+            CheckError::AmbiguousProperty { name, matches } => write!(
+                f,
+                "--trace-of {name:?} matches several properties: {}; give more of the name",
+                quoted(matches)
+            ),
+            CheckError::TraceOutFolder { path } => write!(
+                f,
+                "--trace-out {}: the folder it would be written to does not exist",
+                path.display()
+            ),
+            CheckError::Explore(e) => write!(f, "--explore: {e}"),
+        }
     }
-    if threads == 0 {
-        eprintln!("kvrelay check: --threads must be at least 1");
-        return ExitCode::from(2);
+}
+
+impl std::error::Error for CheckError {}
+
+fn quoted(names: &[&str]) -> String {
+    names
+        .iter()
+        .map(|n| format!("{n:?}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The model-specific flags of `args` that were given: (flag, the models it applies to, why
+/// not elsewhere).
+fn model_flags_given(
+    a: &CheckArgs,
+) -> Vec<(&'static str, &'static [ModelArg], Option<&'static str>)> {
+    const COMPLETION: &[ModelArg] = &[ModelArg::Completion];
+    let mut given = Vec::new();
+    for (set, flag) in [
+        (a.ranks.is_some(), "--ranks"),
+        (a.requests.is_some(), "--requests"),
+        (a.mode.is_some(), "--mode"),
+        (a.failures.is_some(), "--failures"),
+        (a.faulty_double_report, "--faulty-double-report"),
+        (a.faulty_bind_first, "--faulty-bind-first"),
+    ] {
+        if set {
+            given.push((flag, COMPLETION, None));
+        }
     }
-    eprintln!("kvrelay check: {config:?}, {threads} threads");
-    let mut last_line_len = 0;
-    let mut on_progress = |p: &Progress| {
-        let rate = if p.elapsed_seconds > 0.0 {
-            p.states as f64 / p.elapsed_seconds
-        } else {
-            0.0
+    if a.symmetry {
+        given.push((
+            "--symmetry",
+            &[][..],
+            Some(
+                "symmetry reduction needs a state with a canonical representative \
+                 (stateright's Representative); the completion model's ranks are not \
+                 interchangeable (rank 0 is the output rank, ranks step in rank order)",
+            ),
+        ));
+    }
+    given
+}
+
+/// Refuses a flag given for a model it does not apply to.
+fn refuse_foreign_flags(a: &CheckArgs) -> Result<(), CheckError> {
+    match model_flags_given(a)
+        .into_iter()
+        .find(|(_, models, _)| !models.contains(&a.model))
+    {
+        Some((flag, applies_to, why)) => Err(CheckError::NotForModel {
+            flag,
+            model: a.model,
+            applies_to,
+            why,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// What to do with a model once it is built: the run's options and outputs, validated.
+#[derive(Debug)]
+struct Plan {
+    options: CheckOptions,
+    trace_out: Option<PathBuf>,
+    /// The property `--trace-of` named, resolved to the model's name for it.
+    trace_of: Option<&'static str>,
+    explore: Option<SocketAddr>,
+}
+
+impl Plan {
+    /// Validates the model-independent flags against `model`'s properties.
+    fn new<M: Explain>(a: &CheckArgs, model: &M) -> Result<Self, CheckError> {
+        if a.threads == 0 {
+            return Err(CheckError::ZeroThreads);
+        }
+        if a.max_depth == Some(0) {
+            return Err(CheckError::ZeroDepth);
+        }
+        let explore = a
+            .explore
+            .as_deref()
+            .map(|addr| explorer_address(addr, a.allow_remote))
+            .transpose()
+            .map_err(CheckError::Explore)?;
+        let names: Vec<&'static str> = model.properties().iter().map(|p| p.name).collect();
+        let trace_of = a
+            .trace_of
+            .as_deref()
+            .map(|name| resolve_property(name, &names))
+            .transpose()?;
+        if let Some(path) = &a.trace_out {
+            let folder = path.parent().filter(|p| !p.as_os_str().is_empty());
+            if folder.is_some_and(|f| !f.is_dir()) {
+                return Err(CheckError::TraceOutFolder { path: path.clone() });
+            }
+        }
+        Ok(Self {
+            options: CheckOptions {
+                threads: a.threads,
+                strategy: if a.dfs || a.symmetry {
+                    Strategy::Dfs
+                } else {
+                    Strategy::Bfs
+                },
+                target_max_depth: a.max_depth,
+                stop_at_first_violation: !a.keep_going,
+            },
+            trace_out: a.trace_out.clone(),
+            trace_of,
+            explore,
+        })
+    }
+}
+
+/// The property `name` designates: the one named exactly so, else the one whose name contains
+/// it (case-insensitively).
+fn resolve_property(name: &str, names: &[&'static str]) -> Result<&'static str, CheckError> {
+    if let Some(&exact) = names.iter().find(|n| **n == name) {
+        return Ok(exact);
+    }
+    let needle = name.to_lowercase();
+    let matches: Vec<&'static str> = names
+        .iter()
+        .copied()
+        .filter(|n| n.to_lowercase().contains(&needle))
+        .collect();
+    match matches.as_slice() {
+        [one] => Ok(one),
+        [] => Err(CheckError::UnknownProperty {
+            name: name.to_owned(),
+            available: names.to_vec(),
+        }),
+        _ => Err(CheckError::AmbiguousProperty {
+            name: name.to_owned(),
+            matches,
+        }),
+    }
+}
+
+fn run_check(args: &CheckArgs) -> ExitCode {
+    let outcome = refuse_foreign_flags(args).and_then(|()| match args.model {
+        ModelArg::Completion => check_completion_model(args),
+    });
+    match outcome {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kvrelay check: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn check_completion_model(a: &CheckArgs) -> Result<ExitCode, CheckError> {
+    let mut c = match a.config {
+        Preset::Ci => CompletionConfig::ci(),
+        Preset::Deep => CompletionConfig::deep(),
+    };
+    if let Some(w) = a.ranks {
+        c.ranks = w;
+    }
+    if let Some(r) = a.requests {
+        c.requests = r;
+    }
+    if let Some(m) = a.mode {
+        c.mode = match m {
+            ModeArg::Compat => Mode::Compat,
+            ModeArg::Strict => Mode::Strict,
         };
+    }
+    if let Some(f) = a.failures {
+        c.failures = f;
+    }
+    c.faulty_double_report |= a.faulty_double_report;
+    c.faulty_bind_first |= a.faulty_bind_first;
+    c.validate().map_err(|reason| CheckError::InvalidConfig {
+        model: ModelArg::Completion,
+        reason,
+    })?;
+    let model = CompletionModel::new(c);
+    let plan = Plan::new(a, &model)?;
+    execute(model, &format!("{c:?}"), plan, check::<CompletionModel>)
+}
+
+/// A checker run: [`check`] or [`kvrelay_model_check::check_with_symmetry`].
+type CheckFn<M> = fn(M, &CheckOptions, &mut dyn FnMut(&Progress)) -> CheckReport;
+
+/// Runs (or explores) `model` as `plan` says with `run` (`check`, or `check_with_symmetry` for
+/// a model whose state has a representative), prints the report and writes the trace.
+fn execute<M: Explain>(
+    model: M,
+    config: &str,
+    plan: Plan,
+    run: CheckFn<M>,
+) -> Result<ExitCode, CheckError> {
+    if let Some(addr) = plan.explore {
+        let threads = plan.options.threads;
+        let err = serve_explorer(model, addr, threads, |url| {
+            println!("kvrelay check: serving the explorer of {config} on {url} (Ctrl-C to stop)");
+            let _ = std::io::stdout().flush();
+        })
+        .unwrap_err();
+        return Err(CheckError::Explore(err));
+    }
+    let o = &plan.options;
+    eprintln!(
+        "kvrelay check: {config}; {}, {} thread{}{}{}",
+        o.strategy,
+        o.threads,
+        if o.threads == 1 { "" } else { "s" },
+        o.target_max_depth
+            .map_or_else(String::new, |d| format!(", max depth {d}")),
+        if o.stop_at_first_violation {
+            ""
+        } else {
+            ", keep going after violations"
+        }
+    );
+    let mut printed = false;
+    let mut on_progress = |p: &Progress| {
         let line = format!(
             "  states {:>10}  unique {:>9}  depth {:>4}  {:>10.0} states/s  {:>6.1} s",
-            p.states, p.unique_states, p.max_depth, rate, p.elapsed_seconds
+            p.states,
+            p.unique_states,
+            p.max_depth,
+            p.states_per_second(),
+            p.elapsed_seconds
         );
-        last_line_len = line.len();
+        printed = true;
         eprint!("\r{line}");
         let _ = std::io::stderr().flush();
     };
-    let report = check_completions(config, threads, &mut on_progress);
-    if last_line_len > 0 {
+    let report = run(model, o, &mut on_progress);
+    if printed {
         eprintln!();
     }
-    print_report(&report)
+    let mut code = print_report(&report);
+    let written = plan
+        .trace_out
+        .as_deref()
+        .map(|path| write_trace(&report, path, plan.trace_of));
+    if let Some(Err(e)) = written {
+        eprintln!("kvrelay check: {e}");
+        code = ExitCode::from(2);
+    }
+    Ok(code)
+}
+
+/// Writes the diagram `--trace-out` asks for; a missing discovery is reported, not an error.
+fn write_trace(
+    report: &CheckReport,
+    path: &std::path::Path,
+    trace_of: Option<&'static str>,
+) -> Result<(), String> {
+    let chosen = match trace_of {
+        Some(name) => report.property(name),
+        None => report
+            .properties
+            .iter()
+            .find(|p| !p.holds && p.expectation != "sometimes" && p.trace.is_some()),
+    };
+    let Some(p) = chosen.filter(|p| p.trace.is_some()) else {
+        let why = match trace_of {
+            None => "no property was violated".to_owned(),
+            Some(name) => {
+                let stopped = if report.stop == Stop::FirstViolation {
+                    " before the run stopped at the first violation (try --keep-going)"
+                } else {
+                    ""
+                };
+                match report.property(name).map(|p| p.expectation) {
+                    Some("sometimes") => format!("no example of {name:?} was found{stopped}"),
+                    _ => format!("no counterexample to {name:?} was found{stopped}"),
+                }
+            }
+        };
+        eprintln!("kvrelay check: {why}; {} not written", path.display());
+        return Ok(());
+    };
+    let diagram = report.mermaid(p.name).unwrap_or_default();
+    std::fs::write(path, diagram)
+        .map_err(|e| format!("cannot write --trace-out {}: {e}", path.display()))?;
+    eprintln!(
+        "kvrelay check: wrote the {} of {:?} ({} actions) to {} as a Mermaid sequence diagram",
+        if p.expectation == "sometimes" {
+            "example"
+        } else {
+            "counterexample"
+        },
+        p.name,
+        p.trace.as_ref().map_or(0, Vec::len),
+        path.display()
+    );
+    Ok(())
 }
 
 fn print_report(r: &CheckReport) -> ExitCode {
@@ -235,21 +647,20 @@ fn print_report(r: &CheckReport) -> ExitCode {
         0.0
     };
     println!(
-        "{} — {} states, {} unique, max depth {}, {:.2} s, {:.0} states/s",
-        if r.complete {
-            "explored exhaustively"
-        } else {
-            "INCOMPLETE exploration"
-        },
+        "{} — {} states, {} unique, max depth {}, {:.2} s, {:.0} states/s ({}{}, {} thread{})",
+        r.stop,
         r.states,
         r.unique_states,
         r.max_depth,
         r.seconds,
-        rate
+        rate,
+        r.strategy,
+        if r.symmetry { ", symmetry" } else { "" },
+        r.threads,
+        if r.threads == 1 { "" } else { "s" }
     );
     println!();
-    println!("{:<10} {:<9} property", "result", "kind");
-    let mut ok = r.complete;
+    println!("{:<10} {:<10} property", "result", "kind");
     for p in &r.properties {
         let verdict = match (p.expectation, p.holds) {
             ("sometimes", true) => "example",
@@ -257,23 +668,26 @@ fn print_report(r: &CheckReport) -> ExitCode {
             (_, true) => "holds",
             (_, false) => "VIOLATED",
         };
-        ok &= p.holds;
-        println!("{verdict:<10} {:<9} {}", p.expectation, p.name);
+        println!("{verdict:<10} {:<10} {}", p.expectation, p.name);
     }
     for p in &r.properties {
         if let (false, Some(path)) = (p.holds, &p.path) {
             println!();
             println!(
-                "counterexample for \"{}\" ({} actions):",
+                "counterexample for \"{}\" ({} action{}):",
                 p.name,
-                path.len()
+                path.len(),
+                if path.len() == 1 { "" } else { "s" }
             );
             for (i, line) in path.iter().enumerate() {
                 println!("  {:>3}. {line}", i + 1);
             }
+            if let Some(encoded) = &p.encoded_path {
+                println!("  (in the explorer, --explore ADDR: #/steps/{encoded})");
+            }
         }
     }
-    if ok {
+    if r.passed_within_bound() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

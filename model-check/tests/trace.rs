@@ -1,0 +1,215 @@
+//! The generic runner and the Mermaid traces, on the completion model (run them in release:
+//! `cargo test --release -p kvrelay-model-check`).
+
+use kvrelay_model_check::{
+    CheckOptions, CompletionConfig, CompletionModel, Explain, ExploreError, Stop, Strategy,
+    TraceStep, check, check_completions, explorer_address, mermaid, property_names,
+};
+use stateright::Model;
+
+fn double_report() -> CompletionConfig {
+    CompletionConfig {
+        faulty_double_report: true,
+        ..CompletionConfig::ci()
+    }
+}
+
+#[test]
+fn the_double_report_counterexample_renders_as_a_sequence_diagram() {
+    // One thread, breadth-first: the shortest counterexample, pinned in tests/completion.rs.
+    let report = check_completions(double_report(), 1, &mut |_| {});
+    assert_eq!(report.stop, Stop::FirstViolation);
+    assert_eq!(
+        report.participants,
+        ["env", "rank 0", "rank 1", "aggregator", "scheduler"]
+    );
+    let i21 = report.property(property_names::EXACTLY_ONCE).unwrap();
+    let (path, raw, trace) = (
+        i21.path.as_ref().unwrap(),
+        i21.raw_path.as_ref().unwrap(),
+        i21.trace.as_ref().unwrap(),
+    );
+    assert_eq!(path.len(), 8);
+    assert_eq!(raw.len(), 8);
+    assert_eq!(trace.len(), 8);
+    assert_eq!(
+        i21.encoded_path.as_deref().unwrap().split('/').count(),
+        9,
+        "the initial state's index and one index per action"
+    );
+
+    // The fault is armed by the environment on rank 0, and the last aggregate emits early.
+    let fault = trace
+        .iter()
+        .find(|s| s.note.as_deref() == Some("FAULT: double report armed"))
+        .expect("the armed fault is a noted step");
+    assert_eq!((fault.from, fault.to), (0, 1));
+    let last = trace.last().unwrap();
+    assert_eq!((last.from, last.to), (3, 4), "aggregator → scheduler");
+    assert!(
+        last.note
+            .as_deref()
+            .unwrap()
+            .contains("emitted before every rank reported"),
+        "{last:?}"
+    );
+
+    let diagram = report.mermaid(property_names::EXACTLY_ONCE).unwrap();
+    println!("{diagram}");
+    assert!(diagram.starts_with("sequenceDiagram\n"));
+    for line in [
+        "    participant p0 as env",
+        "    participant p1 as rank 0",
+        "    participant p2 as rank 1",
+        "    participant p3 as aggregator",
+        "    participant p4 as scheduler",
+        // `#` (in `req#0`) is an entity code in Mermaid: escaped.
+        "    p0->>p1: recv of req#35;0 completes",
+        "    p1->>p3: step (forward): sending {} recving {req#35;0} failed {}",
+        "    Note over p0,p1: FAULT: double report armed",
+        "    p3->>p4: emitted sending {} recving {req#35;0} failed {}",
+        "    Note over p3,p4: VIOLATION: emitted before every rank reported",
+    ] {
+        assert!(
+            diagram.lines().any(|l| l == line),
+            "missing {line:?} in\n{diagram}"
+        );
+    }
+    assert_eq!(diagram.matches("->>").count(), 8, "one arrow per action");
+    assert!(
+        diagram
+            .trim_end()
+            .ends_with("counterexample to always \"exactly-once emission after all ranks (I-21)\""),
+        "{diagram}"
+    );
+    // The same diagram from the free function, without the closing note.
+    let plain = mermaid(&report.participants, trace);
+    assert!(diagram.starts_with(plain.as_str()));
+    assert!(
+        report.mermaid(property_names::PROTOCOL).is_none(),
+        "a holding property has no trace"
+    );
+}
+
+#[test]
+fn a_rejected_protocol_call_is_a_self_arrow_with_a_note() {
+    let config = CompletionConfig {
+        faulty_bind_first: true,
+        ..CompletionConfig::ci()
+    };
+    let report = check_completions(config, 1, &mut |_| {});
+    let p = report.property(property_names::PROTOCOL).unwrap();
+    let trace = p.trace.as_ref().unwrap();
+    assert_eq!(trace.len(), 1);
+    let TraceStep { from, to, note, .. } = &trace[0];
+    assert_eq!((*from, *to), (1, 1), "rank 0 on itself");
+    let note = note.as_deref().unwrap();
+    assert!(
+        note.contains("bind") && note.contains("VIOLATION: step protocol violated"),
+        "{note}"
+    );
+    let diagram = report.mermaid(property_names::PROTOCOL).unwrap();
+    assert!(
+        diagram.contains("    Note over p1: protocol violation"),
+        "{diagram}"
+    );
+}
+
+#[test]
+fn describe_and_arrow_agree_with_the_model() {
+    let model = CompletionModel::new(CompletionConfig::ci());
+    let init = model.init_states().remove(0);
+    let mut actions = Vec::new();
+    model.actions(&init, &mut actions);
+    for a in &actions {
+        let line = model.describe(&init, a);
+        let step = model.arrow(&init, a);
+        assert!(!line.is_empty());
+        assert!(step.from < model.participants().len() && step.to < model.participants().len());
+    }
+}
+
+#[test]
+fn depth_first_explores_the_same_space_as_breadth_first() {
+    let options = CheckOptions {
+        threads: 2,
+        strategy: Strategy::Dfs,
+        ..CheckOptions::default()
+    };
+    let report = check(
+        CompletionModel::new(CompletionConfig::ci()),
+        &options,
+        &mut |_| {},
+    );
+    assert_eq!(report.strategy, Strategy::Dfs);
+    assert!(!report.symmetry);
+    assert_eq!(report.stop, Stop::Exhaustive);
+    assert!(report.complete && report.passed());
+    assert_eq!(report.unique_states, 83_592, "as pinned for breadth-first");
+}
+
+#[test]
+fn a_depth_bound_is_reported_as_such() {
+    let options = CheckOptions {
+        target_max_depth: Some(4),
+        ..CheckOptions::default()
+    };
+    let report = check(
+        CompletionModel::new(CompletionConfig::ci()),
+        &options,
+        &mut |_| {},
+    );
+    assert_eq!(report.stop, Stop::DepthBound { depth: 4 });
+    assert!(!report.complete);
+    assert!(report.max_depth <= 4);
+    assert!(!report.passed(), "a bounded run is no proof");
+    // The `sometimes` example is deeper than 4 actions.
+    assert!(!report.passed_within_bound());
+}
+
+#[test]
+fn keep_going_finds_a_counterexample_and_explores_the_rest() {
+    let config = CompletionConfig {
+        requests: 1,
+        ..double_report()
+    };
+    let options = CheckOptions {
+        stop_at_first_violation: false,
+        ..CheckOptions::default()
+    };
+    let report = check(CompletionModel::new(config), &options, &mut |_| {});
+    assert_ne!(report.stop, Stop::FirstViolation);
+    assert!(!report.property(property_names::EXACTLY_ONCE).unwrap().holds);
+    // The `sometimes` property got its example too, which a stop at the violation can miss.
+    let all = report.property(property_names::ALL_EMITTED).unwrap();
+    assert!(all.holds && all.trace.is_some());
+    assert!(!report.passed());
+    assert_eq!(
+        report.first_failure().map(|p| p.name),
+        Some(property_names::EXACTLY_ONCE)
+    );
+}
+
+#[test]
+fn the_explorer_is_loopback_only_unless_allowed() {
+    assert!(matches!(
+        explorer_address("0.0.0.0:1", false),
+        Err(ExploreError::NotLoopback { .. })
+    ));
+    let e = explorer_address("0.0.0.0:1", false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--allow-remote"), "{e}");
+    assert!(explorer_address("0.0.0.0:1", true).is_ok());
+    assert_eq!(
+        explorer_address("127.0.0.1:3000", false)
+            .unwrap()
+            .to_string(),
+        "127.0.0.1:3000"
+    );
+    assert!(explorer_address("[::1]:3000", false).is_ok());
+    assert!(matches!(
+        explorer_address("no-port", false),
+        Err(ExploreError::BadAddress { .. })
+    ));
+}
