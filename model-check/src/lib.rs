@@ -18,8 +18,15 @@
 //!
 //! # Running a check
 //!
-//! [`check_completions`] runs the breadth-first checker (shortest counterexamples) with progress
-//! callbacks and returns a [`CheckReport`]; it is what `kvrelay check` calls. The presets
+//! [`check`] model-checks any model that implements [`Explain`] (a readable line per action and
+//! the arrows of a sequence diagram, rendered by [`mermaid`]) as [`CheckOptions`] say: threads,
+//! breadth-first (the default: shortest counterexamples) or depth-first search, a depth bound,
+//! stop at the first violation or keep going. It calls back with [`Progress`] and returns a
+//! [`CheckReport`] whose discoveries come as lines, raw actions and arrows;
+//! [`check_with_symmetry`] adds symmetry reduction for states implementing
+//! `stateright::Representative`, and [`serve_explorer`] serves stateright's web explorer behind
+//! [`explorer_address`]'s loopback guard. `kvrelay check` is the command line over them;
+//! [`check_completions`] is the completion model's shorthand. The presets
 //! [`CompletionConfig::ci`] and [`CompletionConfig::deep`] are the configurations CI and a longer
 //! local run explore exhaustively.
 //!
