@@ -3,7 +3,12 @@
 //! The scheduler-side offloading connector asks it, per chunk key, whether a chunk is stored
 //! ([`CpuOffloadingManager::lookup`]), pins chunks for loads, and reserves chunks for stores,
 //! evicting idle chunks when the host pool is full. It is pure: no clocks, no randomness, and
-//! only ordered collections, so the model checker can replay it.
+//! only ordered collections or a key index with a fixed hash whose order never shows, so the
+//! model checker can replay it.
+//!
+//! Keys live in an arena of nodes that hold their chunk and link into the policy's lists by
+//! index (ARC's T1/T2/B1/B2, the LRU's idle order), found through the key index: every
+//! operation on a key is O(1) apart from LRU ranks that arrive out of order (a B-tree).
 //!
 //! Two replacement policies sit behind the chunk state machine, as in vLLM: LRU (logical recency
 //! with provisional per-request ranks committed at `on_request_finished`) and ARC (T1/T2, ghost
@@ -134,78 +139,391 @@ impl ManagerError {
     }
 }
 
-/// One stored (or being-stored) chunk. `ref_cnt` is −1 while write-pending.
-/// One key's chunk: `ref_cnt` −1 = write pending, 0 = ready and idle, n ≥ 1 = pinned by n loads.
+/// A key's chunk: `ref_cnt` −1 = write pending, 0 = ready and idle, n ≥ 1 = pinned by n loads.
 #[derive(Clone, Copy, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Chunk {
     ref_cnt: i32,
     chunk: ChunkId,
 }
 
-/// An insertion-ordered key set (Python's `OrderedDict` as the policies use it): O(log n) move to
-/// the most recent end, removal, and iteration from the least recent end.
-#[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
-struct OrderedKeys {
-    order: BTreeMap<u64, OffloadKey>,
-    seq_of: BTreeMap<OffloadKey, u64>,
-    next: u64,
-}
-
-impl OrderedKeys {
-    fn len(&self) -> usize {
-        self.seq_of.len()
-    }
-    fn contains(&self, k: &OffloadKey) -> bool {
-        self.seq_of.contains_key(k)
-    }
-    /// Inserts at, or moves to, the most recent end.
-    fn push_back(&mut self, k: OffloadKey) {
-        if let Some(old) = self.seq_of.insert(k, self.next) {
-            self.order.remove(&old);
-        }
-        self.order.insert(self.next, k);
-        self.next += 1;
-    }
-    fn remove(&mut self, k: &OffloadKey) -> bool {
-        match self.seq_of.remove(k) {
-            Some(seq) => {
-                self.order.remove(&seq);
-                true
-            }
-            None => false,
-        }
-    }
-    fn pop_front(&mut self) -> Option<OffloadKey> {
-        let (_, k) = self.order.pop_first()?;
-        self.seq_of.remove(&k);
-        Some(k)
-    }
-    fn iter(&self) -> impl Iterator<Item = OffloadKey> + '_ {
-        self.order.values().copied()
-    }
-}
+/// The end of a link, and an empty index entry: no node.
+const NIL: u32 = u32::MAX;
 
 /// LRU recency: `(rank, minor)`, lowest evicted first. Global ranks have minor 0; a request's
 /// provisional rank is `(request rank, −position)`, so tails go before heads.
 type Rank = (u64, i64);
 
-/// The replacement policy's own state (vLLM's `LRUCachePolicy` / `ARCCachePolicy`).
+/// Where a node of the arena is linked.
+#[derive(Clone, Copy, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+enum Place {
+    /// A free slot of the arena.
+    Free,
+    /// A key linked into no list (LRU: pinned or write-pending).
+    Unlinked,
+    /// LRU: idle, in the rank-ordered idle list.
+    IdleList,
+    /// LRU: idle, in the idle tree (ranks that arrived between the list's ends).
+    IdleTree,
+    /// ARC: stored, seen once.
+    T1,
+    /// ARC: stored, seen again.
+    T2,
+    /// ARC: ghost evicted from T1.
+    B1,
+    /// ARC: ghost evicted from T2.
+    B2,
+}
+
+/// One key the manager knows: a stored (or being-stored) chunk, or an ARC ghost. Nodes live in
+/// an arena (`Vec`) and link into the policy's lists by index.
+#[derive(Clone, Copy, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Node {
+    key: OffloadKey,
+    /// `None` for an ARC ghost (a key in B1 or B2).
+    chunk: Option<Chunk>,
+    place: Place,
+    prev: u32,
+    next: u32,
+    /// The LRU rank (unused by ARC).
+    rank: Rank,
+}
+
+impl Node {
+    const FREE: Node = Node {
+        key: OffloadKey {
+            hash: BlockHash(0),
+            group: 0,
+        },
+        chunk: None,
+        place: Place::Free,
+        prev: NIL,
+        next: NIL,
+        rank: (0, 0),
+    };
+
+    /// The LRU eviction order: rank, then key.
+    fn order(&self) -> (Rank, OffloadKey) {
+        (self.rank, self.key)
+    }
+}
+
+/// An intrusive doubly linked list of arena nodes (Python's `OrderedDict` as the policies use
+/// it): O(1) move to the most recent end, removal, and iteration from the least recent end.
+#[derive(Clone, Copy, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+struct List {
+    head: u32,
+    tail: u32,
+    len: u32,
+}
+
+impl List {
+    const EMPTY: List = List {
+        head: NIL,
+        tail: NIL,
+        len: 0,
+    };
+
+    fn push_back(&mut self, nodes: &mut [Node], s: u32, place: Place) {
+        let n = &mut nodes[s as usize];
+        n.prev = self.tail;
+        n.next = NIL;
+        n.place = place;
+        if self.tail == NIL {
+            self.head = s;
+        } else {
+            nodes[self.tail as usize].next = s;
+        }
+        self.tail = s;
+        self.len += 1;
+    }
+
+    fn push_front(&mut self, nodes: &mut [Node], s: u32, place: Place) {
+        let n = &mut nodes[s as usize];
+        n.prev = NIL;
+        n.next = self.head;
+        n.place = place;
+        if self.head == NIL {
+            self.tail = s;
+        } else {
+            nodes[self.head as usize].prev = s;
+        }
+        self.head = s;
+        self.len += 1;
+    }
+
+    /// Unlinks a node of this list (its place becomes `Unlinked`).
+    fn unlink(&mut self, nodes: &mut [Node], s: u32) {
+        let (prev, next) = (nodes[s as usize].prev, nodes[s as usize].next);
+        if prev == NIL {
+            self.head = next;
+        } else {
+            nodes[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            nodes[next as usize].prev = prev;
+        }
+        let n = &mut nodes[s as usize];
+        n.prev = NIL;
+        n.next = NIL;
+        n.place = Place::Unlinked;
+        self.len -= 1;
+    }
+
+    /// Moves a node of this list to the most recent end.
+    fn move_to_back(&mut self, nodes: &mut [Node], s: u32) {
+        if self.tail != s {
+            let place = nodes[s as usize].place;
+            self.unlink(nodes, s);
+            self.push_back(nodes, s, place);
+        }
+    }
+
+    /// The nodes from the least recent end, checking the links (for the invariants).
+    fn collect(&self, nodes: &[Node]) -> Option<Vec<u32>> {
+        let mut out = Vec::with_capacity(self.len as usize);
+        let mut prev = NIL;
+        let mut s = self.head;
+        while s != NIL {
+            let n = nodes.get(s as usize)?;
+            if n.prev != prev || out.len() >= self.len as usize {
+                return None;
+            }
+            out.push(s);
+            prev = s;
+            s = n.next;
+        }
+        (prev == self.tail && out.len() == self.len as usize).then_some(out)
+    }
+}
+
+/// One entry of the key index: a key and its arena slot (`NIL` = empty).
+#[derive(Clone, Copy, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+struct IndexEntry {
+    hash: u64,
+    group: u32,
+    slot: u32,
+}
+
+const EMPTY_ENTRY: IndexEntry = IndexEntry {
+    hash: 0,
+    group: 0,
+    slot: NIL,
+};
+
+/// Key → arena slot: open addressing with linear probing and backward-shift deletion under a
+/// fixed (unseeded) mixer, so it is deterministic. It is never iterated for behaviour: every
+/// order the manager shows comes from the policy's lists.
+#[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+struct KeyIndex {
+    table: Vec<IndexEntry>,
+    len: usize,
+}
+
+impl KeyIndex {
+    fn mix(hash: u64, group: u32) -> u64 {
+        // splitmix64's finaliser.
+        let mut x = hash ^ u64::from(group).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        x ^= x >> 30;
+        x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x ^= x >> 27;
+        x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^ (x >> 31)
+    }
+
+    fn home(&self, hash: u64, group: u32) -> usize {
+        Self::mix(hash, group) as usize & (self.table.len() - 1)
+    }
+
+    fn find(&self, k: &OffloadKey) -> Option<usize> {
+        if self.table.is_empty() {
+            return None;
+        }
+        let mask = self.table.len() - 1;
+        let mut i = self.home(k.hash.0, k.group);
+        loop {
+            let e = &self.table[i];
+            if e.slot == NIL {
+                return None;
+            }
+            if e.hash == k.hash.0 && e.group == k.group {
+                return Some(i);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    fn get(&self, k: &OffloadKey) -> Option<u32> {
+        self.find(k).map(|i| self.table[i].slot)
+    }
+
+    /// Inserts a key that is not in the index.
+    fn insert(&mut self, k: &OffloadKey, slot: u32) {
+        if (self.len + 1) * 2 > self.table.len() {
+            self.grow();
+        }
+        self.place(IndexEntry {
+            hash: k.hash.0,
+            group: k.group,
+            slot,
+        });
+        self.len += 1;
+    }
+
+    fn place(&mut self, e: IndexEntry) {
+        let mask = self.table.len() - 1;
+        let mut i = self.home(e.hash, e.group);
+        while self.table[i].slot != NIL {
+            i = (i + 1) & mask;
+        }
+        self.table[i] = e;
+    }
+
+    fn grow(&mut self) {
+        let cap = (self.table.len() * 2).max(64);
+        let old = core::mem::replace(&mut self.table, alloc::vec![EMPTY_ENTRY; cap]);
+        for e in old {
+            if e.slot != NIL {
+                self.place(e);
+            }
+        }
+    }
+
+    fn remove(&mut self, k: &OffloadKey) -> Option<u32> {
+        let mut gap = self.find(k)?;
+        let slot = self.table[gap].slot;
+        let mask = self.table.len() - 1;
+        let mut j = gap;
+        loop {
+            j = (j + 1) & mask;
+            let e = self.table[j];
+            if e.slot == NIL {
+                break;
+            }
+            // `e` may fill the gap unless its home lies cyclically in (gap, j].
+            let home = self.home(e.hash, e.group);
+            if j.wrapping_sub(home) & mask >= j.wrapping_sub(gap) & mask {
+                self.table[gap] = e;
+                gap = j;
+            }
+        }
+        self.table[gap] = EMPTY_ENTRY;
+        self.len -= 1;
+        Some(slot)
+    }
+}
+
+/// The arena of nodes and the key index over it.
+#[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Arena {
+    nodes: Vec<Node>,
+    free_slots: Vec<u32>,
+    index: KeyIndex,
+    /// Nodes holding a chunk.
+    stored: u32,
+}
+
+impl Arena {
+    fn slot(&self, k: &OffloadKey) -> Option<u32> {
+        self.index.get(k)
+    }
+
+    /// The chunk of a stored key.
+    fn chunk(&self, k: &OffloadKey) -> Option<Chunk> {
+        self.slot(k).and_then(|s| self.nodes[s as usize].chunk)
+    }
+
+    /// A node for a key without one, unlinked and without chunk.
+    fn alloc(&mut self, key: OffloadKey) -> u32 {
+        let node = Node {
+            key,
+            place: Place::Unlinked,
+            ..Node::FREE
+        };
+        let s = match self.free_slots.pop() {
+            Some(s) => {
+                self.nodes[s as usize] = node;
+                s
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        self.index.insert(&key, s);
+        s
+    }
+
+    /// Frees an unlinked node without chunk.
+    fn release(&mut self, s: u32) {
+        let key = self.nodes[s as usize].key;
+        self.index.remove(&key);
+        self.nodes[s as usize] = Node::FREE;
+        self.free_slots.push(s);
+    }
+
+    fn clear(&mut self) {
+        *self = Self::default();
+    }
+}
+
+/// The replacement policy's own state (vLLM's `LRUCachePolicy` / `ARCCachePolicy`); the keys'
+/// links and ranks live in the arena's nodes.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
 enum Policy {
     Lru {
-        ranks: BTreeMap<OffloadKey, Rank>,
-        /// Idle keys by rank (vLLM's lazy heap, kept exact).
-        evictable: BTreeSet<(Rank, OffloadKey)>,
+        /// Idle keys by `(rank, key)` (vLLM's lazy heap, kept exact), split in two: a sorted
+        /// list taking the keys that arrive beyond either end (the common case: a fresh rank),
+        /// and a tree for the rest. Eviction merges the two.
+        idle: List,
+        idle_tree: BTreeSet<(Rank, OffloadKey, u32)>,
         next_rank: u64,
     },
     Arc {
-        t1: OrderedKeys,
-        t2: OrderedKeys,
-        b1: OrderedKeys,
-        b2: OrderedKeys,
+        t1: List,
+        t2: List,
+        b1: List,
+        b2: List,
         /// `target_t1_size`, an f64 kept as its bits so the manager stays `Eq + Hash`.
         target_bits: u64,
     },
+}
+
+/// LRU: adds an idle key to the idle order.
+fn idle_insert(
+    nodes: &mut [Node],
+    idle: &mut List,
+    tree: &mut BTreeSet<(Rank, OffloadKey, u32)>,
+    s: u32,
+) {
+    let o = nodes[s as usize].order();
+    if idle.tail == NIL || nodes[idle.tail as usize].order() < o {
+        idle.push_back(nodes, s, Place::IdleList);
+    } else if o < nodes[idle.head as usize].order() {
+        idle.push_front(nodes, s, Place::IdleList);
+    } else {
+        tree.insert((o.0, o.1, s));
+        nodes[s as usize].place = Place::IdleTree;
+    }
+}
+
+/// LRU: takes a key out of the idle order (no-op for a key that is not idle).
+fn idle_remove(
+    nodes: &mut [Node],
+    idle: &mut List,
+    tree: &mut BTreeSet<(Rank, OffloadKey, u32)>,
+    s: u32,
+) {
+    let n = &mut nodes[s as usize];
+    match n.place {
+        Place::IdleList => idle.unlink(nodes, s),
+        Place::IdleTree => {
+            tree.remove(&(n.rank, n.key, s));
+            n.place = Place::Unlinked;
+        }
+        _ => {}
+    }
 }
 
 /// A request's scope of accesses (vLLM's `_RequestCacheAccess` plus the LRU request rank).
@@ -228,7 +546,8 @@ struct RequestAccess {
 #[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CpuOffloadingManager {
     config: ManagerConfig,
-    chunks: BTreeMap<OffloadKey, Chunk>,
+    /// Stored keys (and ARC ghosts) with their chunks and policy links.
+    arena: Arena,
     policy: Policy,
     requests: BTreeMap<RequestId, RequestAccess>,
     next_fresh: u32,
@@ -251,7 +570,7 @@ impl CpuOffloadingManager {
         config.validate()?;
         Ok(Self {
             config,
-            chunks: BTreeMap::new(),
+            arena: Arena::default(),
             policy: Self::fresh_policy(config.policy),
             requests: BTreeMap::new(),
             next_fresh: 0,
@@ -268,15 +587,15 @@ impl CpuOffloadingManager {
     fn fresh_policy(kind: PolicyKind) -> Policy {
         match kind {
             PolicyKind::Lru => Policy::Lru {
-                ranks: BTreeMap::new(),
-                evictable: BTreeSet::new(),
+                idle: List::EMPTY,
+                idle_tree: BTreeSet::new(),
                 next_rank: 0,
             },
             PolicyKind::Arc => Policy::Arc {
-                t1: OrderedKeys::default(),
-                t2: OrderedKeys::default(),
-                b1: OrderedKeys::default(),
-                b2: OrderedKeys::default(),
+                t1: List::EMPTY,
+                t2: List::EMPTY,
+                b1: List::EMPTY,
+                b2: List::EMPTY,
                 target_bits: 0f64.to_bits(),
             },
         }
@@ -284,7 +603,7 @@ impl CpuOffloadingManager {
 
     /// Whether `key` is stored and readable (`Hit`), being written (`HitPending`), or absent.
     pub fn lookup(&self, key: OffloadKey) -> KeyLookup {
-        match self.chunks.get(&key) {
+        match self.arena.chunk(&key) {
             None => KeyLookup::Miss,
             Some(c) if c.ref_cnt < 0 => KeyLookup::HitPending,
             Some(_) => KeyLookup::Hit,
@@ -299,28 +618,33 @@ impl CpuOffloadingManager {
         access: Access<'_>,
     ) -> Result<Vec<ChunkId>, ManagerError> {
         for k in keys {
-            match self.chunks.get(k) {
+            match self.arena.chunk(k) {
                 Some(c) if c.ref_cnt >= 0 => {}
                 _ => return Err(ManagerError::NotLoadable(*k)),
             }
         }
         let mut out = Vec::with_capacity(keys.len());
         for k in keys {
-            let c = self
-                .chunks
-                .get_mut(k)
+            let s = self
+                .arena
+                .slot(k)
                 .expect("checked above: every key is present");
-            if c.ref_cnt == 0 {
-                self.evictable -= 1;
-                if let Policy::Lru {
-                    ranks, evictable, ..
-                } = &mut self.policy
-                {
-                    evictable.remove(&(ranks[k], *k));
-                }
-            }
+            let nodes = &mut self.arena.nodes;
+            let c = nodes[s as usize]
+                .chunk
+                .as_mut()
+                .expect("checked above: every key is stored");
             c.ref_cnt += 1;
             out.push(c.chunk);
+            if c.ref_cnt == 1 {
+                self.evictable -= 1;
+                if let Policy::Lru {
+                    idle, idle_tree, ..
+                } = &mut self.policy
+                {
+                    idle_remove(nodes, idle, idle_tree, s);
+                }
+            }
         }
         let mut ctx = self.take_ctx(access);
         Self::learn_positions(&mut ctx, keys, access);
@@ -336,31 +660,35 @@ impl CpuOffloadingManager {
             *need.entry(*k).or_default() += 1;
         }
         for (k, n) in &need {
-            match self.chunks.get(k) {
+            match self.arena.chunk(k) {
                 Some(c) if c.ref_cnt >= *n => {}
                 _ => return Err(ManagerError::NotPinned(*k)),
             }
         }
         for k in keys {
-            let c = self
-                .chunks
-                .get_mut(k)
+            let s = self
+                .arena
+                .slot(k)
                 .expect("checked above: every key is present");
+            let c = self.arena.nodes[s as usize]
+                .chunk
+                .as_mut()
+                .expect("checked above: every key is stored");
             c.ref_cnt -= 1;
             if c.ref_cnt == 0 {
-                self.mark_evictable(*k);
+                self.mark_evictable(s);
             }
         }
         Ok(())
     }
 
-    fn mark_evictable(&mut self, k: OffloadKey) {
+    fn mark_evictable(&mut self, s: u32) {
         self.evictable += 1;
         if let Policy::Lru {
-            ranks, evictable, ..
+            idle, idle_tree, ..
         } = &mut self.policy
         {
-            evictable.insert((ranks[&k], k));
+            idle_insert(&mut self.arena.nodes, idle, idle_tree, s);
         }
     }
 
@@ -377,24 +705,36 @@ impl CpuOffloadingManager {
                     self.lru_new_rank(*k);
                 }
             }
-            Policy::Arc { .. } => {
+            Policy::Arc {
+                t1,
+                t2,
+                b1,
+                b2,
+                target_bits,
+            } => {
+                let nodes = &mut self.arena.nodes;
                 for k in keys.iter().rev() {
-                    let ready = self.chunks.get(k).is_some_and(|c| c.ref_cnt >= 0);
-                    let Policy::Arc { t1, t2, .. } = &mut self.policy else {
-                        unreachable!("matched above");
+                    let Some(s) = self.arena.index.get(k) else {
+                        continue;
                     };
-                    if t1.contains(k) {
-                        if ready {
-                            t1.remove(k);
-                            t2.push_back(*k);
-                        } else {
-                            // Just prepared to be stored, not really touched twice.
-                            t1.push_back(*k);
+                    let n = &nodes[s as usize];
+                    let ready = n.chunk.is_some_and(|c| c.ref_cnt >= 0);
+                    match n.place {
+                        Place::T1 if ready => {
+                            t1.unlink(nodes, s);
+                            t2.push_back(nodes, s, Place::T2);
                         }
-                    } else if t2.contains(k) {
-                        t2.push_back(*k);
-                    } else {
-                        self.arc_ghost_hit(*k);
+                        // Just prepared to be stored, not really touched twice.
+                        Place::T1 => t1.move_to_back(nodes, s),
+                        Place::T2 => t2.move_to_back(nodes, s),
+                        _ => arc_ghost_hit(
+                            nodes,
+                            b1,
+                            b2,
+                            target_bits,
+                            self.config.capacity_chunks,
+                            s,
+                        ),
                     }
                 }
             }
@@ -403,50 +743,54 @@ impl CpuOffloadingManager {
 
     /// LRU: a fresh global rank for a present key.
     fn lru_new_rank(&mut self, k: OffloadKey) {
-        let (Some(c), Policy::Lru { next_rank, .. }) = (self.chunks.get(&k), &mut self.policy)
+        let (Some(s), Policy::Lru { next_rank, .. }) = (self.arena.slot(&k), &mut self.policy)
         else {
             return;
         };
-        let idle = c.ref_cnt == 0;
         *next_rank += 1;
         let rank = (*next_rank, 0);
-        self.lru_rerank(k, rank, idle);
+        self.lru_rerank(s, rank);
     }
 
-    /// LRU: gives a ranked key its new rank, keeping the idle index in step.
-    fn lru_rerank(&mut self, k: OffloadKey, rank: Rank, idle: bool) {
-        if let Policy::Lru {
-            ranks, evictable, ..
+    /// LRU: gives a stored key its new rank, keeping the idle order in step.
+    fn lru_rerank(&mut self, s: u32, rank: Rank) {
+        let Policy::Lru {
+            idle, idle_tree, ..
         } = &mut self.policy
-            && let Some(old) = ranks.insert(k, rank)
-            && idle
-        {
-            evictable.remove(&(old, k));
-            evictable.insert((rank, k));
+        else {
+            return;
+        };
+        let nodes = &mut self.arena.nodes;
+        let was_idle = matches!(nodes[s as usize].place, Place::IdleList | Place::IdleTree);
+        if was_idle {
+            idle_remove(nodes, idle, idle_tree, s);
+        }
+        nodes[s as usize].rank = rank;
+        if was_idle {
+            idle_insert(nodes, idle, idle_tree, s);
         }
     }
 
     /// ARC: a store miss or touch of a ghost adapts the T1 target.
-    fn arc_ghost_hit(&mut self, k: OffloadKey) {
-        let capacity = f64::from(self.config.capacity_chunks);
-        let Policy::Arc {
+    fn arc_ghost_hit_key(&mut self, k: &OffloadKey) {
+        let Some(s) = self.arena.slot(k) else {
+            return;
+        };
+        if let Policy::Arc {
             b1,
             b2,
             target_bits,
             ..
         } = &mut self.policy
-        else {
-            return;
-        };
-        let target = f64::from_bits(*target_bits);
-        if b1.contains(&k) {
-            let delta = (b2.len() as f64 / b1.len() as f64).max(1.0);
-            *target_bits = (target + delta).min(capacity).to_bits();
-            b1.push_back(k);
-        } else if b2.contains(&k) {
-            let delta = (b1.len() as f64 / b2.len() as f64).max(1.0);
-            *target_bits = (target - delta).max(0.0).to_bits();
-            b2.push_back(k);
+        {
+            arc_ghost_hit(
+                &mut self.arena.nodes,
+                b1,
+                b2,
+                target_bits,
+                self.config.capacity_chunks,
+                s,
+            );
         }
     }
 
@@ -522,16 +866,12 @@ impl CpuOffloadingManager {
         };
         let request_rank = Self::lru_request_rank(next_rank, ctx);
         for k in keys {
-            let (Some(&pos), Some(c)) = (ctx.positions.get(k), self.chunks.get(k)) else {
+            let (Some(&pos), Some(s)) = (ctx.positions.get(k), self.arena.slot(k)) else {
                 continue;
             };
-            let idle = c.ref_cnt == 0;
             let rank = (request_rank, -i64::from(pos));
-            let Policy::Lru { ranks, .. } = &self.policy else {
-                unreachable!("matched above");
-            };
-            if ranks.get(k).is_some_and(|old| *old < rank) {
-                self.lru_rerank(*k, rank, idle);
+            if self.arena.nodes[s as usize].rank < rank {
+                self.lru_rerank(s, rank);
             }
         }
     }
@@ -588,49 +928,55 @@ impl CpuOffloadingManager {
         let has_dups = sorted.windows(2).any(|w| w[0] == w[1]);
         let mut candidates: Vec<OffloadKey> = Vec::new();
         let mut ready_existing: Vec<OffloadKey> = Vec::new();
-        // Per offered key: recorded as an access of the request (a store candidate that passed
-        // the threshold, or a ready key).
-        let mut recorded_mask: Vec<bool> = Vec::with_capacity(keys.len());
+        // The offered keys recorded as accesses of the request: store candidates that passed
+        // the threshold, and ready keys.
+        let mut recorded: Vec<OffloadKey> = Vec::new();
+        // An unscoped call without positions records nothing (see `record_access`).
+        let records = access.request.is_some() || access.positions.is_some_and(|p| !p.is_empty());
+        // Whether a candidate has a node (an ARC ghost); if none has, none gains one before
+        // `allocate` (ghost hits and evictions create no nodes), so their lookups are skipped.
+        let mut ghost_candidates = false;
         for k in keys {
-            let recorded = match self.chunks.get(k) {
+            let slot = self.arena.slot(k);
+            match slot.and_then(|s| self.arena.nodes[s as usize].chunk) {
                 None => {
                     let admitted =
                         threshold < 2 || self.tracker.get(k).map_or(0, |e| e.0) >= threshold;
-                    if admitted && !(has_dups && candidates.contains(k)) {
-                        candidates.push(*k);
+                    if admitted {
+                        ghost_candidates |= slot.is_some();
+                        if !(has_dups && candidates.contains(k)) {
+                            candidates.push(*k);
+                        }
+                        if records {
+                            recorded.push(*k);
+                        }
                     }
-                    admitted
                 }
                 Some(c) if c.ref_cnt >= 0 => {
-                    ready_existing.push(*k);
-                    true
+                    if records {
+                        ready_existing.push(*k);
+                        recorded.push(*k);
+                    }
                 }
-                Some(_) => false,
-            };
-            recorded_mask.push(recorded);
+                Some(_) => {}
+            }
         }
         let scoped = access.request.is_some();
         let mut ctx = self.take_ctx(access);
         Self::learn_positions(&mut ctx, keys, access);
-        if matches!(self.policy, Policy::Arc { .. }) {
-            // LRU's `on_store_miss` is `touch` of absent keys: nothing to do.
+        if ghost_candidates {
+            // Only ARC has ghosts. LRU's `on_store_miss` is `touch` of absent keys: nothing to do.
             for k in candidates.iter().rev() {
                 if !ctx.store_misses.contains(k) {
-                    self.arc_ghost_hit(*k);
+                    self.arc_ghost_hit_key(k);
                 }
             }
         }
         if scoped {
             ctx.store_misses.extend(candidates.iter().copied());
         }
-        let recorded: Vec<OffloadKey> = keys
-            .iter()
-            .zip(&recorded_mask)
-            .filter(|(_, r)| **r)
-            .map(|(k, _)| *k)
-            .collect();
         self.record_access(&mut ctx, &recorded, access, &ready_existing);
-        let out = self.allocate(&mut ctx, &sorted, candidates, scoped);
+        let out = self.allocate(&mut ctx, &sorted, candidates, ghost_candidates, scoped);
         self.put_ctx(access, ctx);
         out
     }
@@ -640,6 +986,7 @@ impl CpuOffloadingManager {
         ctx: &mut RequestAccess,
         sorted_offer: &[OffloadKey],
         candidates: Vec<OffloadKey>,
+        ghost_candidates: bool,
         scoped: bool,
     ) -> Option<PrepareStoreOutput> {
         if candidates.is_empty() {
@@ -653,11 +1000,7 @@ impl CpuOffloadingManager {
             if need > self.evictable as usize {
                 return None;
             }
-            let victims = self.choose_victims(need, sorted_offer)?;
-            for k in &victims {
-                let c = self.chunks.remove(k).expect("victims are present");
-                self.free.push(c.chunk);
-            }
+            let victims = self.evict(need, sorted_offer)?;
             self.evictable -= victims.len() as u32;
             self.events.push((
                 OffloadEvent {
@@ -678,8 +1021,19 @@ impl CpuOffloadingManager {
                     .pop()
                     .expect("`need` was computed so that enough chunks are free")
             };
-            self.chunks.insert(*k, Chunk { ref_cnt: -1, chunk });
-            self.policy_insert(ctx, *k);
+            // An absent key may still have a node: an ARC ghost.
+            let ghost = if ghost_candidates {
+                self.arena.slot(k)
+            } else {
+                None
+            };
+            let s = match ghost {
+                Some(s) => s,
+                None => self.arena.alloc(*k),
+            };
+            self.arena.nodes[s as usize].chunk = Some(Chunk { ref_cnt: -1, chunk });
+            self.arena.stored += 1;
+            self.policy_insert(ctx, s);
             chunks.push(chunk);
         }
         self.write_pending += candidates.len() as u32;
@@ -693,51 +1047,75 @@ impl CpuOffloadingManager {
         })
     }
 
-    fn policy_insert(&mut self, ctx: &mut RequestAccess, k: OffloadKey) {
+    fn policy_insert(&mut self, ctx: &mut RequestAccess, s: u32) {
+        let nodes = &mut self.arena.nodes;
         match &mut self.policy {
-            Policy::Lru {
-                ranks, next_rank, ..
-            } => {
-                let rank = match ctx.positions.get(&k) {
+            Policy::Lru { next_rank, .. } => {
+                let k = nodes[s as usize].key;
+                nodes[s as usize].rank = match ctx.positions.get(&k) {
                     Some(&pos) => (Self::lru_request_rank(next_rank, ctx), -i64::from(pos)),
                     None => {
                         *next_rank += 1;
                         (*next_rank, 0)
                     }
                 };
-                ranks.insert(k, rank);
             }
             Policy::Arc { t1, b1, b2, .. } => {
-                t1.push_back(k);
-                b1.remove(&k);
-                b2.remove(&k);
+                match nodes[s as usize].place {
+                    Place::B1 => b1.unlink(nodes, s),
+                    Place::B2 => b2.unlink(nodes, s),
+                    _ => {}
+                }
+                t1.push_back(nodes, s, Place::T1);
             }
         }
     }
 
-    /// Exactly `n` idle keys outside `protected` (sorted), without changing anything; `None`
-    /// if there are fewer. ARC moves the chosen keys to its ghost lists.
-    fn choose_victims(&mut self, n: usize, protected: &[OffloadKey]) -> Option<Vec<OffloadKey>> {
-        let chunks = &self.chunks;
-        let idle = |k: &OffloadKey| {
-            chunks.get(k).is_some_and(|c| c.ref_cnt == 0) && protected.binary_search(k).is_err()
-        };
+    /// Evicts exactly `n` idle keys outside `protected` (sorted) and frees their chunks,
+    /// returning them in eviction order; `None` (nothing changed) if there are fewer. ARC moves
+    /// the evicted keys to its ghost lists.
+    fn evict(&mut self, n: usize, protected: &[OffloadKey]) -> Option<Vec<OffloadKey>> {
+        let arena = &mut self.arena;
+        let mut victims = Vec::with_capacity(n);
         match &mut self.policy {
             Policy::Lru {
-                ranks, evictable, ..
+                idle, idle_tree, ..
             } => {
-                let victims: Vec<OffloadKey> = evictable
-                    .iter()
-                    .map(|(_, k)| *k)
-                    .filter(|k| protected.binary_search(k).is_err())
-                    .take(n)
-                    .collect();
-                if victims.len() < n {
+                let mut slots: Vec<u32> = Vec::with_capacity(n);
+                let mut cursor = idle.head;
+                let mut tree = idle_tree.iter().peekable();
+                while slots.len() < n {
+                    let from_list = match (cursor, tree.peek()) {
+                        (NIL, None) => break,
+                        (NIL, Some(_)) => false,
+                        (_, None) => true,
+                        (c, Some(t)) => arena.nodes[c as usize].order() < (t.0, t.1),
+                    };
+                    let s = if from_list {
+                        let s = cursor;
+                        cursor = arena.nodes[s as usize].next;
+                        s
+                    } else {
+                        tree.next().expect("peeked").2
+                    };
+                    if protected
+                        .binary_search(&arena.nodes[s as usize].key)
+                        .is_err()
+                    {
+                        slots.push(s);
+                    }
+                }
+                if slots.len() < n {
                     return None;
                 }
-                for k in &victims {
-                    let rank = ranks.remove(k).expect("evictable keys are ranked");
-                    evictable.remove(&(rank, *k));
+                for s in slots {
+                    idle_remove(&mut arena.nodes, idle, idle_tree, s);
+                    let node = &mut arena.nodes[s as usize];
+                    let chunk = node.chunk.take().expect("idle keys are stored");
+                    victims.push(node.key);
+                    self.free.push(chunk.chunk);
+                    arena.stored -= 1;
+                    arena.release(s);
                 }
                 Some(victims)
             }
@@ -750,47 +1128,68 @@ impl CpuOffloadingManager {
             } => {
                 let target = f64::from_bits(*target_bits) as usize;
                 let chosen = {
-                    let mut virtual_t1 = t1.len();
-                    let mut from_t1 = t1.iter().filter(|k| idle(k));
-                    let mut from_t2 = t2.iter().filter(|k| idle(k));
-                    let mut chosen: Vec<(OffloadKey, bool)> = Vec::with_capacity(n);
+                    let nodes = &arena.nodes;
+                    let idle = |s: u32| {
+                        let n = &nodes[s as usize];
+                        n.chunk.is_some_and(|c| c.ref_cnt == 0)
+                            && protected.binary_search(&n.key).is_err()
+                    };
+                    // The next idle node from a cursor, advancing it past that node.
+                    let next_idle = |cursor: &mut u32| {
+                        while *cursor != NIL {
+                            let s = *cursor;
+                            *cursor = nodes[s as usize].next;
+                            if idle(s) {
+                                return Some(s);
+                            }
+                        }
+                        None
+                    };
+                    let mut virtual_t1 = t1.len as usize;
+                    let (mut c1, mut c2) = (t1.head, t2.head);
+                    let mut chosen: Vec<(u32, bool)> = Vec::with_capacity(n);
                     for _ in 0..n {
                         let mut pick = None;
                         if virtual_t1 >= target
-                            && let Some(k) = from_t1.next()
+                            && let Some(s) = next_idle(&mut c1)
                         {
-                            pick = Some((k, true));
+                            pick = Some((s, true));
                             virtual_t1 -= 1;
                         }
                         if pick.is_none()
-                            && let Some(k) = from_t2.next()
+                            && let Some(s) = next_idle(&mut c2)
                         {
-                            pick = Some((k, false));
+                            pick = Some((s, false));
                         }
                         if pick.is_none() {
-                            let k = from_t1.next()?;
-                            pick = Some((k, true));
+                            let s = next_idle(&mut c1)?;
+                            pick = Some((s, true));
                             virtual_t1 -= 1;
                         }
                         chosen.extend(pick);
                     }
                     chosen
                 };
-                let capacity = self.config.capacity_chunks as usize;
-                let mut victims = Vec::with_capacity(n);
-                for (k, in_t1) in chosen {
+                for (s, in_t1) in chosen {
                     if in_t1 {
-                        t1.remove(&k);
-                        b1.push_back(k);
+                        t1.unlink(&mut arena.nodes, s);
+                        b1.push_back(&mut arena.nodes, s, Place::B1);
                     } else {
-                        t2.remove(&k);
-                        b2.push_back(k);
+                        t2.unlink(&mut arena.nodes, s);
+                        b2.push_back(&mut arena.nodes, s, Place::B2);
                     }
-                    victims.push(k);
+                    let node = &mut arena.nodes[s as usize];
+                    let chunk = node.chunk.take().expect("idle keys are stored");
+                    victims.push(node.key);
+                    self.free.push(chunk.chunk);
+                    arena.stored -= 1;
                 }
+                let capacity = self.config.capacity_chunks;
                 for ghost in [b1, b2] {
-                    while ghost.len() > capacity {
-                        ghost.pop_front();
+                    while ghost.len > capacity {
+                        let s = ghost.head;
+                        ghost.unlink(&mut arena.nodes, s);
+                        arena.release(s);
                     }
                 }
                 Some(victims)
@@ -804,7 +1203,11 @@ impl CpuOffloadingManager {
     pub fn complete_store(&mut self, keys: &[OffloadKey], success: bool) {
         let mut done = Vec::new();
         for k in keys {
-            let Some(c) = self.chunks.get_mut(k) else {
+            let Some(s) = self.arena.slot(k) else {
+                continue;
+            };
+            let node = &mut self.arena.nodes[s as usize];
+            let Some(c) = node.chunk.as_mut() else {
                 continue;
             };
             if c.ref_cnt != -1 {
@@ -813,21 +1216,17 @@ impl CpuOffloadingManager {
             self.write_pending -= 1;
             if success {
                 c.ref_cnt = 0;
-                self.mark_evictable(*k);
+                self.mark_evictable(s);
             } else {
-                let chunk = c.chunk;
-                self.chunks.remove(k);
-                self.free.push(chunk);
-                match &mut self.policy {
-                    Policy::Lru { ranks, .. } => {
-                        ranks.remove(k);
-                    }
-                    Policy::Arc { t1, t2, .. } => {
-                        if !t1.remove(k) {
-                            t2.remove(k);
-                        }
-                    }
+                self.free.push(c.chunk);
+                node.chunk = None;
+                self.arena.stored -= 1;
+                match (&mut self.policy, node.place) {
+                    (Policy::Arc { t1, .. }, Place::T1) => t1.unlink(&mut self.arena.nodes, s),
+                    (Policy::Arc { t2, .. }, Place::T2) => t2.unlink(&mut self.arena.nodes, s),
+                    _ => {}
                 }
+                self.arena.release(s);
             }
             done.push(*k);
         }
@@ -869,18 +1268,29 @@ impl CpuOffloadingManager {
                 }
             }
             Policy::Arc { t1, t2, .. } => {
+                let nodes = &mut self.arena.nodes;
                 for k in ordered.iter().rev() {
-                    let insertion_only = ctx.inserted.contains(k) && !ctx.reused.contains(k);
-                    if insertion_only {
-                        if t1.contains(k) {
-                            t1.push_back(*k);
-                        } else if t2.contains(k) {
-                            t2.push_back(*k);
+                    let Some(s) = self.arena.index.get(k) else {
+                        continue;
+                    };
+                    let place = nodes[s as usize].place;
+                    let reused = ctx.reused.contains(k);
+                    if ctx.inserted.contains(k) && !reused {
+                        // Insert-only: refreshed in its list.
+                        match place {
+                            Place::T1 => t1.move_to_back(nodes, s),
+                            Place::T2 => t2.move_to_back(nodes, s),
+                            _ => {}
                         }
-                    } else if ctx.reused.contains(k) {
+                    } else if reused {
                         // From T1, or to T2's most recent end.
-                        if t1.remove(k) || t2.contains(k) {
-                            t2.push_back(*k);
+                        match place {
+                            Place::T1 => {
+                                t1.unlink(nodes, s);
+                                t2.push_back(nodes, s, Place::T2);
+                            }
+                            Place::T2 => t2.move_to_back(nodes, s),
+                            _ => {}
                         }
                     }
                 }
@@ -894,7 +1304,7 @@ impl CpuOffloadingManager {
         let mut out = Vec::with_capacity(events.len());
         for (mut e, metadata_only) in events {
             if metadata_only {
-                e.keys.retain(|k| !self.chunks.contains_key(k));
+                e.keys.retain(|k| self.arena.chunk(k).is_none());
                 if e.keys.is_empty() {
                     continue;
                 }
@@ -907,7 +1317,7 @@ impl CpuOffloadingManager {
     /// Forgets every chunk (pinned and pending ones too), the policy's state, request scopes
     /// and counters. Pending events are kept, as in vLLM.
     pub fn reset(&mut self) {
-        self.chunks.clear();
+        self.arena.clear();
         self.policy = Self::fresh_policy(self.config.policy);
         self.requests.clear();
         self.next_fresh = 0;
@@ -936,15 +1346,94 @@ impl CpuOffloadingManager {
         self.write_pending
     }
 
-    /// I-40: counters equal the chunk table, `ref_cnt ≥ −1`, allocated chunks within capacity,
-    /// and the policy holds exactly the present keys.
+    /// I-40: counters equal the chunk table, `ref_cnt ≥ −1`, allocated chunks within capacity
+    /// and distinct (none both free and held), the key index maps exactly the live nodes, and
+    /// the policy's lists are well linked and hold exactly the right keys: LRU the idle ones in
+    /// `(rank, key)` order, ARC the stored ones in T1/T2 and only ghosts, within capacity, in
+    /// B1/B2.
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
-        let idle = self.chunks.values().filter(|c| c.ref_cnt == 0).count();
-        let pending = self.chunks.values().filter(|c| c.ref_cnt == -1).count();
+        let arena = &self.arena;
+        let nodes = &arena.nodes;
+        let next_fresh = self.next_fresh as usize;
         ensure_invariant!(
-            self.chunks.values().all(|c| c.ref_cnt >= -1),
+            self.next_fresh <= self.config.capacity_chunks,
             "I-40",
-            "ref_cnt below -1"
+            "allocated chunks exceed capacity"
+        );
+        let mut chunk_held = alloc::vec![false; next_fresh];
+        for c in &self.free {
+            let i = c.0 as usize;
+            ensure_invariant!(
+                i < next_fresh && !chunk_held[i],
+                "I-40",
+                "free chunk {c:?} unallocated or listed twice"
+            );
+            chunk_held[i] = true;
+        }
+        let mut slot_free = alloc::vec![false; nodes.len()];
+        for &s in &arena.free_slots {
+            let i = s as usize;
+            ensure_invariant!(
+                i < nodes.len() && !slot_free[i] && nodes[i].place == Place::Free,
+                "I-40",
+                "free arena slot {s} is in use or listed twice"
+            );
+            slot_free[i] = true;
+        }
+        let (mut live, mut stored, mut idle, mut pending) = (0usize, 0usize, 0usize, 0usize);
+        let is_lru = matches!(self.policy, Policy::Lru { .. });
+        for (s, n) in nodes.iter().enumerate() {
+            if n.place == Place::Free {
+                ensure_invariant!(slot_free[s], "I-40", "arena slot {s} free but not listed");
+                continue;
+            }
+            live += 1;
+            ensure_invariant!(
+                arena.index.get(&n.key) == Some(s as u32),
+                "I-40",
+                "key index disagrees for {:?}",
+                n.key
+            );
+            let placed_ok = match n.chunk {
+                Some(c) => {
+                    stored += 1;
+                    ensure_invariant!(c.ref_cnt >= -1, "I-40", "ref_cnt below -1");
+                    let i = c.chunk.0 as usize;
+                    ensure_invariant!(
+                        i < next_fresh && !chunk_held[i],
+                        "I-40",
+                        "chunk {:?} of {:?} unallocated, free or shared",
+                        c.chunk,
+                        n.key
+                    );
+                    chunk_held[i] = true;
+                    idle += usize::from(c.ref_cnt == 0);
+                    pending += usize::from(c.ref_cnt == -1);
+                    if is_lru {
+                        let in_idle = matches!(n.place, Place::IdleList | Place::IdleTree);
+                        in_idle == (c.ref_cnt == 0) && (in_idle || n.place == Place::Unlinked)
+                    } else {
+                        matches!(n.place, Place::T1 | Place::T2)
+                    }
+                }
+                // Only ARC keeps keys without a chunk: its ghosts.
+                None => !is_lru && matches!(n.place, Place::B1 | Place::B2),
+            };
+            ensure_invariant!(
+                placed_ok,
+                "I-40",
+                "{:?} ({:?}) is in the wrong policy list {:?}",
+                n.key,
+                n.chunk,
+                n.place
+            );
+        }
+        ensure_invariant!(
+            arena.index.len == live && arena.stored as usize == stored,
+            "I-40",
+            "key index holds {} keys, arena {live} ({stored} stored, counted {})",
+            arena.index.len,
+            arena.stored
         );
         ensure_invariant!(
             idle == self.evictable as usize,
@@ -961,33 +1450,113 @@ impl CpuOffloadingManager {
             pending
         );
         ensure_invariant!(
-            self.chunks.len() + self.free.len() == self.next_fresh as usize
-                && self.next_fresh <= self.config.capacity_chunks,
+            stored + self.free.len() == next_fresh,
             "I-40",
-            "allocated chunks exceed capacity"
+            "{stored} held + {} free chunks != {next_fresh} allocated",
+            self.free.len()
         );
+        let list_holds = |list: &List, place: Place| {
+            list.collect(nodes)
+                .filter(|slots| slots.iter().all(|&s| nodes[s as usize].place == place))
+        };
         match &self.policy {
             Policy::Lru {
-                ranks, evictable, ..
+                idle: list,
+                idle_tree,
+                ..
             } => {
+                let slots = list_holds(list, Place::IdleList);
+                ensure_invariant!(slots.is_some(), "I-40", "LRU idle list broken");
+                let sorted = slots.is_some_and(|slots| {
+                    slots
+                        .windows(2)
+                        .all(|w| nodes[w[0] as usize].order() < nodes[w[1] as usize].order())
+                });
+                ensure_invariant!(sorted, "I-40", "LRU idle list out of rank order");
                 ensure_invariant!(
-                    ranks.len() == self.chunks.len() && evictable.len() == idle,
+                    idle_tree
+                        .iter()
+                        .all(|(rank, key, s)| nodes
+                            .get(*s as usize)
+                            .is_some_and(|n| n.place == Place::IdleTree
+                                && n.rank == *rank
+                                && n.key == *key)),
                     "I-40",
-                    "LRU ranks {} / evictable {} vs {} keys, {idle} idle",
-                    ranks.len(),
-                    evictable.len(),
-                    self.chunks.len()
+                    "LRU idle tree disagrees with the keys' ranks"
+                );
+                ensure_invariant!(
+                    list.len as usize + idle_tree.len() == idle,
+                    "I-40",
+                    "LRU idle order holds {} + {} keys, {idle} idle",
+                    list.len,
+                    idle_tree.len()
                 );
             }
-            Policy::Arc { t1, t2, .. } => {
+            Policy::Arc {
+                t1,
+                t2,
+                b1,
+                b2,
+                target_bits,
+            } => {
+                let lists = [
+                    (t1, Place::T1),
+                    (t2, Place::T2),
+                    (b1, Place::B1),
+                    (b2, Place::B2),
+                ];
+                for (list, place) in lists {
+                    ensure_invariant!(
+                        list_holds(list, place).is_some(),
+                        "I-40",
+                        "ARC list {place:?} broken"
+                    );
+                }
                 ensure_invariant!(
-                    t1.len() + t2.len() == self.chunks.len()
-                        && self.chunks.keys().all(|k| t1.contains(k) ^ t2.contains(k)),
+                    (t1.len + t2.len) as usize == stored
+                        && (b1.len + b2.len) as usize == live - stored,
                     "I-40",
-                    "ARC lists do not hold exactly the present keys"
+                    "ARC lists do not hold exactly the present keys and ghosts"
+                );
+                let capacity = self.config.capacity_chunks;
+                let target = f64::from_bits(*target_bits);
+                ensure_invariant!(
+                    b1.len <= capacity
+                        && b2.len <= capacity
+                        && (0.0..=f64::from(capacity)).contains(&target),
+                    "I-40",
+                    "ARC ghosts {} + {} or target {target} beyond capacity {capacity}",
+                    b1.len,
+                    b2.len
                 );
             }
         }
         Ok(())
+    }
+}
+
+/// ARC: a store miss or touch of a ghost adapts the T1 target (no-op for other nodes).
+fn arc_ghost_hit(
+    nodes: &mut [Node],
+    b1: &mut List,
+    b2: &mut List,
+    target_bits: &mut u64,
+    capacity: u32,
+    s: u32,
+) {
+    let capacity = f64::from(capacity);
+    let target = f64::from_bits(*target_bits);
+    match nodes[s as usize].place {
+        Place::B1 => {
+            let delta = (f64::from(b2.len) / f64::from(b1.len)).max(1.0);
+            *target_bits = (target + delta).min(capacity).to_bits();
+            b1.move_to_back(nodes, s);
+        }
+        Place::B2 => {
+            let delta = (f64::from(b1.len) / f64::from(b2.len)).max(1.0);
+            *target_bits = (target - delta).max(0.0).to_bits();
+            b2.move_to_back(nodes, s);
+        }
+        _ => {}
     }
 }
