@@ -13,17 +13,19 @@ use std::path::{Path, PathBuf};
 
 use kvrelay_core::{
     AggregatedOutput, Aggregator, BlockId, ConnectorCall, EventAccumulator, GroupKind, Interner,
-    JobId, KvEvent, KvEvents, LoadFailurePolicy, Lookup, Meta, Mode, ModelOutput, OffloadMeta,
-    Params, Rank, RequestId, RequestSpec, RequestStatus, ScheduledStep, Scheduler, SchedulerConfig,
-    SchedulerError, ScriptedConnector, ScriptedMeta, SortedSet, StepId, StepResult, StepShape,
-    Token, WorkerCall, WorkerOutput, WorkerProtocol,
+    JobId, KeyLookup, KvEvent, KvEvents, LoadFailurePolicy, Lookup, Meta, Mode, ModelOutput,
+    OffloadMeta, Params, Rank, RequestId, RequestSpec, RequestStatus, ScheduledStep, Scheduler,
+    SchedulerConfig, SchedulerError, SchedulerOutput, ScriptedConnector, ScriptedMeta, SortedSet,
+    StepId, StepResult, StepShape, Token, WorkerCall, WorkerOutput, WorkerProtocol,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
+pub mod engine_offload;
 mod multi;
 mod offload_manager;
 
+pub use engine_offload::OffloadEngine;
 pub use multi::MultiHarness;
 pub use offload_manager::OffloadManagerHarness;
 
@@ -934,9 +936,18 @@ impl Harness for ProtocolHarness {
 // ---------------------------------------------------------------------------------------------
 // engine
 
-/// The `engine` machine: the scheduler ([`Scheduler`]) driven by the [`ScriptedConnector`].
+/// The `engine` machine: the scheduler ([`Scheduler`]) driven by the [`ScriptedConnector`]
+/// (the case plays the executor) or by the offloading connector with simulated ranks
+/// ([`OffloadEngine`]).
 #[derive(Debug)]
-pub struct EngineHarness(Scheduler<ScriptedConnector>);
+pub struct EngineHarness(EngineInner);
+
+/// The connector an `engine` case runs with.
+#[derive(Debug)]
+enum EngineInner {
+    Scripted(Box<Scheduler<ScriptedConnector>>),
+    Offload(Box<OffloadEngine>),
+}
 
 /// A converted `engine` call.
 #[derive(Debug, Clone)]
@@ -974,7 +985,40 @@ pub enum EngineOp {
         sampled: Vec<(RequestId, Vec<Token>)>,
         /// The aggregated connector output (`None`: the step produced none).
         kv: Option<AggregatedOutput>,
+        /// Whether the case gave any connector-output field (scripted connector only).
+        kv_given: bool,
     },
+    /// `execute` (offloading): every rank's worker step for a scheduled step.
+    Execute(Option<StepId>),
+    /// `run_step` (offloading): `schedule`, `execute`, `apply_output`.
+    RunStep,
+    /// `drain` (offloading): `run_step` until no request is left, at most this many steps.
+    Drain(u32),
+    /// `hold` (offloading).
+    Hold {
+        /// The rank.
+        rank: u32,
+        /// Held or not.
+        value: bool,
+    },
+    /// `complete` (offloading): feed completions to one rank.
+    Complete {
+        /// The rank.
+        rank: u32,
+        /// The jobs (`None`: every transfer in flight on it).
+        jobs: Option<Vec<JobId>>,
+    },
+    /// `lookup` (offloading): the manager's answer for the chunks of a prompt.
+    Lookup {
+        /// A request whose prompt to use.
+        id: Option<RequestId>,
+        /// Or explicit tokens.
+        prompt: Option<Vec<Token>>,
+    },
+    /// `offload_state` (offloading).
+    OffloadState,
+    /// `reset_cache`: `reset_connector_cache()`.
+    ResetCache,
     /// `request`.
     Request(RequestId),
     /// `state`.
@@ -1020,6 +1064,28 @@ pub enum EngineOut {
     },
     /// The drained connector call log.
     Calls(Vec<ConnectorCall>),
+    /// `schedule`'s step with the offloading connector.
+    OffloadScheduled(Box<engine_offload::OffloadScheduled>),
+    /// `execute`'s result.
+    Executed(Box<engine_offload::Executed>),
+    /// `run_step`'s result.
+    StepRun(
+        Box<(
+            engine_offload::OffloadScheduled,
+            engine_offload::Executed,
+            StepResult,
+        )>,
+    ),
+    /// A job list (`complete`).
+    Jobs(Vec<JobId>),
+    /// A count (`drain`).
+    Count(u32),
+    /// `lookup`'s answer, per group and chunk.
+    Lookups(Vec<Vec<KeyLookup>>),
+    /// `offload_state`'s answer.
+    OffloadState(Box<engine_offload::OffloadState>),
+    /// `reset_cache`'s answer.
+    Reset(Option<bool>),
 }
 
 #[derive(Deserialize)]
@@ -1039,6 +1105,7 @@ struct EngineConfig {
     async_depth: Option<u32>,
     mode: Option<Mode>,
     requires_kv_delivery: Option<bool>,
+    connector: Option<Value>,
 }
 
 fn parse_group(v: &Value) -> Result<GroupKind, CaseError> {
@@ -1192,8 +1259,8 @@ fn render_call(c: &ConnectorCall, ids: &Interner) -> Value {
     }
 }
 
-fn render_scheduled(s: &ScheduledStep<ScriptedMeta>, groups: usize, ids: &Interner) -> Value {
-    let o = &s.output;
+/// The fields of a Scheduled result other than `meta`.
+fn scheduled_fields(o: &SchedulerOutput, groups: usize, ids: &Interner) -> Map<String, Value> {
     let name = |id: RequestId| ids.resolve(id).unwrap_or("?").to_string();
     let mut block_ids = Map::new();
     let mut new_block_ids = Map::new();
@@ -1212,6 +1279,25 @@ fn render_scheduled(s: &ScheduledStep<ScriptedMeta>, groups: usize, ids: &Intern
             new_block_ids.insert(name(c.id), render_tables(&c.new_block_ids));
         }
     }
+    let v = json!({
+        "step": o.step.0,
+        "scheduled": o.num_scheduled_tokens.iter().map(|(id, n)| json!([render_id(*id, ids), n])).collect::<Vec<_>>(),
+        "total": o.total_num_scheduled_tokens,
+        "new": o.scheduled_new_reqs.iter().map(|n| render_id(n.id, ids)).collect::<Vec<_>>(),
+        "resumed": resumed,
+        "block_ids": block_ids,
+        "new_block_ids": new_block_ids,
+        "finished_req_ids": render_ids(&o.finished_req_ids, ids),
+        "preempted_req_ids": render_ids(&o.preempted_req_ids, ids),
+        "has_sync_kv_loads": o.has_sync_kv_loads,
+    });
+    match v {
+        Value::Object(m) => m,
+        _ => Map::new(),
+    }
+}
+
+fn render_scheduled(s: &ScheduledStep<ScriptedMeta>, groups: usize, ids: &Interner) -> Value {
     let loads: Vec<Value> = s
         .meta
         .loads
@@ -1225,19 +1311,72 @@ fn render_scheduled(s: &ScheduledStep<ScriptedMeta>, groups: usize, ids: &Intern
             })
         })
         .collect();
-    json!({
-        "step": o.step.0,
-        "scheduled": o.num_scheduled_tokens.iter().map(|(id, n)| json!([render_id(*id, ids), n])).collect::<Vec<_>>(),
-        "total": o.total_num_scheduled_tokens,
-        "new": o.scheduled_new_reqs.iter().map(|n| render_id(n.id, ids)).collect::<Vec<_>>(),
-        "resumed": resumed,
-        "block_ids": block_ids,
-        "new_block_ids": new_block_ids,
-        "finished_req_ids": render_ids(&o.finished_req_ids, ids),
-        "preempted_req_ids": render_ids(&o.preempted_req_ids, ids),
-        "has_sync_kv_loads": o.has_sync_kv_loads,
-        "meta": { "loads": loads },
-    })
+    let mut m = scheduled_fields(&s.output, groups, ids);
+    m.insert("meta".into(), json!({ "loads": loads }));
+    Value::Object(m)
+}
+
+/// `request`'s answer, for either connector.
+fn request_of<C: kvrelay_core::SchedulerConnector>(s: &Scheduler<C>, id: RequestId) -> EngineOut {
+    let v = s.view();
+    let n = v.config().groups.len();
+    EngineOut::Request(v.request(id).map(|r| RequestSnapshot {
+        status: r.status(),
+        num_computed_tokens: r.num_computed_tokens(),
+        block_ids: (0..n).map(|g| r.block_ids(g).to_vec()).collect(),
+        num_preemptions: r.num_preemptions(),
+    }))
+}
+
+/// `state`'s answer, for either connector.
+fn state_of<C: kvrelay_core::SchedulerConnector>(s: &Scheduler<C>) -> EngineOut {
+    let v = s.view();
+    EngineOut::State {
+        running: v.running().to_vec(),
+        waiting: v.waiting().collect(),
+        free_blocks: v.num_free_blocks(),
+        has_requests: s.has_requests(),
+        in_flight: s.steps_in_flight().map(|x| x.0).collect(),
+    }
+}
+
+fn normalize_scheduled(v: &mut Value) -> Result<(), CaseError> {
+    normalize_set_field(v, "finished_req_ids")?;
+    normalize_set_field(v, "preempted_req_ids")?;
+    if let Some(m) = v.get_mut("meta") {
+        normalize_int_set_field(m, "jobs_to_flush")?;
+    }
+    Ok(())
+}
+
+fn normalize_executed(v: &mut Value) -> Result<(), CaseError> {
+    if let Some(a) = v.get_mut("aggregated") {
+        normalize_set_field(a, "finished_sending")?;
+        normalize_set_field(a, "finished_recving")?;
+        normalize_set_field(a, "failed_recving")?;
+    }
+    if let Some(Value::Array(ranks)) = v.get_mut("ranks") {
+        for r in ranks {
+            normalize_set_field(r, "finished_recving")?;
+        }
+    }
+    Ok(())
+}
+
+/// Sorts and deduplicates the integer array at `key` of object `v` (a set-valued field).
+fn normalize_int_set_field(v: &mut Value, key: &str) -> Result<(), CaseError> {
+    let Some(slot) = v.get_mut(key) else {
+        return Ok(());
+    };
+    if slot.is_null() {
+        return Ok(());
+    }
+    let mut xs: Vec<u64> = serde_json::from_value(slot.clone())
+        .map_err(|e| CaseError(format!("`{key}` must be an array of integers: {e}")))?;
+    xs.sort_unstable();
+    xs.dedup();
+    *slot = json!(xs);
+    Ok(())
 }
 
 fn render_step_result(r: &StepResult, ids: &Interner) -> Value {
@@ -1274,7 +1413,7 @@ fn normalize_set_field(v: &mut Value, key: &str) -> Result<(), CaseError> {
     Ok(())
 }
 
-const ENGINE_CALLS: [&str; 13] = [
+const ENGINE_CALLS: [&str; 21] = [
     "add_request",
     "set_lookup",
     "set_delay_free",
@@ -1288,6 +1427,14 @@ const ENGINE_CALLS: [&str; 13] = [
     "request",
     "state",
     "connector_calls",
+    "execute",
+    "run_step",
+    "drain",
+    "hold",
+    "complete",
+    "lookup",
+    "offload_state",
+    "reset_cache",
 ];
 
 impl Harness for EngineHarness {
@@ -1319,11 +1466,22 @@ impl Harness for EngineHarness {
             async_depth: c.async_depth.unwrap_or(d.async_depth),
             mode: c.mode.unwrap_or(d.mode),
         };
-        let mut conn = ScriptedConnector::new();
-        conn.set_requires_kv_delivery(c.requires_kv_delivery.unwrap_or(false));
-        Scheduler::new(sc, conn)
-            .map(Self)
-            .map_err(|e| CaseError(e.to_string()))
+        match engine_offload::parse_connector(c.connector.as_ref())? {
+            engine_offload::ConnectorChoice::Scripted => {
+                let mut conn = ScriptedConnector::new();
+                conn.set_requires_kv_delivery(c.requires_kv_delivery.unwrap_or(false));
+                Scheduler::new(sc, conn)
+                    .map(|s| Self(EngineInner::Scripted(Box::new(s))))
+                    .map_err(|e| CaseError(e.to_string()))
+            }
+            engine_offload::ConnectorChoice::Offloading(v) => {
+                if c.requires_kv_delivery.is_some() {
+                    return err("`requires_kv_delivery` is a scripted-connector key");
+                }
+                let mode = sc.mode;
+                OffloadEngine::new(sc, &v, mode).map(|e| Self(EngineInner::Offload(Box::new(e))))
+            }
+        }
     }
 
     fn convert(
@@ -1440,6 +1598,7 @@ impl Harness for EngineHarness {
                     "failed_recving",
                     "invalid_block_ids",
                 ];
+                let kv_given = no_kv || kv_keys.iter().any(|k| args.contains_key(*k));
                 if no_kv && let Some(k) = kv_keys.iter().find(|k| args.contains_key(**k)) {
                     return err(format!("`{k}` given together with `no_kv_output: true`"));
                 }
@@ -1462,7 +1621,59 @@ impl Harness for EngineHarness {
                     step: step.map(StepId),
                     sampled,
                     kv,
+                    kv_given,
                 })
+            }
+            "execute" => {
+                only(args, &["step"])?;
+                let step: Option<u64> = arg(args, "step", Some(None))?;
+                Ok(EngineOp::Execute(step.map(StepId)))
+            }
+            "run_step" => {
+                only(args, &[])?;
+                Ok(EngineOp::RunStep)
+            }
+            "drain" => {
+                only(args, &["max_steps"])?;
+                Ok(EngineOp::Drain(arg(args, "max_steps", Some(100))?))
+            }
+            "hold" => {
+                only(args, &["rank", "value"])?;
+                Ok(EngineOp::Hold {
+                    rank: arg(args, "rank", None)?,
+                    value: arg(args, "value", Some(true))?,
+                })
+            }
+            "complete" => {
+                only(args, &["rank", "jobs"])?;
+                let jobs: Option<Vec<u64>> = arg(args, "jobs", Some(None))?;
+                Ok(EngineOp::Complete {
+                    rank: arg(args, "rank", None)?,
+                    jobs: jobs.map(|v| v.into_iter().map(JobId).collect()),
+                })
+            }
+            "lookup" => {
+                only(args, &["id", "prompt"])?;
+                match (args.contains_key("id"), args.contains_key("prompt")) {
+                    (true, true) => err("give either `id` or `prompt`, not both"),
+                    (false, false) => err("missing argument `id` (or `prompt`)"),
+                    (true, false) => Ok(EngineOp::Lookup {
+                        id: Some(id_arg(args, ids)?),
+                        prompt: None,
+                    }),
+                    (false, true) => Ok(EngineOp::Lookup {
+                        id: None,
+                        prompt: Some(arg(args, "prompt", None)?),
+                    }),
+                }
+            }
+            "offload_state" => {
+                only(args, &[])?;
+                Ok(EngineOp::OffloadState)
+            }
+            "reset_cache" => {
+                only(args, &[])?;
+                Ok(EngineOp::ResetCache)
             }
             "request" => {
                 only(args, &["id"])?;
@@ -1481,7 +1692,10 @@ impl Harness for EngineHarness {
     }
 
     fn apply(&mut self, op: &Self::Op) -> Result<Self::Out, &'static str> {
-        let s = &mut self.0;
+        let s = match &mut self.0 {
+            EngineInner::Scripted(s) => &mut **s,
+            EngineInner::Offload(e) => return e.apply(op),
+        };
         let kind = |e: SchedulerError| e.kind();
         match op {
             EngineOp::AddRequest {
@@ -1539,7 +1753,9 @@ impl Harness for EngineHarness {
                     .map(|st| EngineOut::Scheduled(Box::new(st), groups))
                     .map_err(kind)
             }
-            EngineOp::ApplyOutput { step, sampled, kv } => {
+            EngineOp::ApplyOutput {
+                step, sampled, kv, ..
+            } => {
                 // No step in flight and none named: a step that cannot be the oldest one.
                 let step = step
                     .or_else(|| s.steps_in_flight().next())
@@ -1561,34 +1777,28 @@ impl Harness for EngineHarness {
                 .map(EngineOut::Applied)
                 .map_err(kind)
             }
-            EngineOp::Request(id) => {
-                let v = s.view();
-                let n = v.config().groups.len();
-                Ok(EngineOut::Request(v.request(*id).map(|r| {
-                    RequestSnapshot {
-                        status: r.status(),
-                        num_computed_tokens: r.num_computed_tokens(),
-                        block_ids: (0..n).map(|g| r.block_ids(g).to_vec()).collect(),
-                        num_preemptions: r.num_preemptions(),
-                    }
-                })))
-            }
-            EngineOp::State => {
-                let v = s.view();
-                Ok(EngineOut::State {
-                    running: v.running().to_vec(),
-                    waiting: v.waiting().collect(),
-                    free_blocks: v.num_free_blocks(),
-                    has_requests: s.has_requests(),
-                    in_flight: s.steps_in_flight().map(|x| x.0).collect(),
-                })
-            }
+            EngineOp::Request(id) => Ok(request_of(s, *id)),
+            EngineOp::State => Ok(state_of(s)),
             EngineOp::ConnectorCalls => Ok(EngineOut::Calls(s.connector_mut().take_calls())),
+            EngineOp::ResetCache => s
+                .reset_connector_cache()
+                .map(EngineOut::Reset)
+                .map_err(kind),
+            EngineOp::Execute(_)
+            | EngineOp::RunStep
+            | EngineOp::Drain(_)
+            | EngineOp::Hold { .. }
+            | EngineOp::Complete { .. }
+            | EngineOp::Lookup { .. }
+            | EngineOp::OffloadState => Err("wrong_connector"),
         }
     }
 
     fn check_invariants(&self) -> Result<(), String> {
-        self.0.check_invariants().map_err(|e| e.to_string())
+        match &self.0 {
+            EngineInner::Scripted(s) => s.check_invariants().map_err(|e| e.to_string()),
+            EngineInner::Offload(e) => e.check_invariants(),
+        }
     }
 
     fn render(out: &Self::Out, ids: &Interner) -> Value {
@@ -1620,16 +1830,31 @@ impl Harness for EngineHarness {
             EngineOut::Calls(calls) => {
                 Value::Array(calls.iter().map(|c| render_call(c, ids)).collect())
             }
+            EngineOut::OffloadScheduled(x) => engine_offload::render_scheduled(x, ids),
+            EngineOut::Executed(x) => engine_offload::render_executed(x, ids),
+            EngineOut::StepRun(x) => engine_offload::render_step_run(x, ids),
+            EngineOut::Jobs(js) => json!(js.iter().map(|j| j.0).collect::<Vec<_>>()),
+            EngineOut::Count(n) => json!(n),
+            EngineOut::Lookups(l) => engine_offload::render_lookups(l),
+            EngineOut::OffloadState(x) => engine_offload::render_state(x, ids),
+            EngineOut::Reset(r) => r.map_or(Value::Null, |b| json!(b)),
         }
     }
 
     fn normalize_expected(call: &str, v: &Value, _ids: &mut Interner) -> Result<Value, CaseError> {
         let mut v = v.clone();
         match call {
-            "schedule" => {
-                normalize_set_field(&mut v, "finished_req_ids")?;
-                normalize_set_field(&mut v, "preempted_req_ids")?;
+            "schedule" => normalize_scheduled(&mut v)?,
+            "execute" => normalize_executed(&mut v)?,
+            "run_step" => {
+                if let Some(x) = v.get_mut("scheduled") {
+                    normalize_scheduled(x)?;
+                }
+                if let Some(x) = v.get_mut("executed") {
+                    normalize_executed(x)?;
+                }
             }
+            "offload_state" => normalize_int_set_field(&mut v, "fenced_blocks")?,
             "connector_calls" => {
                 if let Some(calls) = v.as_array_mut() {
                     for c in calls {

@@ -1,0 +1,820 @@
+//! The `engine` machine with the offloading connector (SEMANTICS.md §5.5–§5.7, §6.4, §9.5):
+//! the real [`Scheduler`] with an [`OffloadingConnector`], and W simulated ranks, each an
+//! [`OffloadingWorker`] run through its per-step hooks, whose outputs the real [`Aggregator`]
+//! folds into the step's connector output.
+//!
+//! The simulated DMA performs every `Start` a hook asks for and completes a transfer
+//! * when a hook returns `Wait` for it (at once, in the order asked: the hook blocks on it),
+//! * at the end of the rank's worker step, every transfer still in flight in submission order,
+//!   unless the rank is *held* (`hold`),
+//! * when the case says so (`complete`).
+//!
+//! Completions reach the scheduler only through the worker's `get_finished` (head-of-line per
+//! queue), the worker metadata and the aggregator, as in vLLM.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use kvrelay_core::{
+    AggregatedOutput, Aggregator, BlockId, ChunkId, Interner, JobId, KeyLookup, ManagerConfig,
+    Meta, Mode, ModelOutput, NULL_BLOCK, OffloadKey, OffloadingConfig, OffloadingConnector,
+    OffloadingConnectorMeta, OffloadingWorker, OffloadingWorkerConfig, PolicyKind, Rank, RequestId,
+    RequestSpec, ScheduledStep, Scheduler, SchedulerConfig, SchedulerConnector, SchedulerError,
+    StepId, StepResult, Token, Transfer, TransferCommand, TransferDirection, TransferDone,
+    TransferJob, WorkerConnector, WorkerOutput, hash_block,
+};
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use super::{
+    CaseError, EngineOp, EngineOut, err, render_aggregated, render_id, render_opt_ids,
+    render_opt_meta, render_step_result, render_tables, request_of, scheduled_fields, state_of,
+};
+
+/// The `{"offloading": {…}}` value of the engine's `connector` config key.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JOffloading {
+    blocks_per_chunk: u32,
+    capacity_chunks: u32,
+    #[serde(default = "lru")]
+    policy: String,
+    #[serde(default = "one")]
+    store_threshold: u32,
+    #[serde(default = "one")]
+    ranks: u32,
+    #[serde(default)]
+    non_writers: Vec<u32>,
+    #[serde(default)]
+    sync_load_budget_tokens: u32,
+    #[serde(default = "yes")]
+    offload_prompt_only: bool,
+    #[serde(default = "one_u64")]
+    bytes_per_block: u64,
+}
+
+fn lru() -> String {
+    "lru".into()
+}
+fn one() -> u32 {
+    1
+}
+fn one_u64() -> u64 {
+    1
+}
+fn yes() -> bool {
+    true
+}
+
+/// One job as the harness remembers it: what the metadata carried, and where its GPU blocks
+/// sit in the request's block table.
+#[derive(Debug, Clone)]
+pub struct JobRecord {
+    id: JobId,
+    job: TransferJob,
+    /// Per group, per block of `job.gpu.block_ids`: its index in the request's block table.
+    indexes: Vec<Vec<Option<u32>>>,
+}
+
+/// A transfer one rank started.
+#[derive(Debug, Clone)]
+pub struct TransferView {
+    transfer: Transfer,
+    indexes: Vec<Option<u32>>,
+}
+
+/// What one rank did in one worker step.
+#[derive(Debug, Clone, Default)]
+pub struct RankStep {
+    stored: Vec<TransferView>,
+    loaded: Vec<TransferView>,
+    /// Jobs waited for in `handle_preemptions` (the flush), with their record.
+    flushed: Vec<JobRecord>,
+    /// Jobs waited for in `start_load_kv` (synchronous loads).
+    sync_waited: Vec<JobId>,
+    output: Option<WorkerOutput<Meta>>,
+}
+
+/// `schedule`'s result with the offloading metadata.
+#[derive(Debug)]
+pub struct OffloadScheduled {
+    step: ScheduledStep<OffloadingConnectorMeta>,
+    groups: usize,
+    load_jobs: Vec<JobRecord>,
+    store_jobs: Vec<JobRecord>,
+}
+
+/// `execute`'s result.
+#[derive(Debug)]
+pub struct Executed {
+    step: StepId,
+    ranks: Vec<RankStep>,
+    aggregated: Option<AggregatedOutput<Meta>>,
+}
+
+/// `offload_state`'s result.
+#[derive(Debug)]
+pub struct OffloadState {
+    jobs: Vec<(JobId, u32)>,
+    requests: Vec<(RequestId, Vec<JobId>)>,
+    fenced_blocks: Vec<BlockId>,
+    reset_fence: usize,
+    resets_flushed: u64,
+    allocation_failures: u64,
+    next_job: u64,
+    push_work: bool,
+    ranks: Vec<RankState>,
+}
+
+/// One rank in `offload_state`.
+#[derive(Debug)]
+pub struct RankState {
+    in_flight: Vec<JobId>,
+    awaiting_completion: Vec<JobId>,
+    deferred_stores: Vec<JobId>,
+    held: bool,
+}
+
+/// The scheduler, its offloading connector, and the simulated ranks.
+#[derive(Debug)]
+pub struct OffloadEngine {
+    s: Scheduler<OffloadingConnector>,
+    workers: Vec<OffloadingWorker>,
+    /// Per rank: transfers started whose completion has not been fed back, in submission order.
+    pending: Vec<Vec<JobId>>,
+    held: Vec<bool>,
+    agg: Aggregator<Meta>,
+    /// Steps scheduled and not executed yet, oldest first.
+    to_execute: VecDeque<ScheduledStep<OffloadingConnectorMeta>>,
+    /// Steps executed, not applied yet: their aggregated connector output.
+    executed: BTreeMap<StepId, Option<AggregatedOutput<Meta>>>,
+    /// Every job created so far.
+    jobs: BTreeMap<JobId, JobRecord>,
+    /// Per request, its block table as last shown by the scheduler, keeping blocks it has since
+    /// dropped below a sliding window (null there now); replaced on (re-)admission.
+    tables: BTreeMap<RequestId, Vec<Vec<BlockId>>>,
+    /// Prompts of the requests added, for `lookup`.
+    prompts: BTreeMap<RequestId, Vec<Token>>,
+    /// Requests added, in order.
+    added: Vec<RequestId>,
+}
+
+const WRONG: &str = "wrong_connector";
+
+impl OffloadEngine {
+    /// A fresh engine from the scheduler config and the `{"offloading": …}` object.
+    pub fn new(sc: SchedulerConfig, v: &Value, mode: Mode) -> Result<Self, CaseError> {
+        let c: JOffloading = serde_json::from_value(v.clone())
+            .map_err(|e| CaseError(format!("connector.offloading: {e}")))?;
+        let policy = match c.policy.as_str() {
+            "lru" => PolicyKind::Lru,
+            "arc" => PolicyKind::Arc,
+            p => return err(format!("unknown policy `{p}` (expected lru or arc)")),
+        };
+        if c.ranks == 0 || c.ranks > 64 {
+            return err("connector.offloading.ranks: expected 1 to 64");
+        }
+        if let Some(r) = c.non_writers.iter().find(|&&r| r >= c.ranks) {
+            return err(format!("connector.offloading.non_writers: no rank {r}"));
+        }
+        let mut off = OffloadingConfig::new(
+            c.blocks_per_chunk,
+            c.ranks,
+            ManagerConfig {
+                capacity_chunks: c.capacity_chunks,
+                policy,
+                store_threshold: c.store_threshold,
+            },
+        );
+        off.sync_load_budget_tokens = c.sync_load_budget_tokens;
+        off.offload_prompt_only = c.offload_prompt_only;
+        let conn = OffloadingConnector::new(off, &sc).map_err(|e| CaseError(e.to_string()))?;
+        let s = Scheduler::new(sc, conn).map_err(|e| CaseError(e.to_string()))?;
+        let w = c.ranks as usize;
+        let workers = (0..c.ranks)
+            .map(|r| {
+                OffloadingWorker::new(OffloadingWorkerConfig {
+                    blocks_per_chunk: c.blocks_per_chunk,
+                    is_store_writer: !c.non_writers.contains(&r),
+                    bytes_per_block: c.bytes_per_block,
+                })
+            })
+            .collect();
+        Ok(Self {
+            s,
+            workers,
+            pending: vec![Vec::new(); w],
+            held: vec![false; w],
+            agg: Aggregator::new(c.ranks, mode),
+            to_execute: VecDeque::new(),
+            executed: BTreeMap::new(),
+            jobs: BTreeMap::new(),
+            tables: BTreeMap::new(),
+            prompts: BTreeMap::new(),
+            added: Vec::new(),
+        })
+    }
+
+    /// The scheduler's, the connector's and every rank's invariants.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.s.check_invariants().map_err(|e| e.to_string())?;
+        self.s
+            .connector()
+            .check_invariants()
+            .map_err(|e| e.to_string())?;
+        for (r, w) in self.workers.iter().enumerate() {
+            w.check_invariants().map_err(|e| format!("rank {r}: {e}"))?;
+            if let Some(e) = w.error() {
+                return Err(format!("rank {r}: {e}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one call.
+    pub fn apply(&mut self, op: &EngineOp) -> Result<EngineOut, &'static str> {
+        let kind = |e: SchedulerError| e.kind();
+        match op {
+            EngineOp::AddRequest {
+                spec,
+                lookup,
+                delay_free,
+            } => {
+                if lookup.is_some() || delay_free.is_some() {
+                    return Err(WRONG);
+                }
+                self.add(spec.clone()).map_err(kind)?;
+                Ok(EngineOut::Ok)
+            }
+            EngineOp::SetLookup(..)
+            | EngineOp::SetDelayFree(..)
+            | EngineOp::SetDelayAll(_)
+            | EngineOp::SetFinishParams(..)
+            | EngineOp::SetPendingBlockFrees(_)
+            | EngineOp::SetPushWork(_)
+            | EngineOp::ConnectorCalls => Err(WRONG),
+            EngineOp::Abort(id) => self.s.abort(*id).map(EngineOut::Bool).map_err(kind),
+            EngineOp::Schedule => self
+                .schedule()
+                .map(|x| EngineOut::OffloadScheduled(Box::new(x))),
+            EngineOp::Execute(step) => self
+                .execute(*step)
+                .map(|x| EngineOut::Executed(Box::new(x))),
+            EngineOp::ApplyOutput {
+                step,
+                sampled,
+                kv_given,
+                ..
+            } => {
+                if *kv_given {
+                    return Err(WRONG);
+                }
+                self.apply_output(*step, sampled).map(EngineOut::Applied)
+            }
+            EngineOp::RunStep => self
+                .run_step()
+                .map(|(a, b, c)| EngineOut::StepRun(Box::new((a, b, c)))),
+            EngineOp::Drain(max) => self.drain(*max).map(EngineOut::Count),
+            EngineOp::Hold { rank, value } => {
+                let slot = self
+                    .held
+                    .get_mut(*rank as usize)
+                    .ok_or("rank_out_of_range")?;
+                *slot = *value;
+                Ok(EngineOut::Ok)
+            }
+            EngineOp::Complete { rank, jobs } => self
+                .complete(*rank as usize, jobs.as_deref())
+                .map(EngineOut::Jobs),
+            EngineOp::Lookup { id, prompt } => {
+                let tokens = match (id, prompt) {
+                    (Some(id), _) => self.prompts.get(id).ok_or("unknown_request")?.clone(),
+                    (None, Some(p)) => p.clone(),
+                    (None, None) => Vec::new(),
+                };
+                Ok(EngineOut::Lookups(self.lookup(&tokens)))
+            }
+            EngineOp::OffloadState => Ok(EngineOut::OffloadState(Box::new(self.state()))),
+            EngineOp::ResetCache => self
+                .s
+                .reset_connector_cache()
+                .map(EngineOut::Reset)
+                .map_err(kind),
+            EngineOp::Request(id) => Ok(request_of(&self.s, *id)),
+            EngineOp::State => Ok(state_of(&self.s)),
+        }
+    }
+
+    fn add(&mut self, spec: RequestSpec) -> Result<(), SchedulerError> {
+        let (id, prompt) = (spec.id, spec.prompt.clone());
+        self.s.add_request(spec)?;
+        self.prompts.insert(id, prompt);
+        self.added.push(id);
+        Ok(())
+    }
+
+    /// `schedule()`, then the tables and job records.
+    fn schedule(&mut self) -> Result<OffloadScheduled, &'static str> {
+        let st = self.s.schedule().map_err(|e| e.kind())?;
+        let groups = self.s.config().groups.len();
+        // Tables: replaced for (re-)admissions, merged (nulls keep the old block) otherwise.
+        let view = self.s.view();
+        let replaced: Vec<RequestId> = st
+            .output
+            .scheduled_new_reqs
+            .iter()
+            .map(|n| n.id)
+            .chain(
+                st.output
+                    .scheduled_cached_reqs
+                    .iter()
+                    .filter(|c| c.resumed)
+                    .map(|c| c.id),
+            )
+            .collect();
+        for &id in &self.added {
+            let Some(r) = view.request(id) else {
+                continue;
+            };
+            let now: Vec<Vec<BlockId>> = (0..groups).map(|g| r.block_ids(g).to_vec()).collect();
+            let t = self.tables.entry(id).or_default();
+            if replaced.contains(&id) || t.len() != groups {
+                *t = now;
+                continue;
+            }
+            for (old, new) in t.iter_mut().zip(now) {
+                for (i, b) in new.into_iter().enumerate() {
+                    if i >= old.len() {
+                        old.push(b);
+                    } else if b != NULL_BLOCK {
+                        old[i] = b;
+                    }
+                }
+            }
+        }
+        let mut record = |id: JobId, job: &TransferJob| {
+            let table = self.tables.get(&job.request);
+            let indexes = job
+                .gpu
+                .block_ids
+                .iter()
+                .enumerate()
+                .map(|(g, blocks)| {
+                    blocks
+                        .iter()
+                        .map(|b| {
+                            table
+                                .and_then(|t| t.get(g))
+                                .and_then(|t| t.iter().position(|x| x == b))
+                                .map(|i| i as u32)
+                        })
+                        .collect()
+                })
+                .collect();
+            let rec = JobRecord {
+                id,
+                job: job.clone(),
+                indexes,
+            };
+            self.jobs.insert(id, rec.clone());
+            rec
+        };
+        let load_jobs = st
+            .meta
+            .load_jobs
+            .iter()
+            .map(|(&id, j)| record(id, j))
+            .collect();
+        let store_jobs = st
+            .meta
+            .store_jobs
+            .iter()
+            .map(|(&id, j)| record(id, j))
+            .collect();
+        self.to_execute.push_back(st.clone());
+        Ok(OffloadScheduled {
+            step: st,
+            groups,
+            load_jobs,
+            store_jobs,
+        })
+    }
+
+    fn feed(&mut self, rank: usize, job: JobId) {
+        self.pending[rank].retain(|&j| j != job);
+        self.workers[rank].handle_transfer_done(TransferDone { job, ok: true });
+    }
+
+    fn run_cmds(
+        &mut self,
+        rank: usize,
+        cmds: Vec<TransferCommand>,
+        out: &mut RankStep,
+        flush: bool,
+    ) {
+        for c in cmds {
+            match c {
+                TransferCommand::Start(t) => {
+                    self.pending[rank].push(t.job);
+                    let indexes = self
+                        .jobs
+                        .get(&t.job)
+                        .map(|r| r.indexes.iter().flatten().copied().collect())
+                        .unwrap_or_default();
+                    let v = TransferView {
+                        transfer: t,
+                        indexes,
+                    };
+                    match v.transfer.direction {
+                        TransferDirection::Store => out.stored.push(v),
+                        TransferDirection::Load => out.loaded.push(v),
+                    }
+                }
+                TransferCommand::Wait(jobs) => {
+                    for &j in jobs.iter() {
+                        if flush {
+                            if let Some(r) = self.jobs.get(&j) {
+                                out.flushed.push(r.clone());
+                            }
+                        } else {
+                            out.sync_waited.push(j);
+                        }
+                        if self.pending[rank].contains(&j) {
+                            self.feed(rank, j);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every rank's worker step for the oldest step not executed yet.
+    fn execute(&mut self, step: Option<StepId>) -> Result<Executed, &'static str> {
+        let Some(front) = self.to_execute.front() else {
+            return Err("not_scheduled");
+        };
+        if step.is_some_and(|s| s != front.output.step) {
+            return Err("step_out_of_order");
+        }
+        let st = self.to_execute.pop_front().expect("checked above");
+        let meta = &st.meta;
+        let mut ranks = Vec::with_capacity(self.workers.len());
+        let mut outputs = Vec::with_capacity(self.workers.len());
+        for r in 0..self.workers.len() {
+            let mut rs = RankStep::default();
+            let cmds = self.workers[r].handle_preemptions(meta);
+            self.run_cmds(r, cmds, &mut rs, true);
+            self.workers[r].bind(meta);
+            let cmds = self.workers[r].start_load_kv();
+            self.run_cmds(r, cmds, &mut rs, false);
+            let cmds = self.workers[r].wait_for_save();
+            self.run_cmds(r, cmds, &mut rs, false);
+            if !self.held[r] {
+                for j in self.pending[r].clone() {
+                    self.feed(r, j);
+                }
+            }
+            let res = self.workers[r].get_transfer_results(&st.output.finished_req_ids);
+            let invalid = self.workers[r].get_block_ids_with_load_errors();
+            let wm = self.workers[r].build_connector_worker_meta();
+            self.workers[r].clear();
+            let out = WorkerOutput {
+                finished_sending: res.finished_sending,
+                finished_recving: res.finished_recving,
+                invalid_block_ids: invalid,
+                failed_recving: res.failed_recving,
+                expected_finished_count: 0,
+                worker_meta: wm,
+                kv_events: None,
+            };
+            rs.output = Some(out.clone());
+            outputs.push(Some(out));
+            ranks.push(rs);
+        }
+        let aggregated = self
+            .agg
+            .aggregate(&outputs, Rank(0))
+            .map_err(|e| e.kind())?;
+        self.executed.insert(st.output.step, aggregated.clone());
+        Ok(Executed {
+            step: st.output.step,
+            ranks,
+            aggregated,
+        })
+    }
+
+    fn apply_output(
+        &mut self,
+        step: Option<StepId>,
+        sampled: &[(RequestId, Vec<Token>)],
+    ) -> Result<StepResult, &'static str> {
+        let step = step
+            .or_else(|| self.s.steps_in_flight().next())
+            .unwrap_or(StepId(u64::MAX));
+        let oldest = self.s.steps_in_flight().next();
+        if oldest != Some(step) {
+            return Err("step_out_of_order");
+        }
+        let Some(kv) = self.executed.get(&step).cloned() else {
+            return Err("not_executed");
+        };
+        let mut tokens = self.s.fake_sample(step);
+        for (id, t) in sampled {
+            match tokens.iter_mut().find(|(x, _)| x == id) {
+                Some(slot) => slot.1.clone_from(t),
+                None => tokens.push((*id, t.clone())),
+            }
+        }
+        let r = self
+            .s
+            .update_from_output(
+                step,
+                ModelOutput {
+                    sampled: tokens,
+                    kv_connector_output: kv,
+                },
+            )
+            .map_err(|e| e.kind())?;
+        self.executed.remove(&step);
+        Ok(r)
+    }
+
+    fn run_step(&mut self) -> Result<(OffloadScheduled, Executed, StepResult), &'static str> {
+        if self.s.steps_in_flight().next().is_some() {
+            return Err("step_out_of_order");
+        }
+        let a = self.schedule()?;
+        let b = self.execute(None)?;
+        let c = self.apply_output(None, &[])?;
+        Ok((a, b, c))
+    }
+
+    fn drain(&mut self, max: u32) -> Result<u32, &'static str> {
+        if self.s.steps_in_flight().next().is_some() {
+            return Err("step_out_of_order");
+        }
+        let mut n = 0;
+        while self.s.has_requests() {
+            if n == max {
+                return Err("not_drained");
+            }
+            self.run_step()?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    fn complete(
+        &mut self,
+        rank: usize,
+        jobs: Option<&[JobId]>,
+    ) -> Result<Vec<JobId>, &'static str> {
+        let pending = self.pending.get(rank).ok_or("rank_out_of_range")?;
+        let jobs: Vec<JobId> = match jobs {
+            None => pending.clone(),
+            Some(js) => {
+                let mut seen = Vec::new();
+                for j in js {
+                    if !pending.contains(j) || seen.contains(j) {
+                        return Err("not_in_flight");
+                    }
+                    seen.push(*j);
+                }
+                seen
+            }
+        };
+        for &j in &jobs {
+            self.feed(rank, j);
+        }
+        Ok(jobs)
+    }
+
+    /// The manager's answer for every complete chunk of `tokens`, per group.
+    fn lookup(&self, tokens: &[Token]) -> Vec<Vec<KeyLookup>> {
+        let c = self.s.config();
+        let bs = c.block_size as usize;
+        let bpc = self.s.connector().config().blocks_per_chunk as usize;
+        let mut hashes = Vec::new();
+        let mut parent = None;
+        for b in 0..tokens.len() / bs {
+            let h = hash_block(parent, &tokens[b * bs..(b + 1) * bs]);
+            parent = Some(h);
+            hashes.push(h);
+        }
+        let chunks = hashes.len() / bpc;
+        let m = self.s.connector().manager();
+        (0..c.groups.len())
+            .map(|g| {
+                (0..chunks)
+                    .map(|ch| {
+                        m.lookup(OffloadKey {
+                            hash: hashes[(ch + 1) * bpc - 1],
+                            group: g as u32,
+                        })
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn state(&self) -> OffloadState {
+        let c = self.s.connector();
+        OffloadState {
+            jobs: c
+                .jobs_in_flight()
+                .map(|j| (j, c.pending_count(j).unwrap_or(0)))
+                .collect(),
+            requests: self
+                .added
+                .iter()
+                .filter(|&&id| c.tracks(id))
+                .map(|&id| (id, c.request_jobs(id)))
+                .collect(),
+            fenced_blocks: c.fenced_blocks().collect(),
+            reset_fence: c.reset_fence_len(),
+            resets_flushed: c.resets_flushed(),
+            allocation_failures: c.allocation_failures(),
+            next_job: c.next_job_id().0,
+            push_work: c.has_pending_push_work(),
+            ranks: self
+                .workers
+                .iter()
+                .zip(&self.held)
+                .map(|(w, &held)| RankState {
+                    in_flight: w.in_flight().collect(),
+                    awaiting_completion: w.awaiting_completion().collect(),
+                    deferred_stores: w.deferred_stores().collect(),
+                    held,
+                })
+                .collect(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rendering
+
+fn render_opt_index(i: &Option<u32>) -> Value {
+    i.map_or(Value::Null, |i| json!(i))
+}
+
+fn render_chunks(c: &[Vec<ChunkId>]) -> Value {
+    json!(
+        c.iter()
+            .map(|g| g.iter().map(|c| c.0).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    )
+}
+
+fn render_job(r: &JobRecord, ids: &Interner) -> Value {
+    json!({
+        "request": render_id(r.job.request, ids),
+        "blocks": render_tables(&r.job.gpu.block_ids),
+        "indexes": r.indexes.iter().map(|g| g.iter().map(render_opt_index).collect::<Vec<_>>()).collect::<Vec<_>>(),
+        "chunks": render_chunks(&r.job.chunks),
+        "sync": r.job.sync,
+    })
+}
+
+fn render_jobs(list: &[JobRecord], ids: &Interner) -> Value {
+    let mut m = Map::new();
+    for r in list {
+        m.insert(r.id.0.to_string(), render_job(r, ids));
+    }
+    Value::Object(m)
+}
+
+/// `schedule`'s result.
+pub fn render_scheduled(s: &OffloadScheduled, ids: &Interner) -> Value {
+    let mut m = scheduled_fields(&s.step.output, s.groups, ids);
+    m.insert(
+        "meta".into(),
+        json!({
+            "load_jobs": render_jobs(&s.load_jobs, ids),
+            "store_jobs": render_jobs(&s.store_jobs, ids),
+            "jobs_to_flush": s.step.meta.jobs_to_flush.iter().map(|j| j.0).collect::<Vec<_>>(),
+        }),
+    );
+    Value::Object(m)
+}
+
+fn render_transfer(t: &TransferView, ids: &Interner) -> Value {
+    json!({
+        "job": t.transfer.job.0,
+        "request": render_id(t.transfer.request, ids),
+        "blocks": t.transfer.gpu_blocks.iter().map(|b| b.0).collect::<Vec<_>>(),
+        "indexes": t.indexes.iter().map(render_opt_index).collect::<Vec<_>>(),
+        "slots": t.transfer.external,
+    })
+}
+
+/// `execute`'s result.
+pub fn render_executed(e: &Executed, ids: &Interner) -> Value {
+    let ranks: Vec<Value> = e
+        .ranks
+        .iter()
+        .map(|r| {
+            let o = r.output.as_ref();
+            json!({
+                "stored": r.stored.iter().map(|t| render_transfer(t, ids)).collect::<Vec<_>>(),
+                "loaded": r.loaded.iter().map(|t| render_transfer(t, ids)).collect::<Vec<_>>(),
+                "flushed": r.flushed.iter().map(|f| json!({
+                    "job": f.id.0,
+                    "blocks": f.job.gpu.block_ids.iter().flatten().map(|b| b.0).collect::<Vec<_>>(),
+                    "indexes": f.indexes.iter().flatten().map(render_opt_index).collect::<Vec<_>>(),
+                })).collect::<Vec<_>>(),
+                "sync_waited": r.sync_waited.iter().map(|j| j.0).collect::<Vec<_>>(),
+                "finished_recving": render_opt_ids(o.and_then(|o| o.finished_recving.as_ref()), ids),
+                "worker_meta": render_opt_meta(o.and_then(|o| o.worker_meta.as_ref())),
+            })
+        })
+        .collect();
+    json!({
+        "step": e.step.0,
+        "ranks": ranks,
+        "aggregated": e.aggregated.as_ref().map_or(Value::Null, |a| render_aggregated(a, ids)),
+    })
+}
+
+/// `run_step`'s result.
+pub fn render_step_run(x: &(OffloadScheduled, Executed, StepResult), ids: &Interner) -> Value {
+    json!({
+        "scheduled": render_scheduled(&x.0, ids),
+        "executed": render_executed(&x.1, ids),
+        "applied": render_step_result(&x.2, ids),
+    })
+}
+
+/// `lookup`'s result.
+pub fn render_lookups(l: &[Vec<KeyLookup>]) -> Value {
+    json!(
+        l.iter()
+            .map(|g| g
+                .iter()
+                .map(|k| match k {
+                    KeyLookup::Miss => "miss",
+                    KeyLookup::Hit => "hit",
+                    KeyLookup::HitPending => "hit_pending",
+                })
+                .collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    )
+}
+
+/// `offload_state`'s result.
+pub fn render_state(s: &OffloadState, ids: &Interner) -> Value {
+    let jobs: Map<String, Value> = s
+        .jobs
+        .iter()
+        .map(|(j, n)| (j.0.to_string(), json!(n)))
+        .collect();
+    let requests: Map<String, Value> = s
+        .requests
+        .iter()
+        .map(|(id, js)| {
+            (
+                ids.resolve(*id).unwrap_or("?").to_string(),
+                json!(js.iter().map(|j| j.0).collect::<Vec<_>>()),
+            )
+        })
+        .collect();
+    let ids_of = |v: &[JobId]| v.iter().map(|j| j.0).collect::<Vec<_>>();
+    json!({
+        "jobs": jobs,
+        "requests": requests,
+        "fenced_blocks": s.fenced_blocks.iter().map(|b| b.0).collect::<Vec<_>>(),
+        "reset_fence": s.reset_fence,
+        "resets_flushed": s.resets_flushed,
+        "allocation_failures": s.allocation_failures,
+        "next_job": s.next_job,
+        "push_work": s.push_work,
+        "ranks": s.ranks.iter().map(|r| json!({
+            "in_flight": ids_of(&r.in_flight),
+            "awaiting_completion": ids_of(&r.awaiting_completion),
+            "deferred_stores": ids_of(&r.deferred_stores),
+            "held": r.held,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// The connector a case's `connector` key names.
+#[derive(Debug)]
+pub enum ConnectorChoice {
+    /// The scripted connector (the default).
+    Scripted,
+    /// The offloading connector, with its `{…}` object.
+    Offloading(Value),
+}
+
+/// Parses the `connector` config value.
+pub fn parse_connector(v: Option<&Value>) -> Result<ConnectorChoice, CaseError> {
+    match v {
+        None => Ok(ConnectorChoice::Scripted),
+        Some(Value::String(s)) if s == "scripted" => Ok(ConnectorChoice::Scripted),
+        Some(Value::Object(o)) if o.len() == 1 && o.contains_key("offloading") => {
+            Ok(ConnectorChoice::Offloading(o["offloading"].clone()))
+        }
+        Some(other) => err(format!(
+            "connector {other}: expected \"scripted\" or {{\"offloading\": {{…}}}}"
+        )),
+    }
+}
