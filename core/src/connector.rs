@@ -344,7 +344,7 @@ pub trait WorkerConnector: Debug {
 /// A [`WorkerConnector`] behind the step protocol guard: every hook is first admitted by a
 /// [`WorkerProtocol`]; a hook out of order is a sticky [`ProtocolViolation`] and the inner
 /// connector is not called.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Eq, Hash, PartialEq)]
 pub struct GuardedWorker<C> {
     inner: C,
     protocol: WorkerProtocol,

@@ -39,11 +39,16 @@
 
 mod completion;
 mod runner;
+mod system;
 mod trace;
 
 pub use completion::{
     CompletionAction, CompletionConfig, CompletionModel, CompletionState, Ghost, RankState,
     Transfer, property_names,
+};
+pub use system::{
+    Connectors, Counted, EnvFaults, Faulty, Hook, InFlight, OffloadingPair, PendingStep, RankState as SystemRank,
+    SchedFault, SystemAction, SystemConfig, SystemModel, SystemState, WMeta, property_names as system_properties,
 };
 pub use runner::{
     CheckOptions, CheckReport, Explain, ExploreError, Progress, PropertyResult, Stop, Strategy,

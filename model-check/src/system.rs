@@ -1,0 +1,1676 @@
+//! The system model: the whole connector lifecycle of one engine, built from the core's own
+//! machines (SEMANTICS.md §2.9, §8, §12).
+//!
+//! One state holds the real [`Scheduler`] (with the scheduler-side connector inside), W ranks
+//! each running the real worker step protocol ([`GuardedWorker`] around the worker-side
+//! connector), the real [`Aggregator`], the steps scheduled and not yet applied, and the
+//! environment: transfers in flight per rank, requests still to arrive, budgets for aborts and
+//! cache resets. Every action calls the same functions the runtime calls:
+//!
+//! | action | what runs |
+//! | --- | --- |
+//! | `Arrive(r)` | `Scheduler::add_request` (requests arrive in id order) |
+//! | `Schedule` | `Scheduler::schedule` → `build_connector_meta` (up to `async_depth` steps ahead) |
+//! | `Run(rank)` | that rank's hooks for its next step, in protocol order, until a `Wait` on a transfer still in flight or the step's end |
+//! | `Complete { rank, job, ok }` | a transfer finishes: the ghost contents move, `handle_transfer_done` |
+//! | `Deliver` | `Aggregator::aggregate` of the oldest step's outputs, then `update_from_output` |
+//! | `Abort(r)` | `Scheduler::abort` |
+//! | `Reset` | `Scheduler::reset_connector_cache` |
+//!
+//! # What is checked
+//!
+//! Besides every machine's `check_invariants()` after every action, the model keeps *ghost*
+//! state that none of the machines reads: per rank, the abstract content of every GPU block and
+//! of every external (host) slot. A forward pass writes the content of the tokens it computes; a
+//! store copies GPU contents to its slots when it completes; a load copies slot contents into GPU
+//! blocks. Before a forward pass, every block of the request's already-computed prefix must hold
+//! exactly the content of those tokens: a load that served bytes stored under another key, a
+//! block overwritten while a store read it, a load into a block given to someone else — all end
+//! as a wrong content somewhere, or are caught where they happen. See [`property_names`].
+//!
+//! # Bounding the space
+//!
+//! Requests, tokens, blocks and chunks are small and fixed by [`SystemConfig`]. Steps are not
+//! counted; instead an engine step that schedules no token is allowed only `idle_steps` times in
+//! a row without progress (an arrival, an abort, a reset, a transfer completing, a step that
+//! scheduled tokens, or a delivered output that carried anything). A correct system is
+//! quiescent when no action is left; a system that can only spin is not, and the
+//! [`property_names::QUIESCENT`] property reports it.
+//!
+//! # Checking your own connector
+//!
+//! The model is generic over [`Connectors`]: a scheduler-side and a worker-side connector over
+//! the same metadata. [`OffloadingPair`] is kvrelay's CPU offloading connector; an engine checks
+//! its own pair with the same properties:
+//!
+//! ```no_run
+//! use kvrelay_model_check::{OffloadingPair, SystemConfig, SystemModel};
+//! use stateright::{Checker, Model};
+//!
+//! let model = SystemModel::new(OffloadingPair::default(), SystemConfig::ci()).unwrap();
+//! model.checker().spawn_bfs().join().assert_properties();
+//! ```
+
+use core::fmt;
+use std::collections::{BTreeMap, VecDeque};
+
+use kvrelay_core::{
+    AggregatedOutput, Aggregator, BlockId, FinishDecision, GroupKind, GuardedWorker, Intent,
+    InvariantViolation, JobId, KvEvent, LoadFailurePolicy, Lookup, ManagerConfig, Mode,
+    ModelOutput, OffloadingConfig, OffloadingConnector, OffloadingWorker,
+    OffloadingWorkerConfig, PolicyKind, Rank, RequestId, RequestSpec, RequestStatus, Scheduler,
+    SchedulerConfig, SchedulerConnector, SchedulerOutput, SchedulerView, SortedSet, StepShape,
+    Transfer, TransferCommand, TransferDirection, TransferDone, WorkerConnector,
+    WorkerOutput,
+};
+use stateright::{Model, Property};
+
+/// The names of the properties of [`SystemModel`], as they appear in a [`crate::CheckReport`].
+pub mod property_names {
+    /// `always`: no rank's step protocol guard rejected a call (I-1, I-2, I-6).
+    pub const PROTOCOL: &str = "worker protocol order (I-1, I-2)";
+    /// `always`: no GPU block is written (by a forward pass or a load) while a store that reads
+    /// it is in flight on that rank (I-4, I-41).
+    pub const NO_WRITE_UNDER_STORE: &str = "no KV write under an in-flight store (I-4, I-41)";
+    /// `always`: before a forward pass, every block of a request's computed prefix holds the
+    /// content of those tokens — so no load ever served bytes that were not stored under that
+    /// key, and no block was overwritten under a request that still reads it.
+    pub const DATA: &str = "loads serve the bytes stored under their key (data)";
+    /// `always`: a transfer writes only GPU blocks its request still holds (I-15, I-17, I-20).
+    pub const OWNED_WRITES: &str = "transfers write only blocks their request holds (I-17, I-20)";
+    /// `always`: `request_finished` is called at most once per request, and exactly once for
+    /// every request that finished (I-10).
+    pub const FINISHED_ONCE: &str = "request_finished exactly once (I-10)";
+    /// `always`: the aggregator emits a request's `finished_recving` only after every rank
+    /// reported it, once per report round, and `failed_recving ⊆ finished_recving` (I-21, I-24).
+    pub const QUORUM: &str = "completions emitted once, after every rank (I-21, I-24)";
+    /// `always`: every machine's `check_invariants()` holds (scheduler I-12…I-20 and block pool,
+    /// connector I-38…I-45, manager I-40, workers I-46/I-47, aggregator I-21…I-27) and no call
+    /// returned an error.
+    pub const CORE: &str = "core invariants hold, no call fails";
+    /// `always`: a state where no action is enabled has every request finished and freed and
+    /// no transfer or job in flight (bounded I-48: the system cannot get stuck).
+    pub const QUIESCENT: &str = "no stuck state (bounded I-48)";
+    /// `sometimes`: `handle_preemptions` made a rank wait for a store before a KV write.
+    pub const FLUSHED: &str = "a store is flushed before its block is rewritten";
+    /// `sometimes`: a request that was preempted loads offloaded chunks when it resumes.
+    pub const RESUMED_FROM_OFFLOAD: &str = "a preempted request resumes from offloaded chunks";
+    /// `sometimes`: a request loads chunks that another request stored.
+    pub const SHARED_PREFIX_LOADED: &str = "a request loads a prefix another request stored";
+    /// `sometimes`: a state with every request finished and nothing in flight.
+    pub const ALL_DONE: &str = "all requests finished, nothing in flight";
+}
+
+// ---------------------------------------------------------------------------------------------
+// The connector pair under check.
+
+/// A scheduler-side and a worker-side connector that the system model composes. Implement it
+/// for your own connector to model-check it with kvrelay's properties.
+pub trait Connectors: Clone + fmt::Debug + Send + Sync + 'static {
+    /// The scheduler-side connector.
+    type Sched: SchedulerConnector<
+            Meta: core::hash::Hash + Send + Sync,
+            WorkerMeta: core::hash::Hash + Send + Sync,
+        > + Clone
+        + fmt::Debug
+        + Eq
+        + core::hash::Hash
+        + Send
+        + Sync;
+    /// The worker-side connector (one per rank).
+    type Worker: WorkerConnector<
+            Meta = <Self::Sched as SchedulerConnector>::Meta,
+            WorkerMeta = <Self::Sched as SchedulerConnector>::WorkerMeta,
+        > + Clone
+        + fmt::Debug
+        + Eq
+        + core::hash::Hash
+        + Send
+        + Sync;
+
+    /// A short name for reports.
+    fn name(&self) -> String;
+    /// The scheduler-side connector for a run with `ranks` ranks.
+    fn scheduler_connector(
+        &self,
+        config: &SchedulerConfig,
+        model: &SystemConfig,
+    ) -> Result<Self::Sched, String>;
+    /// The worker-side connector of `rank`.
+    fn worker(&self, rank: u32, model: &SystemConfig) -> Self::Worker;
+    /// The connector's own invariants (called after every action).
+    fn check_sched(&self, _connector: &Self::Sched) -> Result<(), InvariantViolation> {
+        Ok(())
+    }
+    /// A worker connector's own invariants, and whether it recorded an error.
+    fn check_worker(&self, _worker: &Self::Worker) -> Result<(), InvariantViolation> {
+        Ok(())
+    }
+    /// Whether every rank reads one shared external store (a replicated layout where only some
+    /// ranks write): loads on any rank then read rank 0's slots.
+    fn shared_external(&self) -> bool {
+        false
+    }
+}
+
+/// kvrelay's CPU offloading connector ([`OffloadingConnector`] + [`OffloadingWorker`]).
+#[derive(Clone, Debug, Default, Eq, Hash, PartialEq)]
+pub struct OffloadingPair {
+    /// Fault injected into the scheduler side (none: kvrelay's code as shipped).
+    pub fault: Option<SchedFault>,
+}
+
+impl Connectors for OffloadingPair {
+    type Sched = Faulty<OffloadingConnector>;
+    type Worker = OffloadingWorker;
+
+    fn name(&self) -> String {
+        match self.fault {
+            None => "offloading".to_owned(),
+            Some(f) => format!("offloading with fault {f:?}"),
+        }
+    }
+
+    fn scheduler_connector(
+        &self,
+        config: &SchedulerConfig,
+        model: &SystemConfig,
+    ) -> Result<Self::Sched, String> {
+        let off = OffloadingConfig {
+            blocks_per_chunk: model.blocks_per_chunk,
+            num_workers: model.ranks,
+            offload_prompt_only: true,
+            sync_load_budget_tokens: 0,
+            manager: ManagerConfig {
+                capacity_chunks: model.cpu_chunks,
+                policy: model.policy,
+                store_threshold: 0,
+            },
+        };
+        let inner = OffloadingConnector::new(off, config).map_err(|e| e.to_string())?;
+        Ok(Faulty {
+            inner,
+            fault: self.fault,
+        })
+    }
+
+    fn worker(&self, _rank: u32, model: &SystemConfig) -> Self::Worker {
+        OffloadingWorker::new(OffloadingWorkerConfig {
+            blocks_per_chunk: model.blocks_per_chunk,
+            is_store_writer: true,
+            bytes_per_block: 1,
+        })
+    }
+
+    fn check_sched(&self, c: &Self::Sched) -> Result<(), InvariantViolation> {
+        c.inner.check_invariants()
+    }
+
+    fn check_worker(&self, w: &Self::Worker) -> Result<(), InvariantViolation> {
+        w.check_invariants()?;
+        match w.error() {
+            None => Ok(()),
+            Some(e) => Err(InvariantViolation {
+                id: "I-46",
+                detail: format!("worker error: {e:?}"),
+            }),
+        }
+    }
+}
+
+/// Faults a test can inject into a scheduler-side connector, to show the checker finds the
+/// historical bugs they reproduce. Production code has no such switch: the fault lives in the
+/// [`Faulty`] wrapper, in this crate.
+#[derive(Clone, Copy, Debug, Eq, Hash, PartialEq)]
+pub enum SchedFault {
+    /// vLLM issue #46951: `update_state_after_alloc` with zero external tokens is not passed on,
+    /// so the connector never learns that a fenced block was reallocated.
+    DropZeroExternalAlloc,
+}
+
+/// A scheduler-side connector, optionally with a [`SchedFault`]. Without a fault every call is
+/// passed through unchanged.
+#[derive(Clone, Debug, Eq, Hash, PartialEq)]
+pub struct Faulty<C> {
+    /// The real connector.
+    pub inner: C,
+    /// The injected fault.
+    pub fault: Option<SchedFault>,
+}
+
+impl<C: SchedulerConnector> SchedulerConnector for Faulty<C> {
+    type Meta = C::Meta;
+    type WorkerMeta = C::WorkerMeta;
+
+    fn on_new_request(&mut self, view: &SchedulerView<'_>, request: RequestId) {
+        self.inner.on_new_request(view, request);
+    }
+    fn get_num_new_matched_tokens(
+        &mut self,
+        view: &SchedulerView<'_>,
+        request: RequestId,
+        num_computed_tokens: u32,
+    ) -> Lookup {
+        self.inner
+            .get_num_new_matched_tokens(view, request, num_computed_tokens)
+    }
+    fn update_state_after_alloc(
+        &mut self,
+        view: &SchedulerView<'_>,
+        request: RequestId,
+        blocks: &[Vec<BlockId>],
+        num_external_tokens: u32,
+    ) {
+        if num_external_tokens == 0 && self.fault == Some(SchedFault::DropZeroExternalAlloc) {
+            return;
+        }
+        self.inner
+            .update_state_after_alloc(view, request, blocks, num_external_tokens);
+    }
+    fn build_connector_meta(
+        &mut self,
+        view: &SchedulerView<'_>,
+        output: &SchedulerOutput,
+    ) -> Self::Meta {
+        self.inner.build_connector_meta(view, output)
+    }
+    fn update_connector_output(
+        &mut self,
+        view: &SchedulerView<'_>,
+        output: &AggregatedOutput<Self::WorkerMeta>,
+    ) {
+        self.inner.update_connector_output(view, output);
+    }
+    fn request_finished(
+        &mut self,
+        view: &SchedulerView<'_>,
+        request: RequestId,
+        blocks: &[Vec<BlockId>],
+    ) -> FinishDecision {
+        self.inner.request_finished(view, request, blocks)
+    }
+    fn take_events(&mut self) -> Vec<KvEvent> {
+        self.inner.take_events()
+    }
+    fn take_intents(&mut self) -> Vec<Intent> {
+        self.inner.take_intents()
+    }
+    fn take_error(&mut self) -> Option<String> {
+        self.inner.take_error()
+    }
+    fn has_pending_block_frees(&self, view: &SchedulerView<'_>) -> bool {
+        self.inner.has_pending_block_frees(view)
+    }
+    fn has_pending_push_work(&self) -> bool {
+        self.inner.has_pending_push_work()
+    }
+    fn reset_cache(&mut self) -> Option<bool> {
+        self.inner.reset_cache()
+    }
+    fn get_finished_count(&self) -> Option<u32> {
+        self.inner.get_finished_count()
+    }
+    fn requires_kv_delivery(&self) -> bool {
+        self.inner.requires_kv_delivery()
+    }
+}
+
+/// The scheduler-side connector as the model holds it: the pair's connector, plus how often
+/// `request_finished` was called per request (I-10; saturating at 2).
+#[derive(Clone, Debug, Eq, Hash, PartialEq)]
+pub struct Counted<C> {
+    inner: C,
+    finished_calls: Vec<u8>,
+}
+
+impl<C: SchedulerConnector> SchedulerConnector for Counted<C> {
+    type Meta = C::Meta;
+    type WorkerMeta = C::WorkerMeta;
+
+    fn on_new_request(&mut self, view: &SchedulerView<'_>, request: RequestId) {
+        self.inner.on_new_request(view, request);
+    }
+    fn get_num_new_matched_tokens(
+        &mut self,
+        view: &SchedulerView<'_>,
+        request: RequestId,
+        num_computed_tokens: u32,
+    ) -> Lookup {
+        self.inner
+            .get_num_new_matched_tokens(view, request, num_computed_tokens)
+    }
+    fn update_state_after_alloc(
+        &mut self,
+        view: &SchedulerView<'_>,
+        request: RequestId,
+        blocks: &[Vec<BlockId>],
+        num_external_tokens: u32,
+    ) {
+        self.inner
+            .update_state_after_alloc(view, request, blocks, num_external_tokens);
+    }
+    fn build_connector_meta(
+        &mut self,
+        view: &SchedulerView<'_>,
+        output: &SchedulerOutput,
+    ) -> Self::Meta {
+        self.inner.build_connector_meta(view, output)
+    }
+    fn update_connector_output(
+        &mut self,
+        view: &SchedulerView<'_>,
+        output: &AggregatedOutput<Self::WorkerMeta>,
+    ) {
+        self.inner.update_connector_output(view, output);
+    }
+    fn request_finished(
+        &mut self,
+        view: &SchedulerView<'_>,
+        request: RequestId,
+        blocks: &[Vec<BlockId>],
+    ) -> FinishDecision {
+        if let Some(n) = self.finished_calls.get_mut(request.index()) {
+            *n = n.saturating_add(1).min(2);
+        }
+        self.inner.request_finished(view, request, blocks)
+    }
+    fn take_events(&mut self) -> Vec<KvEvent> {
+        self.inner.take_events()
+    }
+    fn take_intents(&mut self) -> Vec<Intent> {
+        self.inner.take_intents()
+    }
+    fn take_error(&mut self) -> Option<String> {
+        self.inner.take_error()
+    }
+    fn has_pending_block_frees(&self, view: &SchedulerView<'_>) -> bool {
+        self.inner.has_pending_block_frees(view)
+    }
+    fn has_pending_push_work(&self) -> bool {
+        self.inner.has_pending_push_work()
+    }
+    fn reset_cache(&mut self) -> Option<bool> {
+        self.inner.reset_cache()
+    }
+    fn get_finished_count(&self) -> Option<u32> {
+        self.inner.get_finished_count()
+    }
+    fn requires_kv_delivery(&self) -> bool {
+        self.inner.requires_kv_delivery()
+    }
+}
+
+/// The worker → scheduler metadata of a pair.
+pub type WMeta<P> = <<P as Connectors>::Sched as SchedulerConnector>::WorkerMeta;
+
+// ---------------------------------------------------------------------------------------------
+// Configuration.
+
+/// Faults of the environment (the executor and the model runner), each reproducing a
+/// historical bug. `None` everywhere is kvrelay's runtime as shipped.
+#[derive(Clone, Copy, Debug, Default, Eq, Hash, PartialEq)]
+pub struct EnvFaults {
+    /// vLLM PR #42676: the runner binds the step's metadata before `handle_preemptions`.
+    pub bind_first: bool,
+    /// Mooncake PR #52470: the runner never calls `handle_preemptions` (the guard then rejects
+    /// `bind`, so this is modelled as a runner that skips the hook's waits and transfers).
+    pub skip_handle_preemptions: bool,
+    /// vLLM issue #21070: the executor hands the aggregator only rank 0's output.
+    pub one_rank_output: bool,
+}
+
+/// What the system model explores. Start from a preset ([`SystemConfig::ci`],
+/// [`SystemConfig::deep`]) and override fields.
+#[derive(Clone, Debug, Eq, Hash, PartialEq)]
+pub struct SystemConfig {
+    /// Worker ranks (W), the aggregator's quorum and the jobs' acknowledgement count.
+    pub ranks: u32,
+    /// Requests; request `i` arrives after request `i − 1`.
+    pub requests: u32,
+    /// Prompt tokens per request (a multiple of `block_size`).
+    pub prompt_tokens: u32,
+    /// How many leading prompt tokens all requests share (so one can load what another stored).
+    pub shared_tokens: u32,
+    /// Output tokens per request.
+    pub max_tokens: u32,
+    /// Tokens per GPU block.
+    pub block_size: u32,
+    /// GPU blocks, the null block included: small, so that preemption and block reuse happen.
+    pub gpu_blocks: u32,
+    /// Token budget per step.
+    pub max_batched_tokens: u32,
+    /// A sliding-window group (window in tokens) besides the full-attention group.
+    pub sliding_window: Option<u32>,
+    /// GPU blocks per offloaded chunk.
+    pub blocks_per_chunk: u32,
+    /// CPU chunks of the offloading manager.
+    pub cpu_chunks: u32,
+    /// The manager's replacement policy.
+    pub policy: PolicyKind,
+    /// Steps scheduled before the oldest one's output is applied (1 = synchronous).
+    pub async_depth: u32,
+    /// Scheduler and aggregator mode.
+    pub mode: Mode,
+    /// Aborts the environment may issue.
+    pub aborts: u32,
+    /// `reset_connector_cache` calls the environment may issue.
+    pub resets: u32,
+    /// Transfers of one rank complete in submission order (`false`: in any order).
+    pub ordered_completions: bool,
+    /// Consecutive engine steps without progress (see the module docs).
+    pub idle_steps: u32,
+    /// Environment faults.
+    pub faults: EnvFaults,
+}
+
+impl SystemConfig {
+    /// The configuration CI explores exhaustively: 2 ranks, 2 requests of 2 blocks sharing the
+    /// first, 1 output token each, 4 usable GPU blocks, 2 CPU chunks of 1 block, LRU,
+    /// synchronous scheduling, one abort.
+    pub fn ci() -> Self {
+        Self {
+            ranks: 2,
+            requests: 2,
+            prompt_tokens: 2,
+            shared_tokens: 1,
+            max_tokens: 1,
+            block_size: 1,
+            gpu_blocks: 5,
+            max_batched_tokens: 8,
+            sliding_window: None,
+            blocks_per_chunk: 1,
+            cpu_chunks: 2,
+            policy: PolicyKind::Lru,
+            async_depth: 1,
+            mode: Mode::Compat,
+            aborts: 1,
+            resets: 0,
+            ordered_completions: true,
+            idle_steps: 1,
+            faults: EnvFaults::default(),
+        }
+    }
+
+    /// A larger configuration: 3 ranks, 3 requests, preemption (a tight GPU pool), one abort,
+    /// one cache reset, async scheduling depth 2, out-of-order completions.
+    pub fn deep() -> Self {
+        Self {
+            ranks: 3,
+            requests: 3,
+            gpu_blocks: 5,
+            async_depth: 2,
+            resets: 1,
+            ordered_completions: false,
+            idle_steps: 2,
+            ..Self::ci()
+        }
+    }
+
+    /// Checks the configuration can be explored.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.ranks == 0 || self.ranks > 8 {
+            return Err(format!("ranks must be 1..=8, not {}", self.ranks));
+        }
+        if self.requests == 0 || self.requests > 8 {
+            return Err(format!("requests must be 1..=8, not {}", self.requests));
+        }
+        if self.block_size == 0 || self.prompt_tokens == 0 {
+            return Err("block_size and prompt_tokens must be at least 1".to_owned());
+        }
+        if self.prompt_tokens % self.block_size != 0 {
+            return Err(format!(
+                "prompt_tokens ({}) must be a multiple of block_size ({})",
+                self.prompt_tokens, self.block_size
+            ));
+        }
+        if self.shared_tokens > self.prompt_tokens {
+            return Err("shared_tokens cannot exceed prompt_tokens".to_owned());
+        }
+        if self.max_tokens == 0 {
+            return Err("max_tokens must be at least 1".to_owned());
+        }
+        if self.async_depth == 0 || self.async_depth > 8 {
+            return Err(format!("async_depth must be 1..=8, not {}", self.async_depth));
+        }
+        Ok(())
+    }
+
+    fn scheduler_config(&self) -> SchedulerConfig {
+        let mut groups = vec![GroupKind::FullAttention];
+        if let Some(w) = self.sliding_window {
+            groups.push(GroupKind::SlidingWindow { window: w });
+        }
+        SchedulerConfig {
+            block_size: self.block_size,
+            num_gpu_blocks: self.gpu_blocks,
+            groups,
+            max_num_batched_tokens: self.max_batched_tokens,
+            max_num_seqs: 16,
+            max_model_len: self.prompt_tokens + self.max_tokens + 1,
+            enable_prefix_caching: true,
+            enable_chunked_prefill: true,
+            long_prefill_token_threshold: 0,
+            watermark_blocks: 0,
+            load_failure_policy: LoadFailurePolicy::Recompute,
+            async_depth: self.async_depth,
+            mode: self.mode,
+            ..SchedulerConfig::default()
+        }
+    }
+
+    /// The prompt of request `i`: the shared prefix, then tokens of its own. Prompt tokens are
+    /// at least 100 000, above every token the fake sampler produces.
+    fn prompt(&self, i: u32) -> Vec<u32> {
+        (0..self.prompt_tokens)
+            .map(|p| {
+                if p < self.shared_tokens {
+                    100_000 + p
+                } else {
+                    200_000 + i * 1_000 + p
+                }
+            })
+            .collect()
+    }
+}
+
+impl Default for SystemConfig {
+    /// [`SystemConfig::ci`].
+    fn default() -> Self {
+        Self::ci()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// State.
+
+/// Abstract block contents. `EMPTY`: never written; `PARTIAL`: written by a forward pass that
+/// did not complete the block; `CORRUPT`: copied from a block that was overwritten while being
+/// read. Any other value is the content of one block of one request: the block hash of a prompt
+/// block, or a tag of (request, block index) for generated tokens.
+const EMPTY: u64 = 0;
+const PARTIAL: u64 = 1;
+const CORRUPT: u64 = 2;
+const GENERATED: u64 = 1 << 63;
+
+/// Where a rank is inside a step.
+#[derive(Clone, Copy, Debug, Eq, Hash, Ord, PartialEq, PartialOrd)]
+pub enum Hook {
+    /// `begin_step` + `handle_preemptions`.
+    HandlePreemptions,
+    /// `bind_connector_metadata`.
+    Bind,
+    /// `start_load_kv`.
+    StartLoad,
+    /// `wait_for_layer_load`.
+    LayerLoad,
+    /// The forward pass's KV writes, then `save_kv_layer`.
+    LayerSave,
+    /// `wait_for_save`.
+    WaitForSave,
+    /// `get_finished` … `clear`: the step's output.
+    Finish,
+}
+
+/// A transfer a rank started and that has not completed.
+#[derive(Clone, Debug, Eq, Hash, PartialEq)]
+pub struct InFlight {
+    /// What the worker asked for.
+    pub transfer: Transfer,
+    /// A store's source block was written while the store was in flight.
+    pub dirty: bool,
+}
+
+/// One rank: its guarded worker connector, its view of the block tables, its transfers and the
+/// ghost contents of its memory.
+#[derive(Clone, Debug, Eq, Hash, PartialEq)]
+pub struct RankState<W, M> {
+    worker: GuardedWorker<W>,
+    /// Steps this rank has finished.
+    executed: u64,
+    /// Mid-step: the next hook to run and the jobs it waits for first.
+    at: Option<(Hook, Vec<JobId>)>,
+    /// Transfers in flight, in submission order.
+    in_flight: Vec<InFlight>,
+    /// The rank's block tables (the model runner's input batch), per request, per group.
+    tables: BTreeMap<RequestId, Vec<Vec<BlockId>>>,
+    /// Ghost: the content of every GPU block.
+    gpu: Vec<u64>,
+    /// Ghost: the content of every external slot written so far.
+    external: BTreeMap<u64, u64>,
+    /// Outputs of executed steps not yet delivered, oldest first.
+    outputs: VecDeque<Option<WorkerOutput<M>>>,
+}
+
+impl<W: WorkerConnector, M> RankState<W, M> {
+    /// The guarded worker connector.
+    pub fn worker(&self) -> &GuardedWorker<W> {
+        &self.worker
+    }
+
+    /// Transfers in flight on this rank.
+    pub fn in_flight(&self) -> &[InFlight] {
+        &self.in_flight
+    }
+}
+
+/// A scheduled step whose output has not been applied.
+#[derive(Clone, Debug, Eq, Hash, PartialEq)]
+pub struct PendingStep<M> {
+    /// What was scheduled.
+    pub output: SchedulerOutput,
+    /// The connector metadata for every rank.
+    pub meta: M,
+    /// Ghost: per scheduled request, the content of each of its blocks, fixed when the step is
+    /// scheduled (an abort after that does not stop the step's forward pass).
+    pub contents: BTreeMap<RequestId, Vec<u64>>,
+}
+
+/// History for the properties. Violations are sticky; a state with one has no successors.
+#[derive(Clone, Debug, Default, Eq, Hash, PartialEq)]
+pub struct Ghost {
+    /// Why each violated property failed (property name, first detail).
+    pub violations: Vec<(&'static str, String)>,
+    /// Per request: ranks that reported `finished_recving` since its last emission (bit mask).
+    recv_reports: Vec<u32>,
+    /// Per request: ranks that reported a load failure since its last emission.
+    recv_failed: Vec<u32>,
+    /// Per request: the request was preempted at least once.
+    preempted: Vec<bool>,
+    /// Per request: the rank and external slots of stores it completed (who stored what).
+    stored_by: BTreeMap<u64, u32>,
+    /// `sometimes` witnesses.
+    flushed: bool,
+    resumed_from_offload: bool,
+    shared_loaded: bool,
+    /// Consecutive steps without progress.
+    idle: u32,
+}
+
+impl Ghost {
+    fn violate(&mut self, property: &'static str, detail: String) {
+        if !self.violations.iter().any(|(p, _)| *p == property) {
+            self.violations.push((property, detail));
+        }
+    }
+
+    fn violated(&self, property: &str) -> bool {
+        self.violations.iter().any(|(p, _)| *p == property)
+    }
+}
+
+/// A state of the system model.
+#[derive(Clone, Debug, Eq, Hash, PartialEq)]
+pub struct SystemState<P: Connectors> {
+    /// The real scheduler with the real scheduler-side connector.
+    pub scheduler: Scheduler<Counted<P::Sched>>,
+    /// The ranks.
+    pub ranks: Vec<RankState<P::Worker, WMeta<P>>>,
+    /// The executor's aggregator.
+    pub aggregator: Aggregator<<P::Sched as SchedulerConnector>::WorkerMeta>,
+    /// Steps scheduled, not yet applied, oldest first.
+    pub steps: VecDeque<PendingStep<<P::Sched as SchedulerConnector>::Meta>>,
+    /// Requests that arrived so far (ids `0..arrived`).
+    pub arrived: u32,
+    /// Aborts left.
+    pub aborts_left: u32,
+    /// Resets left.
+    pub resets_left: u32,
+    /// Property history.
+    pub ghost: Ghost,
+}
+
+/// An action of the system model.
+#[derive(Clone, Copy, Debug, Eq, Hash, PartialEq)]
+pub enum SystemAction {
+    /// The next request arrives.
+    Arrive(RequestId),
+    /// The engine schedules a step.
+    Schedule,
+    /// A rank runs its next hooks.
+    Run(Rank),
+    /// A transfer finishes on a rank.
+    Complete {
+        /// The rank.
+        rank: Rank,
+        /// The transfer's job.
+        job: JobId,
+        /// Whether it succeeded.
+        ok: bool,
+    },
+    /// The oldest step's outputs are aggregated and applied.
+    Deliver,
+    /// The environment aborts a request.
+    Abort(RequestId),
+    /// The environment resets the connector's cache.
+    Reset,
+}
+
+impl fmt::Display for SystemAction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Arrive(r) => write!(f, "request {} arrives", r.0),
+            Self::Schedule => write!(f, "schedule"),
+            Self::Run(r) => write!(f, "rank {} runs", r.0),
+            Self::Complete { rank, job, ok } => write!(
+                f,
+                "rank {}: job {} {}",
+                rank.0,
+                job.0,
+                if *ok { "completes" } else { "fails" }
+            ),
+            Self::Deliver => write!(f, "deliver oldest step"),
+            Self::Abort(r) => write!(f, "abort request {}", r.0),
+            Self::Reset => write!(f, "reset connector cache"),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The model.
+
+/// See the module docs.
+#[derive(Clone, Debug)]
+pub struct SystemModel<P: Connectors> {
+    pair: P,
+    config: SystemConfig,
+    sched_config: SchedulerConfig,
+}
+
+impl<P: Connectors> SystemModel<P> {
+    /// A model of `pair` under `config`.
+    pub fn new(pair: P, config: SystemConfig) -> Result<Self, String> {
+        config.validate()?;
+        let sched_config = config.scheduler_config();
+        sched_config.validate().map_err(|e| e.to_string())?;
+        // Build once to surface configuration errors here rather than in init_states.
+        pair.scheduler_connector(&sched_config, &config)?;
+        Ok(Self {
+            pair,
+            config,
+            sched_config,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SystemConfig {
+        &self.config
+    }
+
+    /// The connector pair.
+    pub fn pair(&self) -> &P {
+        &self.pair
+    }
+
+    fn initial(&self) -> SystemState<P> {
+        let c = &self.config;
+        let inner = self
+            .pair
+            .scheduler_connector(&self.sched_config, c)
+            .expect("validated in new()");
+        let connector = Counted {
+            inner,
+            finished_calls: vec![0; c.requests as usize],
+        };
+        let scheduler =
+            Scheduler::new(self.sched_config.clone(), connector).expect("validated in new()");
+        let ranks = (0..c.ranks)
+            .map(|r| RankState {
+                worker: GuardedWorker::new(self.pair.worker(r, c)),
+                executed: 0,
+                at: None,
+                in_flight: Vec::new(),
+                tables: BTreeMap::new(),
+                gpu: vec![EMPTY; c.gpu_blocks as usize],
+                external: BTreeMap::new(),
+                outputs: VecDeque::new(),
+            })
+            .collect();
+        let n = c.requests as usize;
+        SystemState {
+            scheduler,
+            ranks,
+            aggregator: Aggregator::new(c.ranks, c.mode),
+            steps: VecDeque::new(),
+            arrived: 0,
+            aborts_left: c.aborts,
+            resets_left: c.resets,
+            ghost: Ghost {
+                recv_reports: vec![0; n],
+                recv_failed: vec![0; n],
+                preempted: vec![false; n],
+                ..Ghost::default()
+            },
+        }
+    }
+
+    fn all_ranks(&self) -> u32 {
+        (1u32 << self.config.ranks) - 1
+    }
+
+    /// The first step a rank has not executed yet, if it is scheduled.
+    fn next_step_of<'s>(
+        &self,
+        state: &'s SystemState<P>,
+        rank: usize,
+    ) -> Option<&'s PendingStep<<P::Sched as SchedulerConnector>::Meta>> {
+        let r = &state.ranks[rank];
+        let first = state.steps.front()?.output.step.0;
+        let idx = r.executed.checked_sub(first)?;
+        state.steps.get(usize::try_from(idx).ok()?)
+    }
+
+    fn quiescent(&self, s: &SystemState<P>) -> bool {
+        s.arrived == self.config.requests
+            && !s.scheduler.has_requests()
+            && s.steps.is_empty()
+            && s.ranks.iter().all(|r| r.in_flight.is_empty())
+    }
+
+    /// One line: what `action` did, for counterexamples.
+    pub fn describe(&self, state: &SystemState<P>, action: &SystemAction) -> String {
+        let Some(next) = self.next_state(state, *action) else {
+            return format!("{action} (not enabled)");
+        };
+        let mut line = action.to_string();
+        match *action {
+            SystemAction::Schedule => {
+                if let Some(st) = next.steps.back() {
+                    let o = &st.output;
+                    line += &format!(
+                        " → step {}: {:?}",
+                        o.step.0,
+                        o.num_scheduled_tokens
+                            .iter()
+                            .map(|(r, n)| (r.0, *n))
+                            .collect::<Vec<_>>()
+                    );
+                    if !o.preempted_req_ids.is_empty() {
+                        line += &format!(" preempted {:?}", ids(&o.preempted_req_ids));
+                    }
+                    if !o.finished_req_ids.is_empty() {
+                        line += &format!(" finished {:?}", ids(&o.finished_req_ids));
+                    }
+                    line += &format!(" meta {:?}", st.meta);
+                }
+            }
+            SystemAction::Run(rank) => {
+                let before = &state.ranks[rank.index()];
+                let after = &next.ranks[rank.index()];
+                let started: Vec<String> = after
+                    .in_flight
+                    .iter()
+                    .filter(|t| !before.in_flight.contains(t))
+                    .map(|t| transfer_text(&t.transfer))
+                    .collect();
+                if !started.is_empty() {
+                    line += &format!(" → starts {}", started.join(", "));
+                }
+                match &after.at {
+                    Some((hook, jobs)) => line += &format!(" → waits at {hook:?} for {jobs:?}"),
+                    None => line += &format!(" → step {} done", after.executed - 1),
+                }
+            }
+            SystemAction::Deliver => {
+                if let Some(st) = state.steps.front() {
+                    line += &format!(" (step {})", st.output.step.0);
+                }
+            }
+            _ => {}
+        }
+        for (p, why) in &next.ghost.violations {
+            if !state.ghost.violated(p) {
+                line += &format!(" ✗ {p}: {why}");
+            }
+        }
+        line
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Actions.
+
+    fn schedule(&self, s: &mut SystemState<P>) {
+        let before = s.scheduler.connector().clone();
+        let st = match s.scheduler.schedule() {
+            Ok(st) => st,
+            Err(e) => {
+                s.ghost
+                    .violate(property_names::CORE, format!("schedule failed: {e}"));
+                return;
+            }
+        };
+        // A step that schedules nothing and leaves the connector as it was only spins.
+        if st.output.num_scheduled_tokens.is_empty() && *s.scheduler.connector() == before {
+            s.ghost.idle += 1;
+        } else {
+            s.ghost.idle = 0;
+        }
+        let contents = self.expected_contents(s, &st.output);
+        for &r in st.output.preempted_req_ids.iter() {
+            if let Some(p) = s.ghost.preempted.get_mut(r.index()) {
+                *p = true;
+            }
+        }
+        s.steps.push_back(PendingStep {
+            output: st.output,
+            meta: st.meta,
+            contents,
+        });
+    }
+
+    /// Runs `rank`'s hooks from where it stands until a wait on a transfer in flight or the end
+    /// of its step.
+    fn run(&self, s: &mut SystemState<P>, rank: usize) {
+        let Some(step) = self.next_step_of(s, rank).cloned() else {
+            return;
+        };
+        let faults = self.config.faults;
+        let out = &step.output;
+        let shape = StepShape {
+            sync_loads: out.has_sync_kv_loads,
+            forward: out.total_num_scheduled_tokens > 0,
+            defer_finalize: false,
+        };
+        let (mut hook, _) = s.ranks[rank]
+            .at
+            .take()
+            .unwrap_or((Hook::HandlePreemptions, Vec::new()));
+        loop {
+            let r = &mut s.ranks[rank];
+            let res: Result<Vec<TransferCommand>, String> = match hook {
+                Hook::HandlePreemptions => {
+                    update_tables(&mut r.tables, out);
+                    let begun = r.worker.begin_step(shape).map_err(|e| e.to_string());
+                    match begun {
+                        Err(e) => Err(e),
+                        Ok(()) if faults.bind_first => r
+                            .worker
+                            .bind(&step.meta)
+                            .and_then(|()| r.worker.handle_preemptions(&step.meta))
+                            .map_err(|e| e.to_string()),
+                        Ok(()) if faults.skip_handle_preemptions => {
+                            // A connector without the hook (Mooncake before PR #52470): its
+                            // transfers start, but nothing is waited for before the step's
+                            // writes. (The guard admits bind only after the hook, so it runs.)
+                            r.worker
+                                .handle_preemptions(&step.meta)
+                                .map(|cmds| {
+                                    cmds.into_iter()
+                                        .filter(|c| matches!(c, TransferCommand::Start(_)))
+                                        .collect()
+                                })
+                                .map_err(|e| e.to_string())
+                        }
+                        Ok(()) => r
+                            .worker
+                            .handle_preemptions(&step.meta)
+                            .map_err(|e| e.to_string()),
+                    }
+                }
+                Hook::Bind if faults.bind_first => Ok(Vec::new()),
+                Hook::Bind => r
+                    .worker
+                    .bind(&step.meta)
+                    .map(|()| Vec::new())
+                    .map_err(|e| e.to_string()),
+                Hook::StartLoad => r.worker.start_load_kv().map_err(|e| e.to_string()),
+                Hook::LayerLoad if !shape.forward => Ok(Vec::new()),
+                Hook::LayerLoad => r.worker.wait_for_layer_load(0).map_err(|e| e.to_string()),
+                Hook::LayerSave if !shape.forward => Ok(Vec::new()),
+                Hook::LayerSave => {
+                    self.forward(s, rank, out, &step.contents);
+                    s.ranks[rank]
+                        .worker
+                        .save_kv_layer(0)
+                        .map_err(|e| e.to_string())
+                }
+                Hook::WaitForSave => r.worker.wait_for_save().map_err(|e| e.to_string()),
+                Hook::Finish => {
+                    let output = self.finish(s, rank, out);
+                    let r = &mut s.ranks[rank];
+                    match output {
+                        Ok(o) => {
+                            r.outputs.push_back(o);
+                            r.executed += 1;
+                        }
+                        Err(e) => s.ghost.violate(property_names::PROTOCOL, e),
+                    }
+                    return;
+                }
+            };
+            let cmds = match res {
+                Ok(c) => c,
+                Err(e) => {
+                    s.ghost.violate(property_names::PROTOCOL, e);
+                    return;
+                }
+            };
+            let mut waits = Vec::new();
+            for c in cmds {
+                match c {
+                    TransferCommand::Start(t) => {
+                        s.ghost.idle = 0;
+                        s.ranks[rank].in_flight.push(InFlight {
+                            transfer: t,
+                            dirty: false,
+                        });
+                    }
+                    TransferCommand::Wait(jobs) => {
+                        for &j in jobs.iter() {
+                            if s.ranks[rank].in_flight.iter().any(|t| t.transfer.job == j) {
+                                waits.push(j);
+                            }
+                        }
+                    }
+                }
+            }
+            if hook == Hook::HandlePreemptions && !waits.is_empty() {
+                s.ghost.flushed = true;
+            }
+            // Sync loads run before the forward, which reads them; async loads are issued after
+            // the forward launch (the protocol admits no layer hook after them).
+            let next = match (hook, shape.sync_loads) {
+                (Hook::HandlePreemptions, _) => Hook::Bind,
+                (Hook::Bind, true) => Hook::StartLoad,
+                (Hook::Bind, false) => Hook::LayerLoad,
+                (Hook::StartLoad, true) => Hook::LayerLoad,
+                (Hook::StartLoad, false) => Hook::WaitForSave,
+                (Hook::LayerLoad, _) => Hook::LayerSave,
+                (Hook::LayerSave, true) => Hook::WaitForSave,
+                (Hook::LayerSave, false) => Hook::StartLoad,
+                (Hook::WaitForSave, _) => Hook::Finish,
+                (Hook::Finish, _) => unreachable!("returns above"),
+            };
+            if !waits.is_empty() {
+                waits.sort_unstable();
+                waits.dedup();
+                s.ranks[rank].at = Some((next, waits));
+                return;
+            }
+            hook = next;
+        }
+    }
+
+    /// The expected content of every block of every request scheduled in `out`, read from the
+    /// scheduler (tokens are the scheduler's; the rank has none).
+    fn expected_contents(
+        &self,
+        s: &SystemState<P>,
+        out: &SchedulerOutput,
+    ) -> BTreeMap<RequestId, Vec<u64>> {
+        let view = s.scheduler.view();
+        let bs = self.config.block_size;
+        let mut m = BTreeMap::new();
+        for &(id, _) in &out.num_scheduled_tokens {
+            let Some(req) = view.request(id) else {
+                continue;
+            };
+            let prompt_blocks = req.num_prompt_tokens() / bs;
+            let total = self.config.prompt_tokens + self.config.max_tokens;
+            let n = total.div_ceil(bs);
+            let v = (0..n)
+                .map(|i| {
+                    if i < prompt_blocks {
+                        req.block_hashes()
+                            .get(i as usize)
+                            .map_or(PARTIAL, |h| h.0.max(CORRUPT + 1) & !GENERATED)
+                    } else {
+                        GENERATED | (u64::from(id.0) << 32) | u64::from(i)
+                    }
+                })
+                .collect();
+            m.insert(id, v);
+        }
+        m
+    }
+
+    /// The forward pass of `rank`: checks every computed block, then writes the new tokens'
+    /// blocks.
+    fn forward(
+        &self,
+        s: &mut SystemState<P>,
+        rank: usize,
+        out: &SchedulerOutput,
+        expected: &BTreeMap<RequestId, Vec<u64>>,
+    ) {
+        let bs = self.config.block_size;
+        let computed: BTreeMap<RequestId, u32> = out
+            .scheduled_new_reqs
+            .iter()
+            .map(|n| (n.id, n.num_computed_tokens))
+            .chain(
+                out.scheduled_cached_reqs
+                    .iter()
+                    .map(|c| (c.id, c.num_computed_tokens)),
+            )
+            .collect();
+        for &(id, n) in &out.num_scheduled_tokens {
+            let Some(want) = expected.get(&id) else {
+                continue;
+            };
+            let c = computed.get(&id).copied().unwrap_or(0);
+            let Some(table) = s.ranks[rank].tables.get(&id).cloned() else {
+                s.ghost.violate(
+                    property_names::CORE,
+                    format!("rank {rank} has no block table for scheduled request {}", id.0),
+                );
+                return;
+            };
+            // Reads: the computed prefix, in the full-attention group.
+            for i in 0..c / bs {
+                let Some(&b) = table[0].get(i as usize) else {
+                    s.ghost.violate(
+                        property_names::CORE,
+                        format!("request {} has no block {i} on rank {rank}", id.0),
+                    );
+                    return;
+                };
+                let got = s.ranks[rank].gpu[b.0 as usize];
+                if got != want[i as usize] {
+                    s.ghost.violate(
+                        property_names::DATA,
+                        format!(
+                            "rank {rank}: request {} reads block {} (index {i}) holding {} instead of {}",
+                            id.0,
+                            b.0,
+                            content_text(got),
+                            content_text(want[i as usize])
+                        ),
+                    );
+                }
+            }
+            // Writes: positions c..c+n, every group.
+            let first = c / bs;
+            let last = (c + n).div_ceil(bs);
+            for i in first..last {
+                let full = (i + 1) * bs <= c + n;
+                let content = if full { want[i as usize] } else { PARTIAL };
+                for g in &table {
+                    let Some(&b) = g.get(i as usize) else {
+                        continue;
+                    };
+                    if b.0 == 0 {
+                        continue;
+                    }
+                    self.write_block(s, rank, b, content, &format!("forward of request {}", id.0));
+                }
+            }
+        }
+    }
+
+    /// A write of GPU block `b` on `rank`: I-4 against the stores in flight.
+    fn write_block(&self, s: &mut SystemState<P>, rank: usize, b: BlockId, content: u64, by: &str) {
+        let r = &mut s.ranks[rank];
+        let mut hit = None;
+        for t in &mut r.in_flight {
+            if t.transfer.direction == TransferDirection::Store && t.transfer.gpu_blocks.contains(&b)
+            {
+                t.dirty = true;
+                hit = Some(t.transfer.job);
+            }
+        }
+        if let Some(j) = hit {
+            s.ghost.violate(
+                property_names::NO_WRITE_UNDER_STORE,
+                format!(
+                    "rank {rank}: {by} writes block {} while store job {} reads it",
+                    b.0, j.0
+                ),
+            );
+        }
+        if let Some(x) = s.ranks[rank].gpu.get_mut(b.0 as usize) {
+            *x = content;
+        }
+    }
+
+    /// `get_finished` … `clear`: the rank's output of the step.
+    fn finish(
+        &self,
+        s: &mut SystemState<P>,
+        rank: usize,
+        out: &SchedulerOutput,
+    ) -> Result<Option<WorkerOutput<<P::Sched as SchedulerConnector>::WorkerMeta>>, String> {
+        let w = &mut s.ranks[rank].worker;
+        let res = w
+            .get_transfer_results(&out.finished_req_ids)
+            .map_err(|e| e.to_string())?;
+        let errs = w
+            .get_block_ids_with_load_errors()
+            .map_err(|e| e.to_string())?;
+        let meta = w.build_connector_worker_meta().map_err(|e| e.to_string())?;
+        w.clear().map_err(|e| e.to_string())?;
+        for id in res.finished_recving.iter().flat_map(|s| s.iter()) {
+            let Some(m) = s.ghost.recv_reports.get_mut(id.index()) else {
+                continue;
+            };
+            let twice = *m & (1 << rank) != 0;
+            *m |= 1 << rank;
+            if twice {
+                s.ghost.violate(
+                    property_names::QUORUM,
+                    format!("rank {rank} reported request {}'s load twice", id.0),
+                );
+            }
+        }
+        for id in res.failed_recving.iter() {
+            if let Some(m) = s.ghost.recv_failed.get_mut(id.index()) {
+                *m |= 1 << rank;
+            }
+        }
+        Ok(Some(WorkerOutput {
+            finished_sending: res.finished_sending,
+            finished_recving: res.finished_recving,
+            invalid_block_ids: errs,
+            failed_recving: res.failed_recving,
+            expected_finished_count: 0,
+            worker_meta: meta,
+            kv_events: None,
+        }))
+    }
+
+    fn complete(&self, s: &mut SystemState<P>, rank: usize, job: JobId, ok: bool) {
+        let Some(pos) = s.ranks[rank]
+            .in_flight
+            .iter()
+            .position(|t| t.transfer.job == job)
+        else {
+            return;
+        };
+        let t = s.ranks[rank].in_flight.remove(pos);
+        s.ghost.idle = 0;
+        if ok {
+            let domain = if self.pair.shared_external() { 0 } else { rank };
+            match t.transfer.direction {
+                TransferDirection::Store => {
+                    for (b, slot) in t.transfer.gpu_blocks.iter().zip(&t.transfer.external) {
+                        let content = if t.dirty {
+                            CORRUPT
+                        } else {
+                            s.ranks[rank].gpu[b.0 as usize]
+                        };
+                        s.ranks[domain].external.insert(*slot, content);
+                        s.ghost.stored_by.insert(*slot, t.transfer.request.0);
+                    }
+                }
+                TransferDirection::Load => {
+                    let req = t.transfer.request;
+                    let view = s.scheduler.view();
+                    let held: Vec<BlockId> = view
+                        .request(req)
+                        .map(|r| {
+                            (0..self.sched_config.groups.len())
+                                .flat_map(|g| r.block_ids(g).iter().copied())
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    for (b, slot) in t.transfer.gpu_blocks.iter().zip(&t.transfer.external) {
+                        if !held.contains(b) {
+                            s.ghost.violate(
+                                property_names::OWNED_WRITES,
+                                format!(
+                                    "rank {rank}: load job {} of request {} writes block {} the request does not hold",
+                                    job.0, req.0, b.0
+                                ),
+                            );
+                        }
+                        let content = s.ranks[domain]
+                            .external
+                            .get(slot)
+                            .copied()
+                            .unwrap_or(EMPTY);
+                        if s.ghost.stored_by.get(slot).is_some_and(|&w| w != req.0) {
+                            s.ghost.shared_loaded = true;
+                        }
+                        self.write_block(s, rank, *b, content, &format!("load job {}", job.0));
+                    }
+                    if s.ghost.preempted.get(req.index()).copied().unwrap_or(false) {
+                        s.ghost.resumed_from_offload = true;
+                    }
+                }
+            }
+        }
+        s.ranks[rank]
+            .worker
+            .handle_transfer_done(TransferDone { job, ok });
+    }
+
+    fn deliver(&self, s: &mut SystemState<P>) {
+        let Some(step) = s.steps.pop_front() else {
+            return;
+        };
+        let mut outputs: Vec<_> = s
+            .ranks
+            .iter_mut()
+            .map(|r| r.outputs.pop_front().flatten())
+            .collect();
+        if self.config.faults.one_rank_output {
+            for o in outputs.iter_mut().skip(1) {
+                *o = None;
+            }
+        }
+        let kv = match s.aggregator.aggregate(&outputs, Rank(0)) {
+            Ok(kv) => kv,
+            Err(e) => {
+                s.ghost
+                    .violate(property_names::CORE, format!("aggregate failed: {e}"));
+                return;
+            }
+        };
+        if let Some(kv) = &kv {
+            let all = self.all_ranks();
+            let recving: Vec<RequestId> = kv
+                .finished_recving
+                .iter()
+                .flat_map(|x| x.iter().copied())
+                .collect();
+            for id in kv.failed_recving.iter() {
+                if !recving.contains(id) {
+                    s.ghost.violate(
+                        property_names::QUORUM,
+                        format!("request {} failed but not finished (I-24)", id.0),
+                    );
+                }
+            }
+            for id in recving {
+                let i = id.index();
+                let Some(&m) = s.ghost.recv_reports.get(i) else {
+                    continue;
+                };
+                if m != all {
+                    s.ghost.violate(
+                        property_names::QUORUM,
+                        format!(
+                            "request {}'s load emitted after ranks {m:#b} of {all:#b} (I-21)",
+                            id.0
+                        ),
+                    );
+                }
+                let failed = s.ghost.recv_failed[i] != 0;
+                if failed != kv.failed_recving.contains(&id) {
+                    s.ghost.violate(
+                        property_names::QUORUM,
+                        format!("request {}'s failure not carried (I-24)", id.0),
+                    );
+                }
+                s.ghost.recv_reports[i] = 0;
+                s.ghost.recv_failed[i] = 0;
+            }
+            let carries = kv.finished_recving.is_some()
+                || kv.finished_sending.is_some()
+                || kv.worker_meta.is_some();
+            if carries {
+                s.ghost.idle = 0;
+            }
+        }
+        let sampled = s.scheduler.fake_sample(step.output.step);
+        match s.scheduler.update_from_output(
+            step.output.step,
+            ModelOutput {
+                sampled,
+                kv_connector_output: kv,
+            },
+        ) {
+            Ok(res) => {
+                if !res.outputs.is_empty() {
+                    s.ghost.idle = 0;
+                }
+            }
+            Err(e) => s
+                .ghost
+                .violate(property_names::CORE, format!("update_from_output failed: {e}")),
+        }
+    }
+
+    /// I-10 and the machines' own invariants, after every action.
+    fn check(&self, s: &mut SystemState<P>) {
+        let mut broken = Vec::new();
+        if let Err(e) = s.scheduler.check_invariants() {
+            broken.push(format!("scheduler: {e}"));
+        }
+        if let Some(e) = s.scheduler.broken() {
+            broken.push(format!("scheduler stopped: {e}"));
+        }
+        if let Err(e) = self.pair.check_sched(&s.scheduler.connector().inner) {
+            broken.push(format!("connector: {e}"));
+        }
+        if let Err(e) = s.aggregator.check_invariants() {
+            broken.push(format!("aggregator: {e}"));
+        }
+        for (i, r) in s.ranks.iter().enumerate() {
+            if let Err(e) = self.pair.check_worker(r.worker.inner()) {
+                broken.push(format!("rank {i}: {e}"));
+            }
+            if let Some(v) = r.worker.protocol().violation() {
+                s.ghost
+                    .violate(property_names::PROTOCOL, format!("rank {i}: {v}"));
+            }
+        }
+        if let Some(b) = broken.into_iter().next() {
+            s.ghost.violate(property_names::CORE, b);
+        }
+        let calls = s.scheduler.connector().finished_calls.clone();
+        for (i, &n) in calls.iter().enumerate() {
+            let id = RequestId(i as u32);
+            let arrived = (i as u32) < s.arrived;
+            let finished = arrived
+                && s
+                    .scheduler
+                    .status(id)
+                    .is_none_or(RequestStatus::is_finished);
+            let want = u8::from(finished);
+            if n != want {
+                s.ghost.violate(
+                    property_names::FINISHED_ONCE,
+                    format!("request {i}: request_finished called {n} times, finished: {finished}"),
+                );
+            }
+        }
+    }
+}
+
+/// The worker's `_update_states`: drop finished and preempted requests, add new ones, append
+/// (or, for resumed ones, replace) block tables.
+fn update_tables(tables: &mut BTreeMap<RequestId, Vec<Vec<BlockId>>>, out: &SchedulerOutput) {
+    for id in out.finished_req_ids.iter() {
+        tables.remove(id);
+    }
+    for id in out.preempted_req_ids.iter() {
+        tables.remove(id);
+    }
+    for n in &out.scheduled_new_reqs {
+        tables.insert(n.id, n.block_ids.clone());
+    }
+    for c in &out.scheduled_cached_reqs {
+        if c.resumed {
+            tables.insert(c.id, c.new_block_ids.clone());
+        } else if let Some(t) = tables.get_mut(&c.id) {
+            for (g, new) in c.new_block_ids.iter().enumerate() {
+                if let Some(list) = t.get_mut(g) {
+                    list.extend_from_slice(new);
+                }
+            }
+        }
+    }
+}
+
+fn ids(set: &SortedSet<RequestId>) -> Vec<u32> {
+    set.iter().map(|r| r.0).collect()
+}
+
+fn transfer_text(t: &Transfer) -> String {
+    format!(
+        "{} job {} (request {}, blocks {:?})",
+        match t.direction {
+            TransferDirection::Load => "load",
+            TransferDirection::Store => "store",
+        },
+        t.job.0,
+        t.request.0,
+        t.gpu_blocks.iter().map(|b| b.0).collect::<Vec<_>>()
+    )
+}
+
+fn content_text(c: u64) -> String {
+    match c {
+        EMPTY => "nothing".to_owned(),
+        PARTIAL => "a partial block".to_owned(),
+        CORRUPT => "bytes overwritten during their store".to_owned(),
+        c if c & GENERATED != 0 => format!(
+            "generated block {} of request {}",
+            c & 0xffff_ffff,
+            (c & !GENERATED) >> 32
+        ),
+        c => format!("prompt block {c:#x}"),
+    }
+}
+
+impl<P: Connectors> Model for SystemModel<P> {
+    type State = SystemState<P>;
+    type Action = SystemAction;
+
+    fn init_states(&self) -> Vec<Self::State> {
+        vec![self.initial()]
+    }
+
+    fn actions(&self, s: &Self::State, actions: &mut Vec<Self::Action>) {
+        if !s.ghost.violations.is_empty() {
+            return;
+        }
+        let c = &self.config;
+        if s.arrived < c.requests {
+            actions.push(SystemAction::Arrive(RequestId(s.arrived)));
+        }
+        if s.scheduler.has_requests()
+            && (s.steps.len() as u32) < c.async_depth
+            && s.ghost.idle < c.idle_steps
+        {
+            actions.push(SystemAction::Schedule);
+        }
+        for (i, r) in s.ranks.iter().enumerate() {
+            let blocked = r.at.as_ref().is_some_and(|(_, jobs)| {
+                jobs.iter()
+                    .any(|j| r.in_flight.iter().any(|t| t.transfer.job == *j))
+            });
+            if !blocked && self.next_step_of(s, i).is_some() {
+                actions.push(SystemAction::Run(Rank(i as u32)));
+            }
+        }
+        for (i, r) in s.ranks.iter().enumerate() {
+            let mut seen_dir = [false; 2];
+            for t in &r.in_flight {
+                let d = t.transfer.direction as usize;
+                if c.ordered_completions && seen_dir[d] {
+                    continue;
+                }
+                seen_dir[d] = true;
+                actions.push(SystemAction::Complete {
+                    rank: Rank(i as u32),
+                    job: t.transfer.job,
+                    ok: true,
+                });
+            }
+        }
+        if let Some(front) = s.steps.front() {
+            let step = front.output.step.0;
+            if s.ranks.iter().all(|r| r.executed > step) {
+                actions.push(SystemAction::Deliver);
+            }
+        }
+        if s.aborts_left > 0 {
+            for i in 0..s.arrived {
+                let id = RequestId(i);
+                if s.scheduler.status(id).is_some_and(|st| !st.is_finished()) {
+                    actions.push(SystemAction::Abort(id));
+                }
+            }
+        }
+        if s.resets_left > 0 {
+            actions.push(SystemAction::Reset);
+        }
+    }
+
+    fn next_state(&self, last: &Self::State, action: Self::Action) -> Option<Self::State> {
+        let mut s = last.clone();
+        match action {
+            SystemAction::Arrive(id) => {
+                let spec = RequestSpec {
+                    id,
+                    prompt: self.config.prompt(id.0),
+                    max_tokens: self.config.max_tokens,
+                    stop_token: None,
+                    kv_transfer_params: None,
+                };
+                if let Err(e) = s.scheduler.add_request(spec) {
+                    s.ghost
+                        .violate(property_names::CORE, format!("add_request failed: {e}"));
+                }
+                s.arrived += 1;
+                s.ghost.idle = 0;
+            }
+            SystemAction::Schedule => self.schedule(&mut s),
+            SystemAction::Run(rank) => self.run(&mut s, rank.index()),
+            SystemAction::Complete { rank, job, ok } => {
+                self.complete(&mut s, rank.index(), job, ok)
+            }
+            SystemAction::Deliver => self.deliver(&mut s),
+            SystemAction::Abort(id) => {
+                s.aborts_left -= 1;
+                s.ghost.idle = 0;
+                if let Err(e) = s.scheduler.abort(id) {
+                    s.ghost
+                        .violate(property_names::CORE, format!("abort failed: {e}"));
+                }
+            }
+            SystemAction::Reset => {
+                s.resets_left -= 1;
+                s.ghost.idle = 0;
+                if let Err(e) = s.scheduler.reset_connector_cache() {
+                    s.ghost
+                        .violate(property_names::CORE, format!("reset failed: {e}"));
+                }
+            }
+        }
+        self.check(&mut s);
+        Some(s)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        use property_names as n;
+        vec![
+            Property::always(n::PROTOCOL, |_, s: &SystemState<P>| {
+                !s.ghost.violated(n::PROTOCOL)
+            }),
+            Property::always(n::NO_WRITE_UNDER_STORE, |_, s: &SystemState<P>| {
+                !s.ghost.violated(n::NO_WRITE_UNDER_STORE)
+            }),
+            Property::always(n::DATA, |_, s: &SystemState<P>| !s.ghost.violated(n::DATA)),
+            Property::always(n::OWNED_WRITES, |_, s: &SystemState<P>| {
+                !s.ghost.violated(n::OWNED_WRITES)
+            }),
+            Property::always(n::FINISHED_ONCE, |_, s: &SystemState<P>| {
+                !s.ghost.violated(n::FINISHED_ONCE)
+            }),
+            Property::always(n::QUORUM, |_, s: &SystemState<P>| {
+                !s.ghost.violated(n::QUORUM)
+            }),
+            Property::always(n::CORE, |_, s: &SystemState<P>| !s.ghost.violated(n::CORE)),
+            Property::always(n::QUIESCENT, |m: &Self, s: &SystemState<P>| {
+                if !s.ghost.violations.is_empty() {
+                    return true;
+                }
+                let mut a = Vec::new();
+                m.actions(s, &mut a);
+                !a.is_empty() || m.quiescent(s)
+            }),
+            Property::sometimes(n::FLUSHED, |_, s: &SystemState<P>| s.ghost.flushed),
+            Property::sometimes(n::RESUMED_FROM_OFFLOAD, |_, s: &SystemState<P>| {
+                s.ghost.resumed_from_offload
+            }),
+            Property::sometimes(n::SHARED_PREFIX_LOADED, |_, s: &SystemState<P>| {
+                s.ghost.shared_loaded
+            }),
+            Property::sometimes(n::ALL_DONE, |m: &Self, s: &SystemState<P>| {
+                s.ghost.violations.is_empty() && m.quiescent(s)
+            }),
+        ]
+    }
+}
