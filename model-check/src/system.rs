@@ -57,13 +57,16 @@ use std::collections::{BTreeMap, VecDeque};
 use kvrelay_core::{
     AggregatedOutput, Aggregator, BlockId, FinishDecision, GroupKind, GuardedWorker, Intent,
     InvariantViolation, JobId, KvEvent, LoadFailurePolicy, Lookup, ManagerConfig, Mode,
-    ModelOutput, OffloadingConfig, OffloadingConnector, OffloadingWorker,
+    ModelOutput, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta, OffloadingWorker,
     OffloadingWorkerConfig, PolicyKind, Rank, RequestId, RequestSpec, RequestStatus, Scheduler,
     SchedulerConfig, SchedulerConnector, SchedulerOutput, SchedulerView, SortedSet, StepShape,
-    Transfer, TransferCommand, TransferDirection, TransferDone, WorkerConnector,
+    Transfer, TransferCommand, TransferDirection, TransferDone, TransferJob, WorkerConnector,
     WorkerOutput,
 };
 use stateright::{Model, Property};
+
+use crate::runner::Explain;
+use crate::trace::TraceStep;
 
 /// The names of the properties of [`SystemModel`], as they appear in a [`crate::CheckReport`].
 pub mod property_names {
@@ -93,6 +96,8 @@ pub mod property_names {
     pub const QUIESCENT: &str = "no stuck state (bounded I-48)";
     /// `sometimes`: `handle_preemptions` made a rank wait for a store before a KV write.
     pub const FLUSHED: &str = "a store is flushed before its block is rewritten";
+    /// `sometimes`: the scheduler preempts a running request.
+    pub const PREEMPTED: &str = "a running request is preempted";
     /// `sometimes`: a request that was preempted loads offloaded chunks when it resumes.
     pub const RESUMED_FROM_OFFLOAD: &str = "a preempted request resumes from offloaded chunks";
     /// `sometimes`: a request loads chunks that another request stored.
@@ -106,7 +111,7 @@ pub mod property_names {
 
 /// A scheduler-side and a worker-side connector that the system model composes. Implement it
 /// for your own connector to model-check it with kvrelay's properties.
-pub trait Connectors: Clone + fmt::Debug + Send + Sync + 'static {
+pub trait Connectors: Clone + fmt::Debug + Eq + core::hash::Hash + Send + Sync + 'static {
     /// The scheduler-side connector.
     type Sched: SchedulerConnector<
             Meta: core::hash::Hash + Send + Sync,
@@ -145,6 +150,10 @@ pub trait Connectors: Clone + fmt::Debug + Send + Sync + 'static {
     /// A worker connector's own invariants, and whether it recorded an error.
     fn check_worker(&self, _worker: &Self::Worker) -> Result<(), InvariantViolation> {
         Ok(())
+    }
+    /// One short line for a step's metadata in counterexamples (default: its `Debug`).
+    fn describe_meta(&self, meta: &<Self::Sched as SchedulerConnector>::Meta) -> String {
+        format!("{meta:?}")
     }
     /// Whether every rank reads one shared external store (a replicated layout where only some
     /// ranks write): loads on any rank then read rank 0's slots.
@@ -204,6 +213,30 @@ impl Connectors for OffloadingPair {
 
     fn check_sched(&self, c: &Self::Sched) -> Result<(), InvariantViolation> {
         c.inner.check_invariants()
+    }
+
+    fn describe_meta(&self, meta: &OffloadingConnectorMeta) -> String {
+        let jobs = |m: &BTreeMap<JobId, TransferJob>| {
+            m.iter()
+                .map(|(j, t)| {
+                    let blocks: Vec<u64> = t.gpu.block_ids.iter().flatten().map(|b| b.0).collect();
+                    format!("job {} req {} blocks {blocks:?}", j.0, t.request.0)
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut parts = Vec::new();
+        if !meta.load_jobs.is_empty() {
+            parts.push(format!("loads [{}]", jobs(&meta.load_jobs)));
+        }
+        if !meta.store_jobs.is_empty() {
+            parts.push(format!("stores [{}]", jobs(&meta.store_jobs)));
+        }
+        if !meta.jobs_to_flush.is_empty() {
+            let f: Vec<u64> = meta.jobs_to_flush.iter().map(|j| j.0).collect();
+            parts.push(format!("flush {f:?}"));
+        }
+        parts.join("; ")
     }
 
     fn check_worker(&self, w: &Self::Worker) -> Result<(), InvariantViolation> {
@@ -473,13 +506,13 @@ impl SystemConfig {
             requests: 2,
             prompt_tokens: 2,
             shared_tokens: 1,
-            max_tokens: 1,
+            max_tokens: 2,
             block_size: 1,
-            gpu_blocks: 5,
+            gpu_blocks: 4,
             max_batched_tokens: 8,
             sliding_window: None,
             blocks_per_chunk: 1,
-            cpu_chunks: 2,
+            cpu_chunks: 3,
             policy: PolicyKind::Lru,
             async_depth: 1,
             mode: Mode::Compat,
@@ -864,65 +897,6 @@ impl<P: Connectors> SystemModel<P> {
             && !s.scheduler.has_requests()
             && s.steps.is_empty()
             && s.ranks.iter().all(|r| r.in_flight.is_empty())
-    }
-
-    /// One line: what `action` did, for counterexamples.
-    pub fn describe(&self, state: &SystemState<P>, action: &SystemAction) -> String {
-        let Some(next) = self.next_state(state, *action) else {
-            return format!("{action} (not enabled)");
-        };
-        let mut line = action.to_string();
-        match *action {
-            SystemAction::Schedule => {
-                if let Some(st) = next.steps.back() {
-                    let o = &st.output;
-                    line += &format!(
-                        " → step {}: {:?}",
-                        o.step.0,
-                        o.num_scheduled_tokens
-                            .iter()
-                            .map(|(r, n)| (r.0, *n))
-                            .collect::<Vec<_>>()
-                    );
-                    if !o.preempted_req_ids.is_empty() {
-                        line += &format!(" preempted {:?}", ids(&o.preempted_req_ids));
-                    }
-                    if !o.finished_req_ids.is_empty() {
-                        line += &format!(" finished {:?}", ids(&o.finished_req_ids));
-                    }
-                    line += &format!(" meta {:?}", st.meta);
-                }
-            }
-            SystemAction::Run(rank) => {
-                let before = &state.ranks[rank.index()];
-                let after = &next.ranks[rank.index()];
-                let started: Vec<String> = after
-                    .in_flight
-                    .iter()
-                    .filter(|t| !before.in_flight.contains(t))
-                    .map(|t| transfer_text(&t.transfer))
-                    .collect();
-                if !started.is_empty() {
-                    line += &format!(" → starts {}", started.join(", "));
-                }
-                match &after.at {
-                    Some((hook, jobs)) => line += &format!(" → waits at {hook:?} for {jobs:?}"),
-                    None => line += &format!(" → step {} done", after.executed - 1),
-                }
-            }
-            SystemAction::Deliver => {
-                if let Some(st) = state.steps.front() {
-                    line += &format!(" (step {})", st.output.step.0);
-                }
-            }
-            _ => {}
-        }
-        for (p, why) in &next.ghost.violations {
-            if !state.ghost.violated(p) {
-                line += &format!(" ✗ {p}: {why}");
-            }
-        }
-        line
     }
 
     // -----------------------------------------------------------------------------------------
@@ -1523,6 +1497,109 @@ fn content_text(c: u64) -> String {
     }
 }
 
+impl<P: Connectors> Explain for SystemModel<P> {
+    /// `action` and what it produced: the step scheduled (tokens, preemptions, finished ids,
+    /// the connector's jobs), the transfers a rank started or waits for, the properties broken.
+    fn describe(&self, state: &SystemState<P>, action: &SystemAction) -> String {
+        let Some(next) = self.next_state(state, *action) else {
+            return format!("{action} (not enabled)");
+        };
+        let mut line = action.to_string();
+        match *action {
+            SystemAction::Schedule => {
+                if let Some(st) = next.steps.back() {
+                    let o = &st.output;
+                    line += &format!(
+                        " → step {}: {:?}",
+                        o.step.0,
+                        o.num_scheduled_tokens
+                            .iter()
+                            .map(|(r, n)| (r.0, *n))
+                            .collect::<Vec<_>>()
+                    );
+                    if !o.preempted_req_ids.is_empty() {
+                        line += &format!(" preempted {:?}", ids(&o.preempted_req_ids));
+                    }
+                    if !o.finished_req_ids.is_empty() {
+                        line += &format!(" finished {:?}", ids(&o.finished_req_ids));
+                    }
+                    let meta = self.pair.describe_meta(&st.meta);
+                    if !meta.is_empty() {
+                        line += &format!(" — {meta}");
+                    }
+                }
+            }
+            SystemAction::Run(rank) => {
+                let before = &state.ranks[rank.index()];
+                let after = &next.ranks[rank.index()];
+                let started: Vec<String> = after
+                    .in_flight
+                    .iter()
+                    .filter(|t| !before.in_flight.contains(t))
+                    .map(|t| transfer_text(&t.transfer))
+                    .collect();
+                if !started.is_empty() {
+                    line += &format!(" → starts {}", started.join(", "));
+                }
+                match &after.at {
+                    Some((hook, jobs)) => line += &format!(" → waits at {hook:?} for {jobs:?}"),
+                    None => match after.executed.checked_sub(1) {
+                        Some(k) => line += &format!(" → step {k} done"),
+                        None => {}
+                    },
+                }
+            }
+            SystemAction::Deliver => {
+                if let Some(st) = state.steps.front() {
+                    line += &format!(" (step {})", st.output.step.0);
+                }
+            }
+            _ => {}
+        }
+        for (p, why) in &next.ghost.violations {
+            if !state.ghost.violated(p) {
+                line += &format!(" ✗ {p}: {why}");
+            }
+        }
+        line
+    }
+
+
+    /// `env` (arrivals, aborts, resets, transfers finishing), the scheduler, the ranks and the
+    /// aggregator.
+    fn participants(&self) -> Vec<String> {
+        let mut p = vec!["env".to_owned(), "scheduler".to_owned()];
+        p.extend((0..self.config.ranks).map(|r| format!("rank {r}")));
+        p.push("aggregator".to_owned());
+        p
+    }
+
+    /// Arrivals, aborts and resets: `env` → scheduler; a step scheduled: scheduler → itself; a
+    /// rank running: scheduler → rank; a transfer finishing: `env` → rank; a delivery:
+    /// aggregator → scheduler. A note names every property the action breaks.
+    fn arrow(&self, state: &SystemState<P>, action: &SystemAction) -> TraceStep {
+        let (env, sched, agg) = (0, 1, 2 + self.config.ranks as usize);
+        let rank_at = |r: Rank| 2 + r.index();
+        let label = self.describe(state, action);
+        let (label, note) = match label.split_once(" ✗ ") {
+            Some((l, n)) => (l.to_owned(), Some(n.to_owned())),
+            None => (label, None),
+        };
+        let (from, to) = match *action {
+            SystemAction::Arrive(_) | SystemAction::Abort(_) | SystemAction::Reset => (env, sched),
+            SystemAction::Schedule => (sched, sched),
+            SystemAction::Run(r) => (sched, rank_at(r)),
+            SystemAction::Complete { rank, .. } => (env, rank_at(rank)),
+            SystemAction::Deliver => (agg, sched),
+        };
+        let step = TraceStep::new(from, to, label);
+        match note {
+            Some(n) => step.with_note(n),
+            None => step,
+        }
+    }
+}
+
 impl<P: Connectors> Model for SystemModel<P> {
     type State = SystemState<P>;
     type Action = SystemAction;
@@ -1662,6 +1739,9 @@ impl<P: Connectors> Model for SystemModel<P> {
                 !a.is_empty() || m.quiescent(s)
             }),
             Property::sometimes(n::FLUSHED, |_, s: &SystemState<P>| s.ghost.flushed),
+            Property::sometimes(n::PREEMPTED, |_, s: &SystemState<P>| {
+                s.ghost.preempted.iter().any(|&p| p)
+            }),
             Property::sometimes(n::RESUMED_FROM_OFFLOAD, |_, s: &SystemState<P>| {
                 s.ghost.resumed_from_offload
             }),
