@@ -1241,6 +1241,12 @@ impl CpuOffloadingManager {
         }
     }
 
+    /// Requests with an open access scope: they were named by a `prepare_*`/`touch` call and
+    /// [`CpuOffloadingManager::on_request_finished`] has not been called for them since.
+    pub fn scoped_requests(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.requests.keys().copied()
+    }
+
     /// No more `prepare_*` for this request (`complete_*` of its jobs may still follow): commits
     /// its accesses to the policy in prefix order (LRU: fresh ranks tail to head; ARC: reused
     /// keys promoted to T2, insert-only keys refreshed in their list).

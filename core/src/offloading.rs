@@ -929,6 +929,20 @@ impl OffloadingConnector {
                 "{rid:?} finished and idle but still tracked"
             );
         }
+        // I-44: `on_request_finished` comes after the request's last `prepare_store` and is
+        // the last call about it: no scope stays open for a request already signalled finished,
+        // or for one the connector no longer tracks (it would never be closed).
+        for rid in self.manager.scoped_requests() {
+            let open = self
+                .requests
+                .get(&rid)
+                .is_some_and(|r| !r.finished_signaled);
+            ensure_invariant!(
+                open,
+                "I-44",
+                "the manager keeps an access scope for {rid:?}, already finished or untracked"
+            );
+        }
         ensure_invariant!(
             listed == self.jobs.len(),
             "I-39",
