@@ -6,10 +6,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use kvrelay_core::Mode;
+use kvrelay_core::{Mode, PolicyKind};
 use kvrelay_model_check::{
-    CheckOptions, CheckReport, CompletionConfig, CompletionModel, Explain, ExploreError, Progress,
-    Stop, Strategy, check, explorer_address, serve_explorer,
+    CheckOptions, CheckReport, CompletionConfig, CompletionModel, Connectors, Explain,
+    ExploreError, OffloadingPair, Progress, SchedFault, Stop, Strategy, SystemConfig, SystemModel,
+    check, explorer_address, serve_explorer,
 };
 use kvrelay_runtime::{bench, conformance};
 
@@ -54,12 +55,25 @@ enum Command {
 }
 
 const CHECK_HELP: &str = "\
+Models:
+  --model system (the default)       the whole connector lifecycle of one engine: the real
+                                     scheduler with kvrelay's CPU offloading connector, W ranks
+                                     through the real worker step protocol, the aggregator,
+                                     aborts, cache resets, out-of-order transfer completions.
+  --model completion                 only how W ranks report transfer completions through the
+                                     step protocol to the aggregator (small, fast).
+
 When to use what:
-  kvrelay check                      the CI check: the `ci` preset, exhaustive, breadth-first.
+  kvrelay check                      the CI check: the system model's `ci` preset, exhaustive,
+                                     breadth-first.
   kvrelay check --config deep        a larger preset before a release (minutes, GBs with BFS).
+  --fault NAME                       (system model) inject a known historical bug:
+                                     bind-first, skip-handle-preemptions, one-rank-output,
+                                     drop-zero-external-alloc, lookup-ignores-jobs; and see the
+                                     counterexample the checker finds (expect exit 1 where the
+                                     configuration can reach the bug).
   --faulty-double-report / --faulty-bind-first
-                                     inject a known hazard and see the counterexample the
-                                     checker finds (expect exit 1).
+                                     the same for the completion model.
   --trace-out FILE                   also write the first counterexample as a Mermaid sequence
                                      diagram (paste into a Markdown ```mermaid block or
                                      mermaid.live); --trace-of NAME picks a property instead
@@ -81,6 +95,11 @@ the run stopped at a violation, 2 bad flags or configuration.";
 /// The models `kvrelay check` knows.
 #[derive(Clone, Copy, Debug, Eq, PartialEq, ValueEnum)]
 enum ModelArg {
+    /// The whole connector lifecycle of one engine: the real scheduler with kvrelay's CPU
+    /// offloading connector, W ranks through the real worker step protocol, the aggregator and
+    /// an environment of arrivals, aborts, cache resets and transfer completions (SEMANTICS.md
+    /// §2.9, §8, §12).
+    System,
     /// W ranks report R requests' transfer completions through the real worker-protocol and
     /// aggregator code (SEMANTICS.md §8.1, §8.4).
     Completion,
@@ -96,21 +115,74 @@ impl ModelArg {
 #[derive(Args, Debug)]
 struct CheckArgs {
     /// The model to check.
-    #[arg(long, value_enum, default_value_t = ModelArg::Completion)]
+    #[arg(long, value_enum, default_value_t = ModelArg::System)]
     model: ModelArg,
     /// A named configuration of the model; the model's flags below override its fields.
     #[arg(long, value_enum, default_value_t = Preset::Ci)]
     config: Preset,
 
     /// Worker ranks (W).
-    #[arg(long, help_heading = "Completion model")]
+    #[arg(long, help_heading = "Both models")]
     ranks: Option<u32>,
-    /// Requests (R), each with a load and a save on every rank.
-    #[arg(long, help_heading = "Completion model")]
+    /// Requests (R). Completion model: each with a load and a save on every rank; system
+    /// model: request i arrives after request i − 1.
+    #[arg(long, help_heading = "Both models")]
     requests: Option<u32>,
-    /// Aggregator mode.
-    #[arg(long, value_enum, help_heading = "Completion model")]
+    /// Aggregator mode (system model: also the scheduler's).
+    #[arg(long, value_enum, help_heading = "Both models")]
     mode: Option<ModeArg>,
+
+    /// GPU blocks, the null block included (small, so that preemption and block reuse happen).
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    gpu_blocks: Option<u32>,
+    /// Tokens per GPU block.
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    block_size: Option<u32>,
+    /// CPU chunks of the offloading manager.
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    cpu_chunks: Option<u32>,
+    /// GPU blocks per offloaded chunk.
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    blocks_per_chunk: Option<u32>,
+    /// Prompt tokens per request (a multiple of --block-size).
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    prompt_tokens: Option<u32>,
+    /// Leading prompt tokens all requests share (so one can load what another stored).
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    shared_tokens: Option<u32>,
+    /// Output tokens per request.
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    max_tokens: Option<u32>,
+    /// Token budget per step.
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    max_batched_tokens: Option<u32>,
+    /// Steps scheduled before the oldest one's output is applied (1 = synchronous).
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    async_depth: Option<u32>,
+    /// Aborts the environment may issue.
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    aborts: Option<u32>,
+    /// reset_connector_cache calls the environment may issue.
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    resets: Option<u32>,
+    /// Consecutive engine steps without progress that are explored.
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    idle_steps: Option<u32>,
+    /// The offloading manager's replacement policy.
+    #[arg(long, value_enum, help_heading = "System model")]
+    policy: Option<PolicyArg>,
+    /// Add a sliding-window KV-cache group (window in tokens) besides full attention.
+    #[arg(long, value_name = "TOKENS", help_heading = "System model")]
+    sliding_window: Option<u32>,
+    /// Let each rank's transfers complete in any order (`ci`: in submission order; `deep`
+    /// already lets them complete in any order).
+    #[arg(long, help_heading = "System model")]
+    unordered_completions: bool,
+    /// Inject a historical bug (repeatable; at most one of the scheduler-side faults
+    /// drop-zero-external-alloc, lookup-ignores-jobs).
+    #[arg(long, value_enum, value_name = "FAULT", help_heading = "System model")]
+    fault: Vec<FaultArg>,
+
     /// Let loads fail (reported in finished_recving and failed_recving).
     #[arg(long, value_name = "BOOL", help_heading = "Completion model")]
     failures: Option<bool>,
@@ -173,6 +245,32 @@ enum Preset {
     Ci,
     /// A larger configuration.
     Deep,
+}
+
+/// `--policy`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum PolicyArg {
+    /// Least recently used (vLLM's default).
+    Lru,
+    /// Adaptive replacement cache.
+    Arc,
+}
+
+/// `--fault`: a historical bug injected into the system model.
+#[derive(Clone, Copy, Debug, Eq, PartialEq, ValueEnum)]
+enum FaultArg {
+    /// vLLM PR #42676: the runner binds the step's metadata before handle_preemptions.
+    BindFirst,
+    /// Mooncake PR #52470: the runner skips handle_preemptions' waits and transfers.
+    SkipHandlePreemptions,
+    /// vLLM issue #21070: the executor hands the aggregator only rank 0's output.
+    OneRankOutput,
+    /// vLLM issue #46951 (scheduler side): update_state_after_alloc with zero external tokens
+    /// is not passed on to the connector.
+    DropZeroExternalAlloc,
+    /// vLLM issue #46014 (scheduler side): a request with jobs in flight is looked up as if
+    /// it had none.
+    LookupIgnoresJobs,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -360,29 +458,59 @@ fn quoted(names: &[&str]) -> String {
 fn model_flags_given(
     a: &CheckArgs,
 ) -> Vec<(&'static str, &'static [ModelArg], Option<&'static str>)> {
+    const BOTH: &[ModelArg] = &[ModelArg::System, ModelArg::Completion];
+    const SYSTEM: &[ModelArg] = &[ModelArg::System];
     const COMPLETION: &[ModelArg] = &[ModelArg::Completion];
     let mut given = Vec::new();
-    for (set, flag) in [
-        (a.ranks.is_some(), "--ranks"),
-        (a.requests.is_some(), "--requests"),
-        (a.mode.is_some(), "--mode"),
-        (a.failures.is_some(), "--failures"),
-        (a.faulty_double_report, "--faulty-double-report"),
-        (a.faulty_bind_first, "--faulty-bind-first"),
+    for (set, flag, models) in [
+        (a.ranks.is_some(), "--ranks", BOTH),
+        (a.requests.is_some(), "--requests", BOTH),
+        (a.mode.is_some(), "--mode", BOTH),
+        (a.gpu_blocks.is_some(), "--gpu-blocks", SYSTEM),
+        (a.block_size.is_some(), "--block-size", SYSTEM),
+        (a.cpu_chunks.is_some(), "--cpu-chunks", SYSTEM),
+        (a.blocks_per_chunk.is_some(), "--blocks-per-chunk", SYSTEM),
+        (a.prompt_tokens.is_some(), "--prompt-tokens", SYSTEM),
+        (a.shared_tokens.is_some(), "--shared-tokens", SYSTEM),
+        (a.max_tokens.is_some(), "--max-tokens", SYSTEM),
+        (
+            a.max_batched_tokens.is_some(),
+            "--max-batched-tokens",
+            SYSTEM,
+        ),
+        (a.async_depth.is_some(), "--async-depth", SYSTEM),
+        (a.aborts.is_some(), "--aborts", SYSTEM),
+        (a.resets.is_some(), "--resets", SYSTEM),
+        (a.idle_steps.is_some(), "--idle-steps", SYSTEM),
+        (a.policy.is_some(), "--policy", SYSTEM),
+        (a.sliding_window.is_some(), "--sliding-window", SYSTEM),
+        (a.unordered_completions, "--unordered-completions", SYSTEM),
+        (!a.fault.is_empty(), "--fault", SYSTEM),
+        (a.failures.is_some(), "--failures", COMPLETION),
+        (a.faulty_double_report, "--faulty-double-report", COMPLETION),
+        (a.faulty_bind_first, "--faulty-bind-first", COMPLETION),
     ] {
         if set {
-            given.push((flag, COMPLETION, None));
+            given.push((flag, models, None));
         }
     }
     if a.symmetry {
         given.push((
             "--symmetry",
             &[][..],
-            Some(
-                "symmetry reduction needs a state with a canonical representative \
-                 (stateright's Representative); the completion model's ranks are not \
-                 interchangeable (rank 0 is the output rank, ranks step in rank order)",
-            ),
+            Some(match a.model {
+                ModelArg::Completion => {
+                    "symmetry reduction needs a state with a canonical representative \
+                     (stateright's Representative); the completion model's ranks are not \
+                     interchangeable (rank 0 is the output rank, ranks step in rank order)"
+                }
+                ModelArg::System => {
+                    "symmetry reduction needs a state with a canonical representative \
+                     (stateright's Representative); the system model has none: its ranks are \
+                     not interchangeable (rank 0 is the output rank, ranks step in rank \
+                     order) and its requests arrive in id order"
+                }
+            }),
         ));
     }
     given
@@ -486,6 +614,7 @@ fn resolve_property(name: &str, names: &[&'static str]) -> Result<&'static str, 
 
 fn run_check(args: &CheckArgs) -> ExitCode {
     let outcome = refuse_foreign_flags(args).and_then(|()| match args.model {
+        ModelArg::System => check_system_model(args),
         ModelArg::Completion => check_completion_model(args),
     });
     match outcome {
@@ -494,6 +623,96 @@ fn run_check(args: &CheckArgs) -> ExitCode {
             eprintln!("kvrelay check: {e}");
             ExitCode::from(2)
         }
+    }
+}
+
+fn check_system_model(a: &CheckArgs) -> Result<ExitCode, CheckError> {
+    let mut c = match a.config {
+        Preset::Ci => SystemConfig::ci(),
+        Preset::Deep => SystemConfig::deep(),
+    };
+    let set = |field: &mut u32, flag: Option<u32>| {
+        if let Some(v) = flag {
+            *field = v;
+        }
+    };
+    set(&mut c.ranks, a.ranks);
+    set(&mut c.requests, a.requests);
+    set(&mut c.gpu_blocks, a.gpu_blocks);
+    set(&mut c.block_size, a.block_size);
+    set(&mut c.cpu_chunks, a.cpu_chunks);
+    set(&mut c.blocks_per_chunk, a.blocks_per_chunk);
+    set(&mut c.prompt_tokens, a.prompt_tokens);
+    set(&mut c.shared_tokens, a.shared_tokens);
+    set(&mut c.max_tokens, a.max_tokens);
+    set(&mut c.max_batched_tokens, a.max_batched_tokens);
+    set(&mut c.async_depth, a.async_depth);
+    set(&mut c.aborts, a.aborts);
+    set(&mut c.resets, a.resets);
+    set(&mut c.idle_steps, a.idle_steps);
+    if let Some(m) = a.mode {
+        c.mode = mode(m);
+    }
+    if let Some(p) = a.policy {
+        c.policy = match p {
+            PolicyArg::Lru => PolicyKind::Lru,
+            PolicyArg::Arc => PolicyKind::Arc,
+        };
+    }
+    if a.sliding_window.is_some() {
+        c.sliding_window = a.sliding_window;
+    }
+    if a.unordered_completions {
+        c.ordered_completions = false;
+    }
+    let invalid = |reason: String| CheckError::InvalidConfig {
+        model: ModelArg::System,
+        reason,
+    };
+    let mut pair = OffloadingPair::default();
+    for &f in &a.fault {
+        let sched = match f {
+            FaultArg::BindFirst => {
+                c.faults.bind_first = true;
+                None
+            }
+            FaultArg::SkipHandlePreemptions => {
+                c.faults.skip_handle_preemptions = true;
+                None
+            }
+            FaultArg::OneRankOutput => {
+                c.faults.one_rank_output = true;
+                None
+            }
+            FaultArg::DropZeroExternalAlloc => Some(SchedFault::DropZeroExternalAlloc),
+            FaultArg::LookupIgnoresJobs => Some(SchedFault::LookupIgnoresJobs),
+        };
+        if let Some(s) = sched {
+            match pair.fault {
+                Some(other) if other != s => {
+                    return Err(invalid(format!(
+                        "at most one scheduler-side --fault can be injected, not both \
+                         {other:?} and {s:?}"
+                    )));
+                }
+                _ => pair.fault = Some(s),
+            }
+        }
+    }
+    let model = SystemModel::new(pair.clone(), c.clone()).map_err(invalid)?;
+    let plan = Plan::new(a, &model)?;
+    execute(
+        model,
+        &format!("system model of the {} connector, {c:?}", pair.name()),
+        plan,
+        check::<SystemModel<OffloadingPair>>,
+    )
+}
+
+fn mode(m: ModeArg) -> Mode {
+    match m {
+        ModeArg::Compat => Mode::Compat,
+        ModeArg::Strict => Mode::Strict,
     }
 }
 
@@ -509,10 +728,7 @@ fn check_completion_model(a: &CheckArgs) -> Result<ExitCode, CheckError> {
         c.requests = r;
     }
     if let Some(m) = a.mode {
-        c.mode = match m {
-            ModeArg::Compat => Mode::Compat,
-            ModeArg::Strict => Mode::Strict,
-        };
+        c.mode = mode(m);
     }
     if let Some(f) = a.failures {
         c.failures = f;

@@ -47,6 +47,8 @@ fn a_faulty_configuration_exits_1_and_writes_its_counterexample_diagram() {
     let out_file = temp_file("double-report.mmd");
     let out = kvrelay_check(
         &[
+            "--model",
+            "completion",
             "--faulty-double-report",
             "--threads",
             "1",
@@ -79,6 +81,8 @@ fn trace_of_writes_the_example_of_a_sometimes_property() {
     let out_file = temp_file("example.mmd");
     let out = kvrelay_check(
         &[
+            "--model",
+            "completion",
             "--threads",
             "1",
             "--trace-of",
@@ -110,21 +114,78 @@ fn a_non_loopback_explorer_address_is_refused() {
 fn flags_that_cannot_apply_are_refused_before_checking() {
     for (args, expected) in [
         (
-            &["--symmetry"][..],
+            &["--model", "completion", "--symmetry"][..],
             "--symmetry does not apply to --model completion",
+        ),
+        (
+            &["--symmetry"][..],
+            "--symmetry does not apply to --model system",
         ),
         (&["--threads", "0"][..], "--threads must be at least 1"),
         (
-            &["--ranks", "0"][..],
+            &["--model", "completion", "--ranks", "0"][..],
             "invalid configuration of the completion model",
+        ),
+        (
+            &["--ranks", "0"][..],
+            "invalid configuration of the system model",
+        ),
+        (
+            &["--prompt-tokens", "3", "--block-size", "2"][..],
+            "invalid configuration of the system model",
+        ),
+        (
+            &[
+                "--fault",
+                "drop-zero-external-alloc",
+                "--fault",
+                "lookup-ignores-jobs",
+            ][..],
+            "at most one scheduler-side --fault",
         ),
         (
             &["--trace-of", "no such property", "--trace-out", "x.mmd"][..],
             "matches no property",
         ),
         (
-            &["--trace-of", "I-24", "--trace-out", "x.mmd"][..],
+            &[
+                "--model",
+                "completion",
+                "--trace-of",
+                "I-24",
+                "--trace-out",
+                "x.mmd",
+            ][..],
             "matches several properties",
+        ),
+        // Flags of one model are refused for the other.
+        (
+            &["--model", "completion", "--gpu-blocks", "3"][..],
+            "--gpu-blocks does not apply to --model completion (only to --model system)",
+        ),
+        (
+            &["--model", "completion", "--fault", "bind-first"][..],
+            "--fault does not apply to --model completion (only to --model system)",
+        ),
+        (
+            &["--model", "completion", "--unordered-completions"][..],
+            "--unordered-completions does not apply to --model completion",
+        ),
+        (
+            &["--model", "completion", "--policy", "arc"][..],
+            "--policy does not apply to --model completion",
+        ),
+        (
+            &["--failures", "true"][..],
+            "--failures does not apply to --model system (only to --model completion)",
+        ),
+        (
+            &["--faulty-bind-first"][..],
+            "--faulty-bind-first does not apply to --model system",
+        ),
+        (
+            &["--faulty-double-report"][..],
+            "--faulty-double-report does not apply to --model system",
         ),
     ] {
         let out = kvrelay_check(args, Duration::from_secs(30));
@@ -138,6 +199,9 @@ fn flags_that_cannot_apply_are_refused_before_checking() {
         &["--explore", "127.0.0.1:1", "--dfs"][..],
         &["--allow-remote"][..],
         &["--trace-of", "I-21"][..],
+        &["--fault", "no-such-fault"][..],
+        &["--policy", "fifo"][..],
+        &["--model", "no-such-model"][..],
     ] {
         let out = kvrelay_check(args, Duration::from_secs(30));
         assert_eq!(
@@ -146,5 +210,183 @@ fn flags_that_cannot_apply_are_refused_before_checking() {
             "{args:?}: {}",
             text(&out.stderr)
         );
+    }
+}
+
+/// The default `kvrelay check` is the system model's `ci` preset, explored exhaustively, with
+/// every property listed as holding or with an example.
+#[test]
+fn the_default_check_is_the_system_model_ci_and_every_property_passes() {
+    use kvrelay_model_check::system_properties as n;
+    let out = kvrelay_check(&[], LIMIT);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("system model of the offloading connector"),
+        "{stderr}"
+    );
+    assert!(stdout.starts_with("explored exhaustively"), "{stdout}");
+    let rows: Vec<&str> = stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("result"))
+        .skip(1)
+        .take_while(|l| !l.is_empty())
+        .collect();
+    for always in [
+        n::PROTOCOL,
+        n::NO_WRITE_UNDER_STORE,
+        n::DATA,
+        n::OWNED_WRITES,
+        n::FINISHED_ONCE,
+        n::QUORUM,
+        n::CORE,
+        n::QUIESCENT,
+    ] {
+        let row = format!("{:<10} {:<10} {always}", "holds", "always");
+        assert!(rows.contains(&row.as_str()), "{row:?} in {stdout}");
+    }
+    for sometimes in [
+        n::FLUSHED,
+        n::PREEMPTED,
+        n::RESUMED_FROM_OFFLOAD,
+        n::ALL_DONE,
+    ] {
+        let row = format!("{:<10} {:<10} {sometimes}", "example", "sometimes");
+        assert!(rows.contains(&row.as_str()), "{row:?} in {stdout}");
+    }
+    assert_eq!(rows.len(), 12, "{stdout}");
+    assert!(
+        !stdout.contains("VIOLATED") && !stdout.contains("NO EXAMPLE"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn a_system_fault_exits_1_and_writes_its_counterexample_diagram() {
+    use kvrelay_model_check::system_properties as n;
+    let out_file = temp_file("bind-first.mmd");
+    let out = kvrelay_check(
+        &[
+            "--fault",
+            "bind-first",
+            "--threads",
+            "1",
+            "--trace-out",
+            out_file.to_str().unwrap(),
+        ],
+        LIMIT,
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(&format!(
+            "{:<10} {:<10} {}",
+            "VIOLATED",
+            "always",
+            n::PROTOCOL
+        )),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("counterexample for \"{}\"", n::PROTOCOL)),
+        "{stdout}"
+    );
+    assert!(stdout.contains("    1. request 0 arrives"), "{stdout}");
+    assert!(stderr.contains("wrote the counterexample"), "{stderr}");
+    let diagram = std::fs::read_to_string(&out_file).expect("the trace file was written");
+    let _ = std::fs::remove_file(&out_file);
+    assert!(diagram.starts_with("sequenceDiagram\n"), "{diagram}");
+    for participant in ["env", "scheduler", "rank 0", "rank 1", "aggregator"] {
+        assert!(
+            diagram.contains(&format!(" as {participant}\n")),
+            "{participant}: {diagram}"
+        );
+    }
+    assert!(diagram.contains("->>"), "{diagram}");
+    assert!(
+        diagram.contains(&format!("counterexample to always \"{}\"", n::PROTOCOL)),
+        "{diagram}"
+    );
+}
+
+/// The system model's override flags reach its configuration (echoed on stderr before the run).
+#[test]
+fn system_flags_override_the_preset() {
+    let out = kvrelay_check(
+        &[
+            "--config",
+            "deep",
+            "--ranks",
+            "1",
+            "--requests",
+            "1",
+            "--mode",
+            "strict",
+            "--gpu-blocks",
+            "6",
+            "--block-size",
+            "1",
+            "--cpu-chunks",
+            "2",
+            "--blocks-per-chunk",
+            "2",
+            "--prompt-tokens",
+            "4",
+            "--shared-tokens",
+            "2",
+            "--max-tokens",
+            "1",
+            "--max-batched-tokens",
+            "4",
+            "--async-depth",
+            "1",
+            "--aborts",
+            "0",
+            "--resets",
+            "0",
+            "--idle-steps",
+            "1",
+            "--policy",
+            "arc",
+            "--sliding-window",
+            "2",
+            "--unordered-completions",
+            "--fault",
+            "one-rank-output",
+            "--fault",
+            "lookup-ignores-jobs",
+            "--max-depth",
+            "4",
+            "--threads",
+            "1",
+        ],
+        LIMIT,
+    );
+    let stderr = text(&out.stderr);
+    assert!(matches!(out.status.code(), Some(0 | 1)), "{stderr}");
+    for field in [
+        "offloading with fault LookupIgnoresJobs",
+        "ranks: 1,",
+        "requests: 1,",
+        "prompt_tokens: 4,",
+        "shared_tokens: 2,",
+        "max_tokens: 1,",
+        "block_size: 1,",
+        "gpu_blocks: 6,",
+        "max_batched_tokens: 4,",
+        "sliding_window: Some(2),",
+        "blocks_per_chunk: 2,",
+        "cpu_chunks: 2,",
+        "policy: Arc,",
+        "async_depth: 1,",
+        "mode: Strict,",
+        "aborts: 0,",
+        "resets: 0,",
+        "ordered_completions: false,",
+        "idle_steps: 1,",
+        "bind_first: false, skip_handle_preemptions: false, one_rank_output: true",
+        "max depth 4",
+    ] {
+        assert!(stderr.contains(field), "{field:?} in {stderr}");
     }
 }

@@ -1,0 +1,122 @@
+//! Exhaustive checks of the system model (run them in release:
+//! `cargo test --release -p kvrelay-model-check`).
+
+use kvrelay_model_check::{
+    CheckOptions, CheckReport, EnvFaults, OffloadingPair, Stop, SystemConfig, SystemModel, check,
+    system_properties,
+};
+
+fn run(config: SystemConfig, options: &CheckOptions) -> CheckReport {
+    let model = SystemModel::new(OffloadingPair::default(), config.clone()).expect("valid config");
+    let report = check(model, options, &mut |_| {});
+    println!(
+        "{config:?}: {} states, {} unique, depth {}, {:.2} s, {}",
+        report.states, report.unique_states, report.max_depth, report.seconds, report.stop
+    );
+    for p in &report.properties {
+        println!("  {:<9} holds={:<5} {}", p.expectation, p.holds, p.name);
+    }
+    report
+}
+
+#[test]
+fn ci_config_explores_exhaustively_and_every_property_holds() {
+    let report = run(SystemConfig::ci(), &CheckOptions::default());
+    assert_eq!(report.stop, Stop::Exhaustive);
+    assert!(report.complete, "ci must be explored exhaustively");
+    for p in &report.properties {
+        assert!(
+            p.holds,
+            "{} {:?} does not hold: {:#?}",
+            p.expectation, p.name, p.path
+        );
+    }
+    assert!(report.passed());
+    use system_properties as n;
+    for always in [
+        n::PROTOCOL,
+        n::NO_WRITE_UNDER_STORE,
+        n::DATA,
+        n::OWNED_WRITES,
+        n::FINISHED_ONCE,
+        n::QUORUM,
+        n::CORE,
+        n::QUIESCENT,
+    ] {
+        let p = report
+            .property(always)
+            .unwrap_or_else(|| panic!("the system model has no property {always:?}"));
+        assert_eq!(p.expectation, "always", "{always}");
+    }
+    for sometimes in [
+        n::FLUSHED,
+        n::PREEMPTED,
+        n::RESUMED_FROM_OFFLOAD,
+        n::ALL_DONE,
+    ] {
+        let p = report
+            .property(sometimes)
+            .unwrap_or_else(|| panic!("the system model has no property {sometimes:?}"));
+        assert_eq!(p.expectation, "sometimes", "{sometimes}");
+        assert!(p.path.is_some(), "{sometimes}: an example");
+    }
+    // Pinned: a change that shrinks (or grows) the explored space must be noticed and this
+    // number updated deliberately. Computed with `SystemConfig::ci()` (2 ranks, 2 requests of 2
+    // one-token blocks sharing the first, 2 output tokens, 4 GPU blocks, 3 CPU chunks of 1
+    // block, LRU, synchronous, one abort, ordered completions, 1 idle step, no faults) and
+    // the model as of commit b418e9d.
+    assert_eq!(report.unique_states, 16_697);
+}
+
+#[test]
+fn ci_config_unique_states_do_not_depend_on_threads() {
+    let options = CheckOptions {
+        threads: 2,
+        ..CheckOptions::default()
+    };
+    let report = run(SystemConfig::ci(), &options);
+    assert!(report.passed());
+    assert_eq!(report.unique_states, 16_697);
+}
+
+#[test]
+fn environment_faults_are_found_in_the_ci_config() {
+    use system_properties as n;
+    for (faults, violated) in [
+        (
+            EnvFaults {
+                bind_first: true,
+                ..EnvFaults::default()
+            },
+            n::PROTOCOL,
+        ),
+        (
+            EnvFaults {
+                skip_handle_preemptions: true,
+                ..EnvFaults::default()
+            },
+            n::NO_WRITE_UNDER_STORE,
+        ),
+        (
+            EnvFaults {
+                one_rank_output: true,
+                ..EnvFaults::default()
+            },
+            n::QUIESCENT,
+        ),
+    ] {
+        let config = SystemConfig {
+            faults,
+            ..SystemConfig::ci()
+        };
+        let report = run(config, &CheckOptions::default());
+        assert_eq!(report.stop, Stop::FirstViolation, "{faults:?}");
+        assert!(!report.passed(), "{faults:?}");
+        let failure = report.first_failure().expect("a failure");
+        assert_eq!(failure.name, violated, "{faults:?}");
+        assert!(
+            failure.path.as_ref().is_some_and(|p| !p.is_empty()),
+            "{faults:?}: a counterexample"
+        );
+    }
+}
