@@ -1,0 +1,123 @@
+//! Historical connector bugs, found again by the system model (issue 5, item 3).
+//!
+//! Each test gives the checker the faulty behaviour — as an environment fault ([`EnvFaults`]) or
+//! a wrapper around kvrelay's connector ([`SchedFault`]); production code has no switch — and
+//! asserts that a breadth-first search (one thread: shortest counterexample first) finds a
+//! violation of the property the bug breaks, with a pinned counterexample length. The same
+//! configuration without the fault explores exhaustively with every property holding
+//! (`kvrelay_ci_config_has_no_counterexample`).
+//!
+//! The double report of a completion in compat mode is found by the completion model
+//! (tests/completion.rs). Bugs not reproduced here are listed in the README with the reason.
+
+use kvrelay_model_check::{
+    CheckOptions, CheckReport, EnvFaults, OffloadingPair, SchedFault, SystemConfig, SystemModel,
+    check, system_properties as p,
+};
+
+fn run(pair: OffloadingPair, config: SystemConfig) -> CheckReport {
+    let model = SystemModel::new(pair, config).expect("a valid configuration");
+    check(model, &CheckOptions::default(), &mut |_| {})
+}
+
+/// Asserts `property` is violated with a counterexample of `len` actions whose last line
+/// contains `marker`; returns the counterexample.
+fn found(report: &CheckReport, property: &str, len: usize, marker: &str) -> Vec<String> {
+    let r = report.property(property).expect("the property exists");
+    assert!(!r.holds, "{property}: no counterexample found");
+    let path = r.path.clone().expect("a counterexample");
+    for l in &path {
+        eprintln!("  {l}");
+    }
+    assert!(
+        path.last().is_some_and(|l| l.contains(marker)),
+        "{property}: last action {:?} lacks {marker:?}",
+        path.last()
+    );
+    assert_eq!(path.len(), len, "{property}: counterexample length changed");
+    path
+}
+
+fn with(faults: EnvFaults) -> SystemConfig {
+    SystemConfig {
+        faults,
+        ..SystemConfig::ci()
+    }
+}
+
+#[test]
+fn kvrelay_ci_config_has_no_counterexample() {
+    let r = run(OffloadingPair::default(), SystemConfig::ci());
+    assert!(r.passed(), "{:#?}", r.properties);
+}
+
+/// vLLM PR #42676: model runner V2 bound the step's metadata before `handle_preemptions`.
+#[test]
+fn pr_42676_bind_before_handle_preemptions() {
+    let r = run(
+        OffloadingPair::default(),
+        with(EnvFaults {
+            bind_first: true,
+            ..EnvFaults::default()
+        }),
+    );
+    found(&r, p::PROTOCOL, 5, "bind is not legal");
+}
+
+/// Mooncake PR #52470: a connector without `handle_preemptions` — its stores are not waited
+/// for before the step's writes, so a reallocated block is rewritten under a store.
+#[test]
+fn mooncake_pr_52470_no_handle_preemptions() {
+    let r = run(
+        OffloadingPair::default(),
+        with(EnvFaults {
+            skip_handle_preemptions: true,
+            ..EnvFaults::default()
+        }),
+    );
+    found(&r, p::NO_WRITE_UNDER_STORE, 18, "while store job");
+}
+
+/// vLLM issue #21070: the executor fed the aggregator a single rank's output, so no quorum was
+/// ever reached and the engine could only spin.
+#[test]
+fn issue_21070_aggregator_fed_one_rank() {
+    let r = run(
+        OffloadingPair::default(),
+        with(EnvFaults {
+            one_rank_output: true,
+            ..EnvFaults::default()
+        }),
+    );
+    found(&r, p::QUIESCENT, 21, "deliver");
+}
+
+/// vLLM issue #46951 and issue #46014 as wrapper faults: in these small configurations the
+/// checker finds no counterexample, because kvrelay's connector records the blocks of every
+/// scheduled request in `build_connector_meta` (so only a request allocated but not scheduled
+/// — a MultiConnector sibling's async load — depends on `update_state_after_alloc` with zero
+/// external tokens), and a re-admission with unacknowledged jobs and a ready chunk beyond the
+/// GPU hit is not reachable with 2 requests. Pinned so that a change which makes them
+/// reachable is noticed (and the README's table updated).
+#[test]
+fn faults_46951_and_46014_not_reachable_in_ci() {
+    for fault in [
+        SchedFault::DropZeroExternalAlloc,
+        SchedFault::LookupIgnoresJobs,
+    ] {
+        let r = run(
+            OffloadingPair { fault: Some(fault) },
+            SystemConfig {
+                blocks_per_chunk: 1,
+                ..SystemConfig::ci()
+            },
+        );
+        assert!(
+            r.properties
+                .iter()
+                .filter(|x| x.expectation == "always")
+                .all(|x| x.holds),
+            "{fault:?}: a counterexample appeared — add it to the README table"
+        );
+    }
+}
