@@ -746,6 +746,8 @@ pub struct RankState<W, M> {
     external: BTreeMap<u64, u64>,
     /// Outputs of executed steps not yet delivered, oldest first.
     outputs: VecDeque<Option<WorkerOutput<M>>>,
+    /// This rank is interchangeable with the others (see the `Representative` impl).
+    symmetric: bool,
 }
 
 impl<W: WorkerConnector, M> RankState<W, M> {
@@ -824,6 +826,62 @@ pub struct SystemState<P: Connectors> {
     pub resets_left: u32,
     /// Property history.
     pub ghost: Ghost,
+}
+
+/// Symmetry over ranks: the ranks are sorted by a fingerprint of their whole state (worker
+/// connector, protocol guard, transfers, block tables, ghost contents, pending outputs), and the
+/// per-rank ghost masks are permuted with them.
+///
+/// Sound only where the ranks are interchangeable, which the model checks before permuting:
+/// the aggregator in `compat` mode (it counts reports; `strict` keeps per-rank masks), no
+/// environment fault singling out rank 0, every rank reading its own external store, and every
+/// rank's connector built alike. Otherwise the state is its own representative. Any
+/// permutation is a valid representative, so a fingerprint collision only costs reduction.
+impl<P: Connectors> stateright::Representative for SystemState<P> {
+    fn representative(&self) -> Self {
+        let symmetric = self.aggregator.mode() == Mode::Compat
+            && !self.ranks.is_empty()
+            && self.ranks.iter().all(|r| r.symmetric);
+        if !symmetric || self.ranks.len() < 2 {
+            return self.clone();
+        }
+        use core::hash::{Hash, Hasher};
+        let mut order: Vec<(u64, usize)> = self
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                // SipHash with fixed zero keys: deterministic across runs.
+                let mut h = std::hash::DefaultHasher::new();
+                r.hash(&mut h);
+                (h.finish(), i)
+            })
+            .collect();
+        order.sort_unstable();
+        if order.iter().enumerate().all(|(new, &(_, old))| new == old) {
+            return self.clone();
+        }
+        let mut s = self.clone();
+        s.ranks = order
+            .iter()
+            .map(|&(_, old)| self.ranks[old].clone())
+            .collect();
+        let permute = |mask: u32| {
+            order
+                .iter()
+                .enumerate()
+                .fold(0u32, |m, (new, &(_, old))| m | (((mask >> old) & 1) << new))
+        };
+        for m in s
+            .ghost
+            .recv_reports
+            .iter_mut()
+            .chain(s.ghost.recv_failed.iter_mut())
+        {
+            *m = permute(*m);
+        }
+        s
+    }
 }
 
 /// An action of the system model.
@@ -920,6 +978,10 @@ impl<P: Connectors> SystemModel<P> {
         };
         let scheduler =
             Scheduler::new(self.sched_config.clone(), connector).expect("validated in new()");
+        let faults = c.faults;
+        let symmetric = !self.pair.shared_external()
+            && !faults.one_rank_output
+            && (0..c.ranks).all(|r| self.pair.worker(r, c) == self.pair.worker(0, c));
         let ranks = (0..c.ranks)
             .map(|r| RankState {
                 worker: GuardedWorker::new(self.pair.worker(r, c)),
@@ -930,6 +992,7 @@ impl<P: Connectors> SystemModel<P> {
                 gpu: vec![EMPTY; c.gpu_blocks as usize],
                 external: BTreeMap::new(),
                 outputs: VecDeque::new(),
+                symmetric,
             })
             .collect();
         let n = c.requests as usize;
