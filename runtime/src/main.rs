@@ -509,10 +509,9 @@ fn model_flags_given(
                      interchangeable (rank 0 is the output rank, ranks step in rank order)"
                 }
                 ModelArg::System => {
-                    "symmetry reduction needs a state with a canonical representative \
-                     (stateright's Representative); the system model has none: its ranks are \
-                     not interchangeable (rank 0 is the output rank, ranks step in rank \
-                     order) and its requests arrive in id order"
+                    "kvrelay check does not offer it for the system model yet; its state's \
+                     representative (ranks sorted, only where they are interchangeable) is \
+                     used from code, with kvrelay_model_check::check_with_symmetry"
                 }
             }),
         ));
