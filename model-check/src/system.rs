@@ -596,17 +596,16 @@ impl SystemConfig {
         }
     }
 
-    /// A larger configuration: 3 ranks, 3 requests, preemption (a tight GPU pool), one abort,
-    /// one cache reset, async scheduling depth 2, out-of-order completions.
+    /// A larger configuration: 3 ranks, 3 requests (so one can load chunks another stored),
+    /// preemption (a tight GPU pool), one abort, async scheduling depth 2. Exhaustive in
+    /// minutes with symmetry over ranks (`kvrelay check --config deep --symmetry`).
     pub fn deep() -> Self {
         Self {
             ranks: 3,
             requests: 3,
             gpu_blocks: 5,
             async_depth: 2,
-            resets: 1,
-            ordered_completions: false,
-            idle_steps: 2,
+            max_tokens: 1,
             ..Self::ci()
         }
     }

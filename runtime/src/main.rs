@@ -10,7 +10,7 @@ use kvrelay_core::{Mode, PolicyKind};
 use kvrelay_model_check::{
     CheckOptions, CheckReport, CompletionConfig, CompletionModel, Connectors, Explain,
     ExploreError, OffloadingPair, Progress, SchedFault, Stop, Strategy, SystemConfig, SystemModel,
-    check, explorer_address, serve_explorer,
+    check, check_with_symmetry, explorer_address, serve_explorer,
 };
 use kvrelay_runtime::{bench, conformance};
 
@@ -501,19 +501,12 @@ fn model_flags_given(
     if a.symmetry {
         given.push((
             "--symmetry",
-            &[][..],
-            Some(match a.model {
-                ModelArg::Completion => {
-                    "symmetry reduction needs a state with a canonical representative \
-                     (stateright's Representative); the completion model's ranks are not \
-                     interchangeable (rank 0 is the output rank, ranks step in rank order)"
-                }
-                ModelArg::System => {
-                    "kvrelay check does not offer it for the system model yet; its state's \
-                     representative (ranks sorted, only where they are interchangeable) is \
-                     used from code, with kvrelay_model_check::check_with_symmetry"
-                }
-            }),
+            SYSTEM,
+            Some(
+                "symmetry reduction needs a state with a canonical representative \
+                 (stateright's Representative); the completion model's ranks are not \
+                 interchangeable (rank 0 is the output rank, ranks step in rank order)",
+            ),
         ));
     }
     given
@@ -708,7 +701,11 @@ fn check_system_model(a: &CheckArgs) -> Result<ExitCode, CheckError> {
         model,
         &format!("system model of the {} connector, {c:?}", pair.name()),
         plan,
-        check::<SystemModel<OffloadingPair>>,
+        if a.symmetry {
+            check_with_symmetry::<SystemModel<OffloadingPair>>
+        } else {
+            check::<SystemModel<OffloadingPair>>
+        },
     )
 }
 

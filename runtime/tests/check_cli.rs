@@ -117,10 +117,6 @@ fn flags_that_cannot_apply_are_refused_before_checking() {
             &["--model", "completion", "--symmetry"][..],
             "--symmetry does not apply to --model completion",
         ),
-        (
-            &["--symmetry"][..],
-            "--symmetry does not apply to --model system",
-        ),
         (&["--threads", "0"][..], "--threads must be at least 1"),
         (
             &["--model", "completion", "--ranks", "0"][..],
