@@ -5,6 +5,17 @@
 //! code that runs in the engine, under every interleaving of the environment (which rank
 //! finishes which transfer when, which rank runs its step first, where a fault strikes).
 //!
+//! # The system model
+//!
+//! [`SystemModel`] is the whole connector lifecycle of one engine: the real
+//! [`kvrelay_core::Scheduler`] with a scheduler-side connector, W ranks running the real worker
+//! step protocol around a worker-side connector, the real aggregator, and an environment that
+//! lets requests arrive, completes transfers, aborts requests and resets the cache, with ghost
+//! block contents for data-safety properties ([`system_properties`]). It is generic over
+//! [`Connectors`]: [`OffloadingPair`] is kvrelay's offloading connector, and an engine checks its
+//! own pair the same way (see `examples/write_through.rs`). It is what `kvrelay check` runs by
+//! default; its state has a representative under rank symmetry ([`check_with_symmetry`]).
+//!
 //! # The completion model
 //!
 //! [`CompletionModel`] explores how W ranks report the completions of R requests' transfers (one
@@ -46,12 +57,13 @@ pub use completion::{
     CompletionAction, CompletionConfig, CompletionModel, CompletionState, Ghost, RankState,
     Transfer, property_names,
 };
-pub use system::{
-    Connectors, Counted, EnvFaults, Faulty, Hook, InFlight, OffloadingPair, PendingStep, RankState as SystemRank,
-    SchedFault, SystemAction, SystemConfig, SystemModel, SystemState, WMeta, property_names as system_properties,
-};
 pub use runner::{
     CheckOptions, CheckReport, Explain, ExploreError, Progress, PropertyResult, Stop, Strategy,
     check, check_completions, check_with_symmetry, explorer_address, explorer_url, serve_explorer,
+};
+pub use system::{
+    Connectors, Counted, EnvFaults, Faulty, Hook, InFlight, OffloadingPair, PendingStep,
+    RankState as SystemRank, SchedFault, SystemAction, SystemConfig, SystemModel, SystemState,
+    WMeta, property_names as system_properties,
 };
 pub use trace::{TraceStep, escape_label, mermaid};
