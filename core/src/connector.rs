@@ -25,7 +25,7 @@ use core::fmt::Debug;
 use crate::events::KvEvent;
 use crate::ids::{BlockId, JobId, RequestId};
 use crate::meta::WorkerMeta;
-use crate::output::{AggregatedOutput, SortedSet};
+use crate::output::{AggregatedOutput, SortedSet, WorkerOutput};
 use crate::protocol::{ProtocolViolation, StepShape, WorkerCall, WorkerProtocol};
 use crate::scheduler::{SchedulerOutput, SchedulerView};
 
@@ -298,6 +298,27 @@ pub struct TransferResults {
     pub finished_recving: Option<SortedSet<RequestId>>,
     /// Request-level load failures.
     pub failed_recving: SortedSet<RequestId>,
+}
+
+impl TransferResults {
+    /// The rank's output of the step: these results with the step's
+    /// `get_block_ids_with_load_errors` and `build_connector_worker_meta` answers (no quorum
+    /// change, no KV events). What a worker runtime hands the executor after the step's hooks.
+    pub fn into_output<M>(
+        self,
+        invalid_block_ids: SortedSet<BlockId>,
+        worker_meta: Option<M>,
+    ) -> WorkerOutput<M> {
+        WorkerOutput {
+            finished_sending: self.finished_sending,
+            finished_recving: self.finished_recving,
+            invalid_block_ids,
+            failed_recving: self.failed_recving,
+            expected_finished_count: 0,
+            worker_meta,
+            kv_events: None,
+        }
+    }
 }
 
 /// The worker side of a connector, one per rank (SEMANTICS.md §2.4, §3.2), sans-IO.

@@ -92,8 +92,8 @@ pub use protocol::{ProtocolViolation, StepShape, WorkerCall, WorkerPhase, Worker
 pub use scheduler::{
     CachedRequestData, Completion, FinishReason, GroupKind, LoadFailurePolicy, MAX_REQUEST_ID,
     ModelOutput, NewRequestData, RequestOutput, RequestSpec, RequestStatus, RequestView,
-    ScheduledStep, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput, SchedulerView,
-    StepResult, fake_token,
+    ScheduledRequest, ScheduledStep, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput,
+    SchedulerView, StepResult, fake_token,
 };
 pub use scripted::{ConnectorCall, ScriptedConnector, ScriptedLoad, ScriptedMeta};
 pub use scripted_worker::ScriptedWorker;

@@ -783,15 +783,8 @@ impl OffloadingConnector {
     fn update_request_states(&mut self, view: &SchedulerView<'_>, out: &SchedulerOutput) {
         let bpc = self.bpc();
         let mut ends: BTreeMap<RequestId, Vec<usize>> = BTreeMap::new();
-        let new = out
-            .scheduled_new_reqs
-            .iter()
-            .map(|r| (r.id, &r.block_ids, true));
-        let cached = out
-            .scheduled_cached_reqs
-            .iter()
-            .map(|r| (r.id, &r.new_block_ids, r.resumed));
-        for (id, blocks, full) in new.chain(cached) {
+        for req in out.scheduled_requests() {
+            let (id, blocks, full) = (req.id, req.block_ids, req.full_table);
             let Some(st) = self.requests.get_mut(&id) else {
                 continue;
             };

@@ -326,6 +326,42 @@ pub struct SchedulerOutput {
     pub has_sync_kv_loads: bool,
 }
 
+/// One scheduled request as [`SchedulerOutput::scheduled_requests`] yields it (vLLM's
+/// `yield_req_data`).
+#[derive(Clone, Copy, Debug, Eq, PartialEq)]
+pub struct ScheduledRequest<'a> {
+    /// The request.
+    pub id: RequestId,
+    /// One list per group: the whole block table when `full_table`, else the blocks allocated
+    /// this step (no list at all when none was).
+    pub block_ids: &'a [Vec<BlockId>],
+    /// Computed tokens before this step.
+    pub num_computed_tokens: u32,
+    /// `block_ids` is the whole table: a first admission or a resumption after preemption.
+    pub full_table: bool,
+}
+
+impl SchedulerOutput {
+    /// Every request with data in this output, first-time admissions first, then running and
+    /// resumed ones, each in scheduling order. Use it wherever a worker or connector keeps
+    /// block tables or needs each request's computed tokens before the step.
+    pub fn scheduled_requests(&self) -> impl Iterator<Item = ScheduledRequest<'_>> + '_ {
+        let new = self.scheduled_new_reqs.iter().map(|n| ScheduledRequest {
+            id: n.id,
+            block_ids: &n.block_ids,
+            num_computed_tokens: n.num_computed_tokens,
+            full_table: true,
+        });
+        let cached = self.scheduled_cached_reqs.iter().map(|c| ScheduledRequest {
+            id: c.id,
+            block_ids: &c.new_block_ids,
+            num_computed_tokens: c.num_computed_tokens,
+            full_table: c.resumed,
+        });
+        new.chain(cached)
+    }
+}
+
 /// A scheduled step: the output and the connector metadata built for it.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 pub struct ScheduledStep<M> {

@@ -140,14 +140,8 @@ impl SchedulerConnector for WriteThrough {
     fn build_connector_meta(&mut self, view: &SchedulerView<'_>, out: &SchedulerOutput) -> WtMeta {
         let bs = view.config().block_size;
         let before: BTreeMap<RequestId, u32> = out
-            .scheduled_new_reqs
-            .iter()
-            .map(|n| (n.id, n.num_computed_tokens))
-            .chain(
-                out.scheduled_cached_reqs
-                    .iter()
-                    .map(|c| (c.id, c.num_computed_tokens)),
-            )
+            .scheduled_requests()
+            .map(|r| (r.id, r.num_computed_tokens))
             .collect();
         let mut stores = Vec::new();
         let mut planned = Vec::new();

@@ -1263,14 +1263,8 @@ impl<P: Connectors> SystemModel<P> {
     ) {
         let bs = self.config.block_size;
         let computed: BTreeMap<RequestId, u32> = out
-            .scheduled_new_reqs
-            .iter()
-            .map(|n| (n.id, n.num_computed_tokens))
-            .chain(
-                out.scheduled_cached_reqs
-                    .iter()
-                    .map(|c| (c.id, c.num_computed_tokens)),
-            )
+            .scheduled_requests()
+            .map(|r| (r.id, r.num_computed_tokens))
             .collect();
         for &(id, n) in &out.num_scheduled_tokens {
             let Some(want) = expected.get(&id) else {
@@ -1389,15 +1383,7 @@ impl<P: Connectors> SystemModel<P> {
                 *m |= 1 << rank;
             }
         }
-        Ok(Some(WorkerOutput {
-            finished_sending: res.finished_sending,
-            finished_recving: res.finished_recving,
-            invalid_block_ids: errs,
-            failed_recving: res.failed_recving,
-            expected_finished_count: 0,
-            worker_meta: meta,
-            kv_events: None,
-        }))
+        Ok(Some(res.into_output(errs, meta)))
     }
 
     fn complete(&self, s: &mut SystemState<P>, rank: usize, job: JobId, ok: bool) {
@@ -1605,17 +1591,12 @@ fn update_tables(tables: &mut BTreeMap<RequestId, Vec<Vec<BlockId>>>, out: &Sche
     for id in out.preempted_req_ids.iter() {
         tables.remove(id);
     }
-    for n in &out.scheduled_new_reqs {
-        tables.insert(n.id, n.block_ids.clone());
-    }
-    for c in &out.scheduled_cached_reqs {
-        if c.resumed {
-            tables.insert(c.id, c.new_block_ids.clone());
-        } else if let Some(t) = tables.get_mut(&c.id) {
-            for (g, new) in c.new_block_ids.iter().enumerate() {
-                if let Some(list) = t.get_mut(g) {
-                    list.extend_from_slice(new);
-                }
+    for r in out.scheduled_requests() {
+        if r.full_table {
+            tables.insert(r.id, r.block_ids.to_vec());
+        } else if let Some(t) = tables.get_mut(&r.id) {
+            for (list, new) in t.iter_mut().zip(r.block_ids) {
+                list.extend_from_slice(new);
             }
         }
     }

@@ -10,8 +10,7 @@ use kvrelay_core::{
     NoopConnector, OffloadMeta, Params, Rank, RequestId, RequestSpec, RequestStatus, Scheduler,
     SchedulerConfig, SchedulerConnector, SchedulerError, SchedulerOutput, SchedulerView,
     ScriptedConnector, ScriptedMeta, ScriptedWorker, SortedSet, Transfer, TransferCommand,
-    TransferDirection, TransferDone, WorkerConnector, WorkerOutput, combine_finished_counts,
-    route_worker_meta,
+    TransferDirection, TransferDone, WorkerConnector, combine_finished_counts, route_worker_meta,
 };
 use proptest::prelude::*;
 
@@ -723,15 +722,8 @@ impl Rank0 {
         w.start_load_kv();
         w.wait_for_save();
         let r = w.get_transfer_results(finished);
-        let out = WorkerOutput {
-            finished_sending: r.finished_sending,
-            finished_recving: r.finished_recving,
-            invalid_block_ids: w.get_block_ids_with_load_errors(),
-            failed_recving: r.failed_recving,
-            expected_finished_count: 0,
-            worker_meta: w.build_connector_worker_meta(),
-            kv_events: None,
-        };
+        let invalid = w.get_block_ids_with_load_errors();
+        let out = r.into_output(invalid, w.build_connector_worker_meta());
         w.clear();
         w.check_invariants().unwrap();
         self.agg.aggregate(&[Some(out)], Rank(0)).unwrap()

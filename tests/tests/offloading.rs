@@ -14,7 +14,6 @@ use kvrelay_core::{
     OffloadingConnectorMeta, OffloadingWorker, OffloadingWorkerConfig, PolicyKind, Rank, RequestId,
     RequestSpec, RequestStatus, Scheduler, SchedulerConfig, SchedulerConnector, SchedulerOutput,
     SortedSet, StepId, Transfer, TransferCommand, TransferDirection, TransferDone, WorkerConnector,
-    WorkerOutput,
 };
 
 const BS: u32 = 4;
@@ -224,15 +223,7 @@ impl Sim {
             let meta = self.workers[r].build_connector_worker_meta();
             self.workers[r].clear();
             self.check();
-            outputs.push(Some(WorkerOutput {
-                finished_sending: res.finished_sending,
-                finished_recving: res.finished_recving,
-                invalid_block_ids: errs,
-                failed_recving: res.failed_recving,
-                expected_finished_count: 0,
-                worker_meta: meta,
-                kv_events: None,
-            }));
+            outputs.push(Some(res.into_output(errs, meta)));
         }
         let kv = self.agg.aggregate(&outputs, Rank(0)).unwrap();
         if let Some(kv) = &kv {

@@ -320,16 +320,9 @@ impl OffloadEngine {
         let view = self.s.view();
         let replaced: Vec<RequestId> = st
             .output
-            .scheduled_new_reqs
-            .iter()
-            .map(|n| n.id)
-            .chain(
-                st.output
-                    .scheduled_cached_reqs
-                    .iter()
-                    .filter(|c| c.resumed)
-                    .map(|c| c.id),
-            )
+            .scheduled_requests()
+            .filter(|r| r.full_table)
+            .map(|r| r.id)
             .collect();
         for &id in &self.added {
             let Some(r) = view.request(id) else {
@@ -477,15 +470,7 @@ impl OffloadEngine {
             let invalid = self.workers[r].get_block_ids_with_load_errors();
             let wm = self.workers[r].build_connector_worker_meta();
             self.workers[r].clear();
-            let out = WorkerOutput {
-                finished_sending: res.finished_sending,
-                finished_recving: res.finished_recving,
-                invalid_block_ids: invalid,
-                failed_recving: res.failed_recving,
-                expected_finished_count: 0,
-                worker_meta: wm,
-                kv_events: None,
-            };
+            let out = res.into_output(invalid, wm);
             rs.output = Some(out.clone());
             outputs.push(Some(out));
             ranks.push(rs);
