@@ -1563,21 +1563,27 @@ impl<P: Connectors> SystemModel<P> {
         if let Some(b) = broken.into_iter().next() {
             s.ghost.violate(property_names::CORE, b);
         }
-        let calls = s.scheduler.connector().finished_calls.clone();
-        for (i, &n) in calls.iter().enumerate() {
-            let id = RequestId(i as u32);
-            let arrived = (i as u32) < s.arrived;
-            let finished = arrived
-                && s.scheduler
-                    .status(id)
-                    .is_none_or(RequestStatus::is_finished);
-            let want = u8::from(finished);
-            if n != want {
-                s.ghost.violate(
-                    property_names::FINISHED_ONCE,
-                    format!("request {i}: request_finished called {n} times, finished: {finished}"),
-                );
-            }
+        // The first request whose count disagrees with its state (violations are sticky, so
+        // the first is enough); found before `s.ghost` is borrowed mutably.
+        let wrong = s
+            .scheduler
+            .connector()
+            .finished_calls
+            .iter()
+            .enumerate()
+            .find_map(|(i, &n)| {
+                let arrived = (i as u32) < s.arrived;
+                let finished = arrived
+                    && s.scheduler
+                        .status(RequestId(i as u32))
+                        .is_none_or(RequestStatus::is_finished);
+                (n != u8::from(finished)).then_some((i, n, finished))
+            });
+        if let Some((i, n, finished)) = wrong {
+            s.ghost.violate(
+                property_names::FINISHED_ONCE,
+                format!("request {i}: request_finished called {n} times, finished: {finished}"),
+            );
         }
     }
 }
