@@ -49,6 +49,7 @@
 //! ```
 
 mod completion;
+mod pd;
 mod runner;
 mod system;
 mod trace;
@@ -57,6 +58,7 @@ pub use completion::{
     CompletionAction, CompletionConfig, CompletionModel, CompletionState, Ghost, RankState,
     Transfer, property_names,
 };
+pub use pd::{PdConnector, PdCopy, PdFault, PdMeta, PdPair, PdRole, PdWorker, remote_slot};
 pub use runner::{
     CheckOptions, CheckReport, Explain, ExploreError, Progress, PropertyResult, Stop, Strategy,
     check, check_completions, check_with_symmetry, explorer_address, explorer_url, serve_explorer,

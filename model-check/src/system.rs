@@ -103,6 +103,11 @@ pub mod property_names {
     pub const RESUMED_FROM_OFFLOAD: &str = "a preempted request resumes from offloaded chunks";
     /// `sometimes`: a request loads chunks that another request stored.
     pub const SHARED_PREFIX_LOADED: &str = "a request loads a prefix another request stored";
+    /// `sometimes`: a load failed and the request computed the tokens it could not load.
+    pub const LOAD_FAILED_RECOMPUTED: &str = "a load fails and the request recomputes";
+    /// `sometimes`: a finished request's transfer (a P/D send) completed while the scheduler
+    /// still held its blocks (a delayed free, I-15).
+    pub const DELAYED_FREE: &str = "a finished request's blocks are held until its send completes";
     /// `sometimes`: a state with every request finished and nothing in flight.
     pub const ALL_DONE: &str = "all requests finished, nothing in flight";
 }
@@ -164,6 +169,12 @@ pub trait Connectors: Clone + fmt::Debug + Eq + core::hash::Hash + Send + Sync +
     /// Whether every rank reads one shared external store (a replicated layout where only some
     /// ranks write): loads on any rank then read rank 0's slots.
     fn shared_external(&self) -> bool {
+        false
+    }
+    /// Whether a remote prefill instance holds every request's prompt KV at
+    /// [`crate::remote_slot`]`(request, index)` (P/D decode side): the model then seeds those
+    /// slots, on every rank, with the prompt blocks' contents when the request arrives.
+    fn remote_prefill(&self) -> bool {
         false
     }
 }
@@ -564,6 +575,8 @@ pub struct SystemConfig {
     pub aborts: u32,
     /// `reset_connector_cache` calls the environment may issue.
     pub resets: u32,
+    /// Load transfers the environment may fail (a failed load leaves its blocks half-written).
+    pub load_failures: u32,
     /// Transfers of one rank complete in submission order (`false`: in any order).
     pub ordered_completions: bool,
     /// Consecutive engine steps without progress (see the module docs).
@@ -594,6 +607,7 @@ impl SystemConfig {
             mode: Mode::Compat,
             aborts: 1,
             resets: 0,
+            load_failures: 0,
             ordered_completions: true,
             idle_steps: 1,
             faults: EnvFaults::default(),
@@ -803,12 +817,16 @@ pub struct Ghost {
     recv_failed: Vec<u32>,
     /// Per request: the request was preempted at least once.
     preempted: Vec<bool>,
+    /// Per request: one of its loads failed.
+    load_failed: Vec<bool>,
     /// Per request: the rank and external slots of stores it completed (who stored what).
     stored_by: BTreeMap<u64, u32>,
     /// `sometimes` witnesses.
     flushed: bool,
     resumed_from_offload: bool,
     shared_loaded: bool,
+    recomputed_after_failure: bool,
+    delayed_free: bool,
     /// Consecutive steps without progress.
     idle: u32,
 }
@@ -842,6 +860,8 @@ pub struct SystemState<P: Connectors> {
     pub aborts_left: u32,
     /// Resets left.
     pub resets_left: u32,
+    /// Load failures left.
+    pub failures_left: u32,
     /// Property history.
     pub ghost: Ghost,
 }
@@ -1022,10 +1042,12 @@ impl<P: Connectors> SystemModel<P> {
             arrived: 0,
             aborts_left: c.aborts,
             resets_left: c.resets,
+            failures_left: c.load_failures,
             ghost: Ghost {
                 recv_reports: vec![0; n],
                 recv_failed: vec![0; n],
                 preempted: vec![false; n],
+                load_failed: vec![false; n],
                 ..Ghost::default()
             },
         }
@@ -1219,6 +1241,23 @@ impl<P: Connectors> SystemModel<P> {
         }
     }
 
+    /// The remote prefill instance's copy of `id`'s prompt blocks, on every rank.
+    fn seed_remote(&self, s: &mut SystemState<P>, id: RequestId) {
+        let Some(req) = s.scheduler.view().request(id) else {
+            return;
+        };
+        let prompt_blocks = req.num_prompt_tokens() / self.config.block_size;
+        let seeds: Vec<(u64, u64)> = (0..prompt_blocks)
+            .filter_map(|i| {
+                let h = req.block_hashes().get(i as usize)?;
+                Some((crate::remote_slot(id, i), prompt_content(h.0)))
+            })
+            .collect();
+        for r in &mut s.ranks {
+            r.external.extend(seeds.iter().copied());
+        }
+    }
+
     /// The expected content of every block of every request scheduled in `out`, read from the
     /// scheduler (tokens are the scheduler's; the rank has none).
     fn expected_contents(
@@ -1241,7 +1280,7 @@ impl<P: Connectors> SystemModel<P> {
                     if i < prompt_blocks {
                         req.block_hashes()
                             .get(i as usize)
-                            .map_or(PARTIAL, |h| h.0.max(CORRUPT + 1) & !GENERATED)
+                            .map_or(PARTIAL, |h| prompt_content(h.0))
                     } else {
                         GENERATED | (u64::from(id.0) << 32) | u64::from(i)
                     }
@@ -1271,6 +1310,14 @@ impl<P: Connectors> SystemModel<P> {
                 continue;
             };
             let c = computed.get(&id).copied().unwrap_or(0);
+            if s.ghost
+                .load_failed
+                .get(id.index())
+                .copied()
+                .unwrap_or(false)
+            {
+                s.ghost.recomputed_after_failure = true;
+            }
             let Some(table) = s.ranks[rank].tables.get(&id).cloned() else {
                 s.ghost.violate(
                     property_names::CORE,
@@ -1396,10 +1443,30 @@ impl<P: Connectors> SystemModel<P> {
         };
         let t = s.ranks[rank].in_flight.remove(pos);
         s.ghost.idle = 0;
+        if !ok {
+            s.failures_left = s.failures_left.saturating_sub(1);
+        }
+        if !ok && t.transfer.direction == TransferDirection::Load {
+            // The transfer stopped part-way: its blocks hold neither the old nor the new bytes.
+            let req = t.transfer.request;
+            if let Some(f) = s.ghost.load_failed.get_mut(req.index()) {
+                *f = true;
+            }
+            self.check_owned(s, rank, &t.transfer);
+            for b in &t.transfer.gpu_blocks {
+                self.write_block(s, rank, *b, CORRUPT, &format!("failed load job {}", job.0));
+            }
+        }
         if ok {
             let domain = if self.pair.shared_external() { 0 } else { rank };
             match t.transfer.direction {
                 TransferDirection::Store => {
+                    if s.scheduler
+                        .status(t.transfer.request)
+                        .is_some_and(RequestStatus::is_finished)
+                    {
+                        s.ghost.delayed_free = true;
+                    }
                     for (b, slot) in t.transfer.gpu_blocks.iter().zip(&t.transfer.external) {
                         let content = if t.dirty {
                             CORRUPT
@@ -1412,25 +1479,8 @@ impl<P: Connectors> SystemModel<P> {
                 }
                 TransferDirection::Load => {
                     let req = t.transfer.request;
-                    // The rank's own view of ownership: its block tables, as of the steps it
-                    // executed (steps run in order on a rank, so a block freed by the scheduler
-                    // is rewritten only by a later step of this rank).
-                    let others: Vec<BlockId> = s.ranks[rank]
-                        .tables
-                        .iter()
-                        .filter(|(id, _)| **id != req)
-                        .flat_map(|(_, t)| t.iter().flatten().copied())
-                        .collect();
+                    self.check_owned(s, rank, &t.transfer);
                     for (b, slot) in t.transfer.gpu_blocks.iter().zip(&t.transfer.external) {
-                        if others.contains(b) {
-                            s.ghost.violate(
-                                property_names::OWNED_WRITES,
-                                format!(
-                                    "rank {rank}: load job {} of request {} writes block {}, which another request holds",
-                                    job.0, req.0, b.0
-                                ),
-                            );
-                        }
                         let content = s.ranks[domain].external.get(slot).copied().unwrap_or(EMPTY);
                         if s.ghost.stored_by.get(slot).is_some_and(|&w| w != req.0) {
                             s.ghost.shared_loaded = true;
@@ -1446,6 +1496,30 @@ impl<P: Connectors> SystemModel<P> {
         s.ranks[rank]
             .worker
             .handle_transfer_done(TransferDone { job, ok });
+    }
+
+    /// OWNED_WRITES for a load finishing (or failing) on `rank`: the rank's own view of
+    /// ownership is its block tables, as of the steps it executed (steps run in order on a
+    /// rank, so a block freed by the scheduler is rewritten only by a later step of this rank).
+    fn check_owned(&self, s: &mut SystemState<P>, rank: usize, t: &Transfer) {
+        let owner = s.ranks[rank].tables.iter().find_map(|(id, table)| {
+            (*id != t.request && table.iter().flatten().any(|b| t.gpu_blocks.contains(b)))
+                .then_some(*id)
+        });
+        if let Some(other) = owner {
+            let b = s.ranks[rank].tables[&other]
+                .iter()
+                .flatten()
+                .find(|b| t.gpu_blocks.contains(b))
+                .map_or(0, |b| b.0);
+            s.ghost.violate(
+                property_names::OWNED_WRITES,
+                format!(
+                    "rank {rank}: load job {} of request {} writes block {b}, which request {} holds",
+                    t.job.0, t.request.0, other.0
+                ),
+            );
+        }
     }
 
     fn deliver(&self, s: &mut SystemState<P>) {
@@ -1606,6 +1680,11 @@ fn update_tables(tables: &mut BTreeMap<RequestId, Vec<Vec<BlockId>>>, out: &Sche
             }
         }
     }
+}
+
+/// The ghost content of a prompt block with hash `h` (never one of the reserved values).
+fn prompt_content(h: u64) -> u64 {
+    h.max(CORRUPT + 1) & !GENERATED
 }
 
 fn ids(set: &SortedSet<RequestId>) -> Vec<u32> {
@@ -1791,6 +1870,13 @@ impl<P: Connectors> Model for SystemModel<P> {
                     job: t.transfer.job,
                     ok: true,
                 });
+                if s.failures_left > 0 && t.transfer.direction == TransferDirection::Load {
+                    actions.push(SystemAction::Complete {
+                        rank: Rank(i as u32),
+                        job: t.transfer.job,
+                        ok: false,
+                    });
+                }
             }
         }
         if let Some(front) = s.steps.front() {
@@ -1826,6 +1912,9 @@ impl<P: Connectors> Model for SystemModel<P> {
                 if let Err(e) = s.scheduler.add_request(spec) {
                     s.ghost
                         .violate(property_names::CORE, format!("add_request failed: {e}"));
+                }
+                if self.pair.remote_prefill() {
+                    self.seed_remote(&mut s, id);
                 }
                 s.arrived += 1;
                 s.ghost.idle = 0;
@@ -1895,6 +1984,12 @@ impl<P: Connectors> Model for SystemModel<P> {
             }),
             Property::sometimes(n::SHARED_PREFIX_LOADED, |_, s: &SystemState<P>| {
                 s.ghost.shared_loaded
+            }),
+            Property::sometimes(n::LOAD_FAILED_RECOMPUTED, |_, s: &SystemState<P>| {
+                s.ghost.recomputed_after_failure
+            }),
+            Property::sometimes(n::DELAYED_FREE, |_, s: &SystemState<P>| {
+                s.ghost.delayed_free
             }),
             Property::sometimes(n::ALL_DONE, |m: &Self, s: &SystemState<P>| {
                 s.ghost.violations.is_empty() && m.quiescent(s)

@@ -1,0 +1,74 @@
+//! The system model with the P/D connector pair: async remote loads (`WAITING_FOR_REMOTE_KVS`),
+//! load failures and their recovery, delayed frees for sends. Run in release:
+//! `cargo test --release -p kvrelay-model-check --test pd`.
+
+use kvrelay_model_check::{
+    CheckOptions, CheckReport, PdFault, PdPair, PdRole, Stop, SystemConfig, SystemModel, check,
+    system_properties as n,
+};
+
+fn run(pair: PdPair, config: SystemConfig) -> CheckReport {
+    let model = SystemModel::new(pair.clone(), config.clone()).expect("valid config");
+    let report = check(model, &CheckOptions::default(), &mut |_| {});
+    println!(
+        "{pair:?} {config:?}: {} states, {} unique, depth {}, {:.2} s, {}",
+        report.states, report.unique_states, report.max_depth, report.seconds, report.stop
+    );
+    for p in &report.properties {
+        println!("  {:<9} holds={:<5} {}", p.expectation, p.holds, p.name);
+        if !p.holds {
+            for l in p.path.iter().flatten() {
+                println!("      {l}");
+            }
+        }
+    }
+    report
+}
+
+/// The P/D preset of CI: 2 ranks, 2 requests, one abort, one load failure.
+fn ci() -> SystemConfig {
+    SystemConfig {
+        load_failures: 1,
+        ..SystemConfig::ci()
+    }
+}
+
+#[test]
+fn pd_ci_explores_exhaustively_and_every_property_holds() {
+    let report = run(PdPair::default(), ci());
+    assert_eq!(report.stop, Stop::Exhaustive);
+    assert!(report.passed());
+    for sometimes in [
+        n::PREEMPTED,
+        n::ALL_DONE,
+        n::DELAYED_FREE,
+        n::LOAD_FAILED_RECOMPUTED,
+    ] {
+        let p = report.property(sometimes).expect("expected example");
+        assert!(p.path.is_some(), "{sometimes}: an example");
+    }
+}
+
+#[test]
+fn pd_request_level_failures_hold_too() {
+    let pair = PdPair {
+        role: PdRole {
+            failures_as_blocks: false,
+            ..PdPair::default().role
+        },
+        fault: None,
+    };
+    let report = run(pair, ci());
+    assert!(report.passed());
+}
+
+#[test]
+fn a_swallowed_load_failure_serves_half_written_blocks() {
+    let pair = PdPair {
+        fault: Some(PdFault::SwallowLoadFailures),
+        ..PdPair::default()
+    };
+    let report = run(pair, ci());
+    let data = report.property(n::DATA).expect("property");
+    assert!(!data.holds, "a swallowed failure must be caught");
+}
