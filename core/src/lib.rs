@@ -89,6 +89,8 @@ pub use offloading::{
 pub use offloading_worker::{OffloadingWorker, OffloadingWorkerConfig, OffloadingWorkerError};
 pub use output::{AggregatedOutput, SortedSet, WorkerOutput};
 pub use protocol::{ProtocolViolation, StepShape, WorkerCall, WorkerPhase, WorkerProtocol};
+#[cfg(feature = "fault-injection")]
+pub use scheduler::SchedulerFault;
 pub use scheduler::{
     CachedRequestData, Completion, FinishReason, GroupKind, LoadFailurePolicy, MAX_REQUEST_ID,
     ModelOutput, NewRequestData, RequestOutput, RequestSpec, RequestStatus, RequestView,

@@ -662,6 +662,39 @@ struct State {
     pins: BTreeMap<BlockId, u32>,
     requires_kv_delivery: bool,
     broken: Option<SchedulerError>,
+    #[cfg(feature = "fault-injection")]
+    fault: Option<SchedulerFault>,
+}
+
+/// A historical vLLM scheduler bug, re-introduced on purpose so that the model checker can show
+/// it finds it ([`Scheduler::inject_fault`]). Only with the `fault-injection` feature.
+#[cfg(feature = "fault-injection")]
+#[derive(Clone, Copy, Debug, Eq, Hash, PartialEq)]
+pub enum SchedulerFault {
+    /// Before vLLM PR #32255: a request aborted in `WAITING_FOR_REMOTE_KVS` has its blocks freed
+    /// at once, while its async load may still be writing them (I-17); its `finished_recving`
+    /// arriving later is ignored, as that scheduler ignored unknown ids there.
+    FreeAbortedWhileLoading,
+}
+
+impl State {
+    /// Whether an injected fault makes the scheduler accept `id` in `finished_recving` although
+    /// it holds no such request (always `false` without the `fault-injection` feature).
+    fn fault_ignores_unknown_recv<M>(&self, kv: &AggregatedOutput<M>, id: RequestId) -> bool {
+        #[cfg(feature = "fault-injection")]
+        {
+            self.fault == Some(SchedulerFault::FreeAbortedWhileLoading)
+                && kv
+                    .finished_recving
+                    .as_ref()
+                    .is_some_and(|s| s.contains(&id))
+        }
+        #[cfg(not(feature = "fault-injection"))]
+        {
+            let _ = (kv, id);
+            false
+        }
+    }
 }
 
 /// A read-only view of scheduler state, lent to a connector for one call (SEMANTICS.md §7.3).
@@ -1086,6 +1119,8 @@ impl<C: SchedulerConnector> Scheduler<C> {
                 pins: BTreeMap::new(),
                 requires_kv_delivery,
                 broken: None,
+                #[cfg(feature = "fault-injection")]
+                fault: None,
             },
             connector,
         })
@@ -1094,6 +1129,12 @@ impl<C: SchedulerConnector> Scheduler<C> {
     /// The configuration.
     pub fn config(&self) -> &SchedulerConfig {
         &self.state.config
+    }
+
+    /// Re-introduces a historical bug (model checking only; see [`SchedulerFault`]).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_fault(&mut self, fault: SchedulerFault) {
+        self.state.fault = Some(fault);
     }
 
     /// The connector (read-only; it is driven only by the scheduler).
@@ -1317,6 +1358,10 @@ impl<C: SchedulerConnector> Scheduler<C> {
             let mut delay = false;
             if r.status == RequestStatus::WaitingForRemoteKvs {
                 delay = !st.finished_recving_kv_req_ids.contains(&id);
+                #[cfg(feature = "fault-injection")]
+                if st.fault == Some(SchedulerFault::FreeAbortedWhileLoading) {
+                    delay = false;
+                }
                 st.finished_recving_kv_req_ids.remove(&id);
                 st.failed_recving_kv_req_ids.remove(&id);
             }
@@ -1778,7 +1823,7 @@ impl<C: SchedulerConnector> Scheduler<C> {
                 .chain(kv.finished_recving.iter())
                 .flat_map(|s| s.iter())
             {
-                if !st.requests.contains_key(id) {
+                if !st.requests.contains_key(id) && !st.fault_ignores_unknown_recv(kv, *id) {
                     return Err(SchedulerError::UnknownRequest(*id));
                 }
             }
@@ -1950,6 +1995,13 @@ impl<C: SchedulerConnector> Scheduler<C> {
     fn apply_completion(&mut self, id: RequestId, dir: Completion) -> Result<(), SchedulerError> {
         let strict = self.state.config.mode == Mode::Strict;
         let st = &mut self.state;
+        #[cfg(feature = "fault-injection")]
+        if dir == Completion::Recving
+            && !st.requests.contains_key(&id)
+            && st.fault == Some(SchedulerFault::FreeAbortedWhileLoading)
+        {
+            return Ok(());
+        }
         let Some(r) = st.requests.get_mut(&id) else {
             // Freed earlier in this call (both directions for one request, issue #46240): vLLM
             // asserts and crashes.

@@ -537,6 +537,18 @@ pub struct EnvFaults {
     pub skip_handle_preemptions: bool,
     /// vLLM issue #21070: the executor hands the aggregator only rank 0's output.
     pub one_rank_output: bool,
+    /// A historical bug of the core scheduler itself, re-introduced through kvrelay-core's
+    /// `fault-injection` feature: needs this crate's `scheduler-faults` feature
+    /// ([`SystemModel::new`] refuses it otherwise).
+    pub scheduler: Option<CoreFault>,
+}
+
+/// Historical bugs of the scheduler (see [`EnvFaults::scheduler`]).
+#[derive(Clone, Copy, Debug, Eq, Hash, PartialEq)]
+pub enum CoreFault {
+    /// Before vLLM PR #32255: a request aborted while its async load is in flight has its
+    /// blocks freed at once (I-17).
+    FreeAbortedWhileLoading,
 }
 
 /// What the system model explores. Start from a preset ([`SystemConfig::ci`],
@@ -983,6 +995,14 @@ impl<P: Connectors> SystemModel<P> {
     /// A model of `pair` under `config`.
     pub fn new(pair: P, config: SystemConfig) -> Result<Self, String> {
         config.validate()?;
+        if let Some(f) = config.faults.scheduler
+            && cfg!(not(feature = "scheduler-faults"))
+        {
+            return Err(format!(
+                "the scheduler fault {f:?} needs kvrelay-model-check's `scheduler-faults` \
+                 feature (kvrelay: build with --features scheduler-faults)"
+            ));
+        }
         let sched_config = config.scheduler_config();
         sched_config.validate().map_err(|e| e.to_string())?;
         // Build once to surface configuration errors here rather than in init_states.
@@ -1014,8 +1034,17 @@ impl<P: Connectors> SystemModel<P> {
             inner,
             finished_calls: vec![0; c.requests as usize],
         };
-        let scheduler =
+        #[allow(unused_mut)] // mutated only with the `scheduler-faults` feature
+        let mut scheduler =
             Scheduler::new(self.sched_config.clone(), connector).expect("validated in new()");
+        #[cfg(feature = "scheduler-faults")]
+        if let Some(f) = c.faults.scheduler {
+            scheduler.inject_fault(match f {
+                CoreFault::FreeAbortedWhileLoading => {
+                    kvrelay_core::SchedulerFault::FreeAbortedWhileLoading
+                }
+            });
+        }
         let faults = c.faults;
         let symmetric = !self.pair.shared_external()
             && !faults.one_rank_output

@@ -11,11 +11,11 @@
 //! (tests/completion.rs). Bugs not reproduced here are listed in the README with the reason.
 
 use kvrelay_model_check::{
-    CheckOptions, CheckReport, EnvFaults, OffloadingPair, SchedFault, SystemConfig, SystemModel,
-    check, system_properties as p,
+    CheckOptions, CheckReport, Connectors, EnvFaults, OffloadingPair, SchedFault, SystemConfig,
+    SystemModel, check, system_properties as p,
 };
 
-fn run(pair: OffloadingPair, config: SystemConfig) -> CheckReport {
+fn run<P: Connectors>(pair: P, config: SystemConfig) -> CheckReport {
     let model = SystemModel::new(pair, config).expect("a valid configuration");
     check(model, &CheckOptions::default(), &mut |_| {})
 }
@@ -120,4 +120,44 @@ fn faults_46951_and_46014_not_reachable_in_ci() {
             "{fault:?}: a counterexample appeared — add it to the README table"
         );
     }
+}
+
+/// vLLM PR #32255: a request aborted while its async load was in flight had its blocks freed at
+/// once; another request got them and the load then wrote into them. A bug of the scheduler
+/// itself, so the fault is re-introduced inside kvrelay-core, behind its `fault-injection`
+/// feature (run: `cargo test --release -p kvrelay-model-check --features scheduler-faults
+/// --test historical_bugs`). Without it, the same P/D configuration holds
+/// (tests/pd.rs, `pd_ci_explores_exhaustively_and_every_property_holds`).
+#[cfg(feature = "scheduler-faults")]
+#[test]
+fn pr_32255_abort_while_loading_frees_blocks() {
+    use kvrelay_model_check::{CoreFault, PdPair};
+    let r = run(
+        PdPair::default(),
+        SystemConfig {
+            load_failures: 1,
+            ..with(EnvFaults {
+                scheduler: Some(CoreFault::FreeAbortedWhileLoading),
+                ..EnvFaults::default()
+            })
+        },
+    );
+    found(&r, p::OWNED_WRITES, 20, "which request 0 holds");
+}
+
+/// Without the `scheduler-faults` feature a scheduler fault is a clear configuration error,
+/// never silently ignored.
+#[cfg(not(feature = "scheduler-faults"))]
+#[test]
+fn scheduler_faults_need_the_feature() {
+    use kvrelay_model_check::{CoreFault, PdPair};
+    let err = SystemModel::new(
+        PdPair::default(),
+        with(EnvFaults {
+            scheduler: Some(CoreFault::FreeAbortedWhileLoading),
+            ..EnvFaults::default()
+        }),
+    )
+    .expect_err("refused without the feature");
+    assert!(err.contains("scheduler-faults"), "{err}");
 }
