@@ -49,6 +49,7 @@
 //! ```
 
 mod completion;
+mod multi_pair;
 mod pd;
 mod runner;
 mod system;
@@ -58,7 +59,12 @@ pub use completion::{
     CompletionAction, CompletionConfig, CompletionModel, CompletionState, Ghost, RankState,
     Transfer, property_names,
 };
-pub use pd::{PdConnector, PdCopy, PdFault, PdMeta, PdPair, PdRole, PdWorker, remote_slot};
+pub use multi_pair::{
+    Child, ChildKind, ChildMeta, ChildWorker, FaultyMulti, MultiFault, MultiPair,
+};
+pub use pd::{
+    PdConnector, PdCopy, PdFault, PdMeta, PdPair, PdRole, PdWorker, is_remote_slot, remote_slot,
+};
 pub use runner::{
     CheckOptions, CheckReport, Explain, ExploreError, Progress, PropertyResult, Stop, Strategy,
     check, check_completions, check_with_symmetry, explorer_address, explorer_url, serve_explorer,

@@ -29,6 +29,11 @@ pub fn remote_slot(request: RequestId, index: u32) -> u64 {
     (1 << 62) | (u64::from(request.0) << 32) | u64::from(index)
 }
 
+/// Whether `slot` is on the remote prefill instance ([`remote_slot`]).
+pub fn is_remote_slot(slot: u64) -> bool {
+    slot & (1 << 62) != 0
+}
+
 /// The external location a finished request's block `index` is sent to (the decode instance).
 fn send_slot(request: RequestId, index: u32) -> u64 {
     (1 << 61) | (u64::from(request.0) << 32) | u64::from(index)
@@ -426,6 +431,10 @@ impl crate::Connectors for PdPair {
 
     fn remote_prefill(&self) -> bool {
         self.role.load
+    }
+
+    fn load_may_fail(&self, load: &Transfer) -> bool {
+        load.external.iter().copied().all(is_remote_slot)
     }
 
     fn describe_meta(&self, meta: &PdMeta) -> String {

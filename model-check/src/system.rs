@@ -177,6 +177,11 @@ pub trait Connectors: Clone + fmt::Debug + Eq + core::hash::Hash + Send + Sync +
     fn remote_prefill(&self) -> bool {
         false
     }
+    /// Whether the environment may fail this load (connectors whose transfers cannot fail, as
+    /// vLLM's offloading connector asserts, answer `false`). Default: no transfer fails.
+    fn load_may_fail(&self, _load: &Transfer) -> bool {
+        false
+    }
 }
 
 /// kvrelay's CPU offloading connector ([`OffloadingConnector`] + [`OffloadingWorker`]).
@@ -1118,8 +1123,12 @@ impl<P: Connectors> SystemModel<P> {
                 return;
             }
         };
-        // A step that schedules nothing and leaves the connector as it was only spins.
-        if st.output.num_scheduled_tokens.is_empty() && *s.scheduler.connector() == before {
+        // A step that schedules nothing, preempts nothing and leaves the connector as it was
+        // only spins. (A step that only preempts frees blocks: the next one may admit.)
+        if st.output.num_scheduled_tokens.is_empty()
+            && st.output.preempted_req_ids.is_empty()
+            && *s.scheduler.connector() == before
+        {
             s.ghost.idle += 1;
         } else {
             s.ghost.idle = 0;
@@ -1899,7 +1908,10 @@ impl<P: Connectors> Model for SystemModel<P> {
                     job: t.transfer.job,
                     ok: true,
                 });
-                if s.failures_left > 0 && t.transfer.direction == TransferDirection::Load {
+                if s.failures_left > 0
+                    && t.transfer.direction == TransferDirection::Load
+                    && self.pair.load_may_fail(&t.transfer)
+                {
                     actions.push(SystemAction::Complete {
                         rank: Rank(i as u32),
                         job: t.transfer.job,

@@ -92,12 +92,13 @@ fn issue_21070_aggregator_fed_one_rank() {
     found(&r, p::QUIESCENT, 21, "deliver");
 }
 
-/// vLLM issue #46951 and issue #46014 as wrapper faults: in these small configurations the
-/// checker finds no counterexample, because kvrelay's connector records the blocks of every
-/// scheduled request in `build_connector_meta` (so only a request allocated but not scheduled
-/// — a MultiConnector sibling's async load — depends on `update_state_after_alloc` with zero
-/// external tokens), and a re-admission with unacknowledged jobs and a ready chunk beyond the
-/// GPU hit is not reachable with 2 requests. Pinned so that a change which makes them
+/// vLLM issue #46951 and issue #46014 as wrapper faults of the offloading connector alone: in
+/// the ci configuration the checker finds no counterexample, because kvrelay's connector
+/// records the blocks of every scheduled request in `build_connector_meta` (so only a request
+/// allocated but not scheduled — a MultiConnector sibling's async load, see
+/// `issue_46951_zero_external_alloc_not_recorded` — depends on `update_state_after_alloc` with
+/// zero external tokens), and a re-admission with unacknowledged jobs and a ready chunk beyond
+/// the GPU hit is not reachable with 2 requests. Pinned so that a change which makes them
 /// reachable is noticed (and the README's table updated).
 #[test]
 fn faults_46951_and_46014_not_reachable_in_ci() {
@@ -160,4 +161,50 @@ fn scheduler_faults_need_the_feature() {
     )
     .expect_err("refused without the feature");
     assert!(err.contains("scheduler-faults"), "{err}");
+}
+
+/// vLLM issue #46951: with MultiConnector, the blocks allocated for the P/D child's async load
+/// reach the offloading child through `update_state_after_alloc` with 0 external tokens; a
+/// connector that drops that call never fences them, and the load rewrites a block a pending
+/// store of another request still reads. Needs a prompt of 3 blocks (so a freed block under a
+/// store is the next one allocated); the same configuration without the fault holds.
+#[test]
+fn issue_46951_zero_external_alloc_not_recorded() {
+    use kvrelay_model_check::{ChildKind, MultiPair};
+    let config = SystemConfig {
+        prompt_tokens: 3,
+        max_tokens: 1,
+        gpu_blocks: 5,
+        load_failures: 1,
+        ..SystemConfig::ci()
+    };
+    // (No preemption in this configuration: a request fills the pool, so the PREEMPTED
+    // example is missing and only the `always` properties are asserted.)
+    let correct = run(MultiPair::pd_then_offloading(), config.clone());
+    assert!(correct.complete);
+    for x in correct
+        .properties
+        .iter()
+        .filter(|x| x.expectation == "always")
+    {
+        assert!(x.holds, "{}: {:#?}", x.name, x.path);
+    }
+    let mut pair = MultiPair::pd_then_offloading();
+    pair.children[1] = ChildKind::Offloading(Some(SchedFault::DropZeroExternalAlloc));
+    let r = run(pair, config);
+    found(&r, p::NO_WRITE_UNDER_STORE, 20, "while store job");
+}
+
+/// vLLM PR #18246: two children send a finished request; the extra save is counted on the
+/// scheduler side only, the workers report the request after the first child, and its blocks
+/// are freed (and rewritten) while the second child still sends them.
+#[test]
+fn pr_18246_extra_async_saves_not_shipped() {
+    use kvrelay_model_check::{MultiFault, MultiPair};
+    let pair = MultiPair {
+        fault: Some(MultiFault::StripExtraSaves),
+        ..MultiPair::two_senders()
+    };
+    let r = run(pair, SystemConfig::ci());
+    found(&r, p::NO_WRITE_UNDER_STORE, 23, "while store job");
 }

@@ -3,8 +3,8 @@
 //! `cargo test --release -p kvrelay-model-check --test pd`.
 
 use kvrelay_model_check::{
-    CheckOptions, CheckReport, PdFault, PdPair, PdRole, Stop, SystemConfig, SystemModel, check,
-    system_properties as n,
+    CheckOptions, CheckReport, MultiPair, PdFault, PdPair, PdRole, Stop, SystemConfig, SystemModel,
+    check, system_properties as n,
 };
 
 fn run(pair: PdPair, config: SystemConfig) -> CheckReport {
@@ -71,4 +71,41 @@ fn a_swallowed_load_failure_serves_half_written_blocks() {
     let report = run(pair, ci());
     let data = report.property(n::DATA).expect("property");
     assert!(!data.holds, "a swallowed failure must be caught");
+}
+
+fn multi_run(pair: MultiPair, config: SystemConfig) -> CheckReport {
+    let model = SystemModel::new(pair.clone(), config.clone()).expect("valid config");
+    let report = check(model, &CheckOptions::default(), &mut |_| {});
+    println!(
+        "{}: {} states, {} unique, depth {}, {:.2} s, {}",
+        kvrelay_model_check::Connectors::name(&pair),
+        report.states,
+        report.unique_states,
+        report.max_depth,
+        report.seconds,
+        report.stop
+    );
+    for p in &report.properties {
+        println!("  {:<9} holds={:<5} {}", p.expectation, p.holds, p.name);
+        if !p.holds {
+            for l in p.path.iter().flatten() {
+                println!("      {l}");
+            }
+        }
+    }
+    report
+}
+
+#[test]
+fn multi_pd_then_offloading_holds() {
+    let report = multi_run(MultiPair::pd_then_offloading(), ci());
+    assert_eq!(report.stop, Stop::Exhaustive);
+    assert!(report.passed());
+}
+
+#[test]
+fn multi_two_senders_holds() {
+    let report = multi_run(MultiPair::two_senders(), ci());
+    assert_eq!(report.stop, Stop::Exhaustive);
+    assert!(report.passed());
 }

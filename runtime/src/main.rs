@@ -8,9 +8,10 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvrelay_core::{Mode, PolicyKind};
 use kvrelay_model_check::{
-    CheckOptions, CheckReport, CompletionConfig, CompletionModel, Connectors, Explain,
-    ExploreError, OffloadingPair, Progress, SchedFault, Stop, Strategy, SystemConfig, SystemModel,
-    check, check_with_symmetry, explorer_address, serve_explorer,
+    CheckOptions, CheckReport, ChildKind, CompletionConfig, CompletionModel, Connectors, CoreFault,
+    Explain, ExploreError, MultiFault, MultiPair, OffloadingPair, PdFault, PdPair, PdRole,
+    Progress, SchedFault, Stop, Strategy, SystemConfig, SystemModel, check, check_with_symmetry,
+    explorer_address, serve_explorer,
 };
 use kvrelay_runtime::{bench, conformance};
 
@@ -136,6 +137,9 @@ struct CheckArgs {
     #[arg(long, value_enum, help_heading = "Both models")]
     mode: Option<ModeArg>,
 
+    /// The connector under check [default: offloading].
+    #[arg(long, value_enum, help_heading = "System model")]
+    connector: Option<ConnectorArg>,
     /// GPU blocks, the null block included (small, so that preemption and block reuse happen).
     #[arg(long, value_name = "N", help_heading = "System model")]
     gpu_blocks: Option<u32>,
@@ -169,6 +173,10 @@ struct CheckArgs {
     /// reset_connector_cache calls the environment may issue.
     #[arg(long, value_name = "N", help_heading = "System model")]
     resets: Option<u32>,
+    /// Load transfers the environment may fail (connectors with remote loads: pd) [default: 1
+    /// for pd, 0 otherwise].
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    load_failures: Option<u32>,
     /// Consecutive engine steps without progress that are explored.
     #[arg(long, value_name = "N", help_heading = "System model")]
     idle_steps: Option<u32>,
@@ -243,6 +251,22 @@ struct CheckArgs {
     allow_remote: bool,
 }
 
+/// `--connector`: the connector pair the system model composes.
+#[derive(Clone, Copy, Debug, Eq, PartialEq, ValueEnum)]
+enum ConnectorArg {
+    /// kvrelay's CPU offloading connector (stores, loads, preemption fences, flushes).
+    Offloading,
+    /// A P/D connector: async loads of every prompt from a remote prefill instance (which may
+    /// fail), sends that hold a finished request's blocks (delayed frees).
+    Pd,
+    /// kvrelay's MultiConnector of a P/D child that loads every prompt remotely and the
+    /// offloading connector (a decode instance that also offloads to CPU).
+    Multi,
+    /// kvrelay's MultiConnector of two P/D children that both send every finished request
+    /// (two async savers: extra async saves, I-28).
+    MultiSenders,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Preset {
     /// The configuration CI runs exhaustively.
@@ -275,6 +299,14 @@ enum FaultArg {
     /// vLLM issue #46014 (scheduler side): a request with jobs in flight is looked up as if
     /// it had none.
     LookupIgnoresJobs,
+    /// (--connector pd) the worker reports a failed load as a success.
+    SwallowLoadFailures,
+    /// vLLM PR #18246 (--connector multi-senders): the extra async saves never reach the
+    /// workers.
+    StripExtraSaves,
+    /// vLLM PR #32255 (in the core scheduler; needs a build with --features scheduler-faults):
+    /// a request aborted while loading has its blocks freed at once.
+    FreeAbortedWhileLoading,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -485,6 +517,8 @@ fn model_flags_given(
         (a.async_depth.is_some(), "--async-depth", SYSTEM),
         (a.aborts.is_some(), "--aborts", SYSTEM),
         (a.resets.is_some(), "--resets", SYSTEM),
+        (a.connector.is_some(), "--connector", SYSTEM),
+        (a.load_failures.is_some(), "--load-failures", SYSTEM),
         (a.idle_steps.is_some(), "--idle-steps", SYSTEM),
         (a.policy.is_some(), "--policy", SYSTEM),
         (a.sliding_window.is_some(), "--sliding-window", SYSTEM),
@@ -661,50 +695,127 @@ fn check_system_model(a: &CheckArgs) -> Result<ExitCode, CheckError> {
     if a.unordered_completions {
         c.ordered_completions = false;
     }
+    set(&mut c.load_failures, a.load_failures);
+    let connector = a.connector.unwrap_or(ConnectorArg::Offloading);
+    if matches!(connector, ConnectorArg::Pd | ConnectorArg::Multi) && a.load_failures.is_none() {
+        c.load_failures = 1;
+    }
     let invalid = |reason: String| CheckError::InvalidConfig {
         model: ModelArg::System,
         reason,
     };
-    let mut pair = OffloadingPair::default();
+    let mut sched_fault = None;
+    let mut pd_fault = None;
+    let mut multi_fault = None;
     for &f in &a.fault {
-        let sched = match f {
-            FaultArg::BindFirst => {
-                c.faults.bind_first = true;
-                None
+        match f {
+            FaultArg::BindFirst => c.faults.bind_first = true,
+            FaultArg::SkipHandlePreemptions => c.faults.skip_handle_preemptions = true,
+            FaultArg::OneRankOutput => c.faults.one_rank_output = true,
+            FaultArg::FreeAbortedWhileLoading => {
+                c.faults.scheduler = Some(CoreFault::FreeAbortedWhileLoading);
             }
-            FaultArg::SkipHandlePreemptions => {
-                c.faults.skip_handle_preemptions = true;
-                None
-            }
-            FaultArg::OneRankOutput => {
-                c.faults.one_rank_output = true;
-                None
-            }
-            FaultArg::DropZeroExternalAlloc => Some(SchedFault::DropZeroExternalAlloc),
-            FaultArg::LookupIgnoresJobs => Some(SchedFault::LookupIgnoresJobs),
-        };
-        if let Some(s) = sched {
-            match pair.fault {
-                Some(other) if other != s => {
-                    return Err(invalid(format!(
-                        "at most one scheduler-side --fault can be injected, not both \
-                         {other:?} and {s:?}"
-                    )));
+            FaultArg::DropZeroExternalAlloc | FaultArg::LookupIgnoresJobs => {
+                let s = if f == FaultArg::DropZeroExternalAlloc {
+                    SchedFault::DropZeroExternalAlloc
+                } else {
+                    SchedFault::LookupIgnoresJobs
+                };
+                match sched_fault {
+                    Some(other) if other != s => {
+                        return Err(invalid(format!(
+                            "at most one scheduler-side --fault can be injected, not both \
+                             {other:?} and {s:?}"
+                        )));
+                    }
+                    _ => sched_fault = Some(s),
                 }
-                _ => pair.fault = Some(s),
             }
+            FaultArg::SwallowLoadFailures => pd_fault = Some(PdFault::SwallowLoadFailures),
+            FaultArg::StripExtraSaves => multi_fault = Some(MultiFault::StripExtraSaves),
         }
     }
-    let model = SystemModel::new(pair.clone(), c.clone()).map_err(invalid)?;
+    if multi_fault.is_some() && connector != ConnectorArg::MultiSenders {
+        return Err(invalid(
+            "--fault strip-extra-saves applies to --connector multi-senders (the only \
+             composition with two savers)"
+                .to_owned(),
+        ));
+    }
+    match connector {
+        ConnectorArg::Offloading => {
+            if pd_fault.is_some() {
+                return Err(invalid(
+                    "--fault swallow-load-failures applies to --connector pd (offloading \
+                     transfers cannot fail)"
+                        .to_owned(),
+                ));
+            }
+            let pair = OffloadingPair { fault: sched_fault };
+            check_pair(a, pair, c)
+        }
+        ConnectorArg::Pd => {
+            if let Some(s) = sched_fault {
+                return Err(invalid(format!(
+                    "--fault {s:?} is a fault of the offloading connector, not of --connector pd"
+                )));
+            }
+            let pair = PdPair {
+                fault: pd_fault,
+                role: PdRole {
+                    failures_as_blocks: c.sliding_window.is_none(),
+                    ..PdPair::default().role
+                },
+            };
+            check_pair(a, pair, c)
+        }
+        ConnectorArg::Multi => {
+            if pd_fault.is_some() {
+                return Err(invalid(
+                    "--fault swallow-load-failures applies to --connector pd only".to_owned(),
+                ));
+            }
+            let mut pair = MultiPair::pd_then_offloading();
+            pair.children[1] = ChildKind::Offloading(sched_fault);
+            check_pair(a, pair, c)
+        }
+        ConnectorArg::MultiSenders => {
+            if pd_fault.is_some() || sched_fault.is_some() {
+                return Err(invalid(
+                    "--connector multi-senders takes only --fault strip-extra-saves and the \
+                     environment faults"
+                        .to_owned(),
+                ));
+            }
+            let pair = MultiPair {
+                fault: multi_fault,
+                ..MultiPair::two_senders()
+            };
+            check_pair(a, pair, c)
+        }
+    }
+}
+
+/// Checks the system model of `pair` under `c` as the flags say.
+fn check_pair<P: Connectors>(
+    a: &CheckArgs,
+    pair: P,
+    c: SystemConfig,
+) -> Result<ExitCode, CheckError> {
+    let model =
+        SystemModel::new(pair.clone(), c.clone()).map_err(|reason| CheckError::InvalidConfig {
+            model: ModelArg::System,
+            reason,
+        })?;
     let plan = Plan::new(a, &model)?;
     execute(
         model,
         &format!("system model of the {} connector, {c:?}", pair.name()),
         plan,
         if a.symmetry {
-            check_with_symmetry::<SystemModel<OffloadingPair>>
+            check_with_symmetry::<SystemModel<P>>
         } else {
-            check::<SystemModel<OffloadingPair>>
+            check::<SystemModel<P>>
         },
     )
 }
