@@ -12,9 +12,17 @@
 //! step protocol around a worker-side connector, the real aggregator, and an environment that
 //! lets requests arrive, completes transfers, aborts requests and resets the cache, with ghost
 //! block contents for data-safety properties ([`system_properties`]). It is generic over
-//! [`Connectors`]: [`OffloadingPair`] is kvrelay's offloading connector, and an engine checks its
-//! own pair the same way (see `examples/write_through.rs`). It is what `kvrelay check` runs by
-//! default; its state has a representative under rank symmetry ([`check_with_symmetry`]).
+//! [`Connectors`]: [`OffloadingPair`] is kvrelay's offloading connector; [`PdPair`] a small P/D
+//! connector (async remote loads that may fail, sends that delay frees) that reaches the
+//! scheduler's `WAITING_FOR_REMOTE_KVS` and load-failure paths; [`MultiPair`] kvrelay's
+//! MultiConnector over P/D and offloading children. An engine checks its own pair the same way
+//! (see `examples/write_through.rs`). It is what `kvrelay check` runs by default; its state has a
+//! representative under rank symmetry ([`check_with_symmetry`]).
+//!
+//! Historical bugs are given to the model as faults: of the environment ([`EnvFaults`]), of a
+//! connector wrapper in this crate ([`SchedFault`], [`PdFault`], [`MultiFault`]), or — for a bug
+//! of the core scheduler itself — re-introduced inside kvrelay-core behind its `fault-injection`
+//! feature ([`CoreFault`], this crate's `scheduler-faults` feature; off in every engine build).
 //!
 //! # The completion model
 //!

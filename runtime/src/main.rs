@@ -58,9 +58,18 @@ enum Command {
 const CHECK_HELP: &str = "\
 Models:
   --model system (the default)       the whole connector lifecycle of one engine: the real
-                                     scheduler with kvrelay's CPU offloading connector, W ranks
-                                     through the real worker step protocol, the aggregator,
-                                     aborts, cache resets, out-of-order transfer completions.
+                                     scheduler with a connector inside, W ranks through the
+                                     real worker step protocol, the aggregator, aborts, cache
+                                     resets, load failures, out-of-order transfer completions.
+    --connector offloading (default) kvrelay's CPU offloading connector.
+    --connector pd                   a P/D connector: every prompt loaded asynchronously from
+                                     a remote prefill instance (WAITING_FOR_REMOTE_KVS; loads
+                                     may fail: --load-failures, default 1), sends that hold a
+                                     finished request's blocks (delayed frees).
+    --connector multi                kvrelay's MultiConnector: a P/D loader + the offloading
+                                     connector.
+    --connector multi-senders        kvrelay's MultiConnector: two P/D senders (extra async
+                                     saves).
   --model completion                 only how W ranks report transfer completions through the
                                      step protocol to the aggregator (small, fast).
 
@@ -72,11 +81,17 @@ When to use what:
                                      11.5 million unique states, about 9 minutes on 2 cores,
                                      depth-first with symmetry over ranks (hundreds of MB;
                                      breadth-first needs many GB).
-  --fault NAME                       (system model) inject a known historical bug:
-                                     bind-first, skip-handle-preemptions, one-rank-output,
-                                     drop-zero-external-alloc, lookup-ignores-jobs; and see the
+  --fault NAME                       (system model) inject a known historical bug and see the
                                      counterexample the checker finds (expect exit 1 where the
-                                     configuration can reach the bug).
+                                     configuration can reach the bug): bind-first,
+                                     skip-handle-preemptions, one-rank-output (any connector);
+                                     drop-zero-external-alloc (offloading, multi: e.g.
+                                     --connector multi --prompt-tokens 3 --max-tokens 1
+                                     --gpu-blocks 5), lookup-ignores-jobs (offloading, multi);
+                                     swallow-load-failures (pd); strip-extra-saves
+                                     (multi-senders); free-aborted-while-loading (pd, multi;
+                                     a core scheduler bug: only in a build with --features
+                                     scheduler-faults).
   --faulty-double-report / --faulty-bind-first
                                      the same for the completion model.
   --trace-out FILE                   also write the first counterexample as a Mermaid sequence
