@@ -1539,15 +1539,19 @@ impl<P: Connectors> SystemModel<P> {
     /// OWNED_WRITES for a load finishing (or failing) on `rank`: the rank's own view of
     /// ownership is its block tables, as of the steps it executed (steps run in order on a
     /// rank, so a block freed by the scheduler is rewritten only by a later step of this rank).
+    ///
+    /// Only full-attention tables count: a sliding-window block that left the window is freed
+    /// by the scheduler while the request runs (and may be reallocated in the same step), but
+    /// stays in the worker's table, unread.
     fn check_owned(&self, s: &mut SystemState<P>, rank: usize, t: &Transfer) {
+        let full = |table: &Vec<Vec<BlockId>>| table.first().cloned().unwrap_or_default();
         let owner = s.ranks[rank].tables.iter().find_map(|(id, table)| {
-            (*id != t.request && table.iter().flatten().any(|b| t.gpu_blocks.contains(b)))
+            (*id != t.request && full(table).iter().any(|b| t.gpu_blocks.contains(b)))
                 .then_some(*id)
         });
         if let Some(other) = owner {
-            let b = s.ranks[rank].tables[&other]
-                .iter()
-                .flatten()
+            let b = full(&s.ranks[rank].tables[&other])
+                .into_iter()
                 .find(|b| t.gpu_blocks.contains(b))
                 .map_or(0, |b| b.0);
             s.ghost.violate(
