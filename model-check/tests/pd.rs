@@ -47,6 +47,8 @@ fn pd_ci_explores_exhaustively_and_every_property_holds() {
         let p = report.property(sometimes).expect("expected example");
         assert!(p.path.is_some(), "{sometimes}: an example");
     }
+    // Pinned (see tests/system.rs): `kvrelay check --connector pd`.
+    assert_eq!(report.unique_states, 72_307);
 }
 
 #[test]
@@ -71,6 +73,8 @@ fn a_swallowed_load_failure_serves_half_written_blocks() {
     let report = run(pair, ci());
     let data = report.property(n::DATA).expect("property");
     assert!(!data.holds, "a swallowed failure must be caught");
+    // Breadth-first, one thread: the shortest counterexample (README's table).
+    assert_eq!(data.path.as_ref().map(Vec::len), Some(15));
 }
 
 fn multi_run(pair: MultiPair, config: SystemConfig) -> CheckReport {
@@ -101,6 +105,8 @@ fn multi_pd_then_offloading_holds() {
     let report = multi_run(MultiPair::pd_then_offloading(), ci());
     assert_eq!(report.stop, Stop::Exhaustive);
     assert!(report.passed());
+    // Pinned: `kvrelay check --connector multi`.
+    assert_eq!(report.unique_states, 348_690);
 }
 
 #[test]
@@ -108,4 +114,6 @@ fn multi_two_senders_holds() {
     let report = multi_run(MultiPair::two_senders(), ci());
     assert_eq!(report.stop, Stop::Exhaustive);
     assert!(report.passed());
+    // Pinned: `kvrelay check --connector multi-senders`.
+    assert_eq!(report.unique_states, 16_331);
 }
