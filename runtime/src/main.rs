@@ -155,6 +155,9 @@ struct CheckArgs {
     /// The connector under check [default: offloading].
     #[arg(long, value_enum, help_heading = "System model")]
     connector: Option<ConnectorArg>,
+    /// What the P/D connector does (--connector pd) [default: both].
+    #[arg(long, value_enum, help_heading = "System model")]
+    pd_role: Option<PdRoleArg>,
     /// GPU blocks, the null block included (small, so that preemption and block reuse happen).
     #[arg(long, value_name = "N", help_heading = "System model")]
     gpu_blocks: Option<u32>,
@@ -280,6 +283,17 @@ enum ConnectorArg {
     /// kvrelay's MultiConnector of two P/D children that both send every finished request
     /// (two async savers: extra async saves, I-28).
     MultiSenders,
+}
+
+/// `--pd-role`.
+#[derive(Clone, Copy, Debug, Eq, PartialEq, ValueEnum)]
+enum PdRoleArg {
+    /// Decode and prefill side at once: loads every prompt, sends every finished request.
+    Both,
+    /// Decode side only: loads every prompt remotely (no sends, no delayed frees).
+    Decode,
+    /// Prefill side only: sends every finished request (no remote loads).
+    Prefill,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -533,6 +547,7 @@ fn model_flags_given(
         (a.aborts.is_some(), "--aborts", SYSTEM),
         (a.resets.is_some(), "--resets", SYSTEM),
         (a.connector.is_some(), "--connector", SYSTEM),
+        (a.pd_role.is_some(), "--pd-role", SYSTEM),
         (a.load_failures.is_some(), "--load-failures", SYSTEM),
         (a.idle_steps.is_some(), "--idle-steps", SYSTEM),
         (a.policy.is_some(), "--policy", SYSTEM),
@@ -750,6 +765,13 @@ fn check_system_model(a: &CheckArgs) -> Result<ExitCode, CheckError> {
             FaultArg::StripExtraSaves => multi_fault = Some(MultiFault::StripExtraSaves),
         }
     }
+    if a.pd_role.is_some() && connector != ConnectorArg::Pd {
+        return Err(invalid(
+            "--pd-role applies to --connector pd (the multi connectors fix their children's \
+             roles)"
+                .to_owned(),
+        ));
+    }
     if multi_fault.is_some() && connector != ConnectorArg::MultiSenders {
         return Err(invalid(
             "--fault strip-extra-saves applies to --connector multi-senders (the only \
@@ -775,11 +797,13 @@ fn check_system_model(a: &CheckArgs) -> Result<ExitCode, CheckError> {
                     "--fault {s:?} is a fault of the offloading connector, not of --connector pd"
                 )));
             }
+            let role = a.pd_role.unwrap_or(PdRoleArg::Both);
             let pair = PdPair {
                 fault: pd_fault,
                 role: PdRole {
+                    load: role != PdRoleArg::Prefill,
+                    send: role != PdRoleArg::Decode,
                     failures_as_blocks: c.sliding_window.is_none(),
-                    ..PdPair::default().role
                 },
             };
             check_pair(a, pair, c)
