@@ -386,3 +386,65 @@ fn system_flags_override_the_preset() {
         assert!(stderr.contains(field), "{field:?} in {stderr}");
     }
 }
+
+#[test]
+fn connectors_run_and_their_faults_are_found_or_refused() {
+    // The P/D connector's ci configuration holds (exit 0) ...
+    let out = kvrelay_check(&["--connector", "pd"], LIMIT);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("a load fails and the request recomputes"));
+    // ... two senders without their extra saves are caught (exit 1) ...
+    let out = kvrelay_check(
+        &[
+            "--connector",
+            "multi-senders",
+            "--fault",
+            "strip-extra-saves",
+            "--threads",
+            "1",
+        ],
+        LIMIT,
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("while store job"));
+    // ... and faults or roles that do not fit the connector are typed errors (exit 2).
+    for (args, why) in [
+        (
+            &["--fault", "swallow-load-failures"][..],
+            "applies to --connector pd",
+        ),
+        (
+            &["--connector", "pd", "--fault", "strip-extra-saves"][..],
+            "multi-senders",
+        ),
+        (
+            &["--pd-role", "decode"][..],
+            "--pd-role applies to --connector pd",
+        ),
+        (
+            &["--model", "completion", "--connector", "pd"][..],
+            "--connector does not apply",
+        ),
+    ] {
+        let out = kvrelay_check(args, LIMIT);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(
+            text(&out.stderr).contains(why),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+}
+
+/// A scheduler fault needs a build with the `scheduler-faults` feature: without it, a clear
+/// error, never a silently fault-free run.
+#[cfg(not(feature = "scheduler-faults"))]
+#[test]
+fn a_scheduler_fault_without_the_feature_is_refused() {
+    let out = kvrelay_check(
+        &["--connector", "pd", "--fault", "free-aborted-while-loading"],
+        LIMIT,
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--features scheduler-faults"));
+}
