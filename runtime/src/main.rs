@@ -78,9 +78,12 @@ When to use what:
                                      breadth-first.
   kvrelay check --config deep --symmetry
                                      the larger preset (3 ranks, 3 requests, async depth 2):
-                                     11.5 million unique states, about 9 minutes on 2 cores,
+                                     11.5 million unique states, 9 to 13 minutes on 2 cores,
                                      depth-first with symmetry over ranks (hundreds of MB;
                                      breadth-first needs many GB).
+  kvrelay check --connector pd --pd-role decode --config deep --symmetry
+                                     the same with remote loads and one load failure: 6.1
+                                     million unique states, about 5 minutes.
   --fault NAME                       (system model) inject a known historical bug and see the
                                      counterexample the checker finds (expect exit 1 where the
                                      configuration can reach the bug): bind-first,
