@@ -21,7 +21,9 @@ use kvrelay_core::{
 };
 
 use crate::pd::{PdConnector, PdMeta, PdPair, PdRole, PdWorker};
-use crate::system::{Connectors, Faulty, OffloadingPair, SchedFault, SystemConfig};
+use crate::system::{
+    Connectors, Faulty, OffloadingPair, SchedFault, SystemConfig, forward_scheduler_calls,
+};
 
 /// Which connector a child is.
 #[derive(Clone, Copy, Debug, Eq, Hash, PartialEq)]
@@ -223,28 +225,6 @@ impl SchedulerConnector for FaultyMulti {
     type Meta = MultiMeta<ChildMeta>;
     type WorkerMeta = Meta;
 
-    fn on_new_request(&mut self, view: &SchedulerView<'_>, request: RequestId) {
-        self.inner.on_new_request(view, request);
-    }
-    fn get_num_new_matched_tokens(
-        &mut self,
-        view: &SchedulerView<'_>,
-        request: RequestId,
-        num_computed_tokens: u32,
-    ) -> Lookup {
-        self.inner
-            .get_num_new_matched_tokens(view, request, num_computed_tokens)
-    }
-    fn update_state_after_alloc(
-        &mut self,
-        view: &SchedulerView<'_>,
-        request: RequestId,
-        blocks: &[Vec<BlockId>],
-        num_external_tokens: u32,
-    ) {
-        self.inner
-            .update_state_after_alloc(view, request, blocks, num_external_tokens);
-    }
     fn build_connector_meta(
         &mut self,
         view: &SchedulerView<'_>,
@@ -256,41 +236,12 @@ impl SchedulerConnector for FaultyMulti {
         }
         meta
     }
-    fn update_connector_output(&mut self, view: &SchedulerView<'_>, output: &AggregatedOutput) {
-        self.inner.update_connector_output(view, output);
-    }
-    fn request_finished(
-        &mut self,
-        view: &SchedulerView<'_>,
-        request: RequestId,
-        blocks: &[Vec<BlockId>],
-    ) -> FinishDecision {
-        self.inner.request_finished(view, request, blocks)
-    }
-    fn take_events(&mut self) -> Vec<KvEvent> {
-        self.inner.take_events()
-    }
-    fn take_intents(&mut self) -> Vec<Intent> {
-        self.inner.take_intents()
-    }
-    fn take_error(&mut self) -> Option<String> {
-        self.inner.take_error()
-    }
-    fn has_pending_block_frees(&self, view: &SchedulerView<'_>) -> bool {
-        self.inner.has_pending_block_frees(view)
-    }
-    fn has_pending_push_work(&self) -> bool {
-        self.inner.has_pending_push_work()
-    }
-    fn reset_cache(&mut self) -> Option<bool> {
-        self.inner.reset_cache()
-    }
-    fn get_finished_count(&self) -> Option<u32> {
-        self.inner.get_finished_count()
-    }
-    fn requires_kv_delivery(&self) -> bool {
-        self.inner.requires_kv_delivery()
-    }
+    forward_scheduler_calls!(inner:
+        on_new_request, get_num_new_matched_tokens, update_state_after_alloc,
+        update_connector_output, request_finished, take_events, take_intents, take_error,
+        has_pending_block_frees, has_pending_push_work, reset_cache, get_finished_count,
+        requires_kv_delivery,
+    );
 }
 
 /// A MultiConnector of the given children, for [`crate::SystemModel`].

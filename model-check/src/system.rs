@@ -55,13 +55,13 @@ use core::fmt;
 use std::collections::{BTreeMap, VecDeque};
 
 use kvrelay_core::{
-    AggregatedOutput, Aggregator, BlockId, FinishDecision, GroupKind, GuardedWorker, Intent,
-    InvariantViolation, JobId, KeyLookup, KvEvent, LoadFailurePolicy, Lookup, ManagerConfig, Mode,
-    ModelOutput, OffloadKey, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta,
-    OffloadingWorker, OffloadingWorkerConfig, PolicyKind, Rank, RequestId, RequestSpec,
-    RequestStatus, Scheduler, SchedulerConfig, SchedulerConnector, SchedulerOutput, SchedulerView,
-    SortedSet, StepShape, Transfer, TransferCommand, TransferDirection, TransferDone, TransferJob,
-    WorkerConnector, WorkerOutput,
+    Aggregator, BlockId, FinishDecision, GroupKind, GuardedWorker, InvariantViolation, JobId,
+    KeyLookup, LoadFailurePolicy, Lookup, ManagerConfig, Mode, ModelOutput, OffloadKey,
+    OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta, OffloadingWorker,
+    OffloadingWorkerConfig, PolicyKind, Rank, RequestId, RequestSpec, RequestStatus, Scheduler,
+    SchedulerConfig, SchedulerConnector, SchedulerOutput, SchedulerView, SortedSet, StepShape,
+    Transfer, TransferCommand, TransferDirection, TransferDone, TransferJob, WorkerConnector,
+    WorkerOutput,
 };
 use stateright::{Expectation, Model, Property};
 
@@ -286,6 +286,116 @@ impl Connectors for OffloadingPair {
     }
 }
 
+/// Writes the listed [`SchedulerConnector`] methods as calls of the same method on
+/// `self.$field`: for the wrappers of this crate ([`Faulty`], [`Counted`],
+/// [`crate::FaultyMulti`]) that change one or two calls and pass every other one through.
+macro_rules! forward_scheduler_calls {
+    ($field:ident: $($method:ident),* $(,)?) => {
+        $( forward_scheduler_calls!(@one $field $method); )*
+    };
+    (@one $f:ident on_new_request) => {
+        fn on_new_request(
+            &mut self,
+            view: &kvrelay_core::SchedulerView<'_>,
+            request: kvrelay_core::RequestId,
+        ) {
+            self.$f.on_new_request(view, request);
+        }
+    };
+    (@one $f:ident get_num_new_matched_tokens) => {
+        fn get_num_new_matched_tokens(
+            &mut self,
+            view: &kvrelay_core::SchedulerView<'_>,
+            request: kvrelay_core::RequestId,
+            num_computed_tokens: u32,
+        ) -> kvrelay_core::Lookup {
+            self.$f
+                .get_num_new_matched_tokens(view, request, num_computed_tokens)
+        }
+    };
+    (@one $f:ident update_state_after_alloc) => {
+        fn update_state_after_alloc(
+            &mut self,
+            view: &kvrelay_core::SchedulerView<'_>,
+            request: kvrelay_core::RequestId,
+            blocks: &[Vec<kvrelay_core::BlockId>],
+            num_external_tokens: u32,
+        ) {
+            self.$f
+                .update_state_after_alloc(view, request, blocks, num_external_tokens);
+        }
+    };
+    (@one $f:ident build_connector_meta) => {
+        fn build_connector_meta(
+            &mut self,
+            view: &kvrelay_core::SchedulerView<'_>,
+            output: &kvrelay_core::SchedulerOutput,
+        ) -> Self::Meta {
+            self.$f.build_connector_meta(view, output)
+        }
+    };
+    (@one $f:ident update_connector_output) => {
+        fn update_connector_output(
+            &mut self,
+            view: &kvrelay_core::SchedulerView<'_>,
+            output: &kvrelay_core::AggregatedOutput<Self::WorkerMeta>,
+        ) {
+            self.$f.update_connector_output(view, output);
+        }
+    };
+    (@one $f:ident request_finished) => {
+        fn request_finished(
+            &mut self,
+            view: &kvrelay_core::SchedulerView<'_>,
+            request: kvrelay_core::RequestId,
+            blocks: &[Vec<kvrelay_core::BlockId>],
+        ) -> kvrelay_core::FinishDecision {
+            self.$f.request_finished(view, request, blocks)
+        }
+    };
+    (@one $f:ident take_events) => {
+        fn take_events(&mut self) -> Vec<kvrelay_core::KvEvent> {
+            self.$f.take_events()
+        }
+    };
+    (@one $f:ident take_intents) => {
+        fn take_intents(&mut self) -> Vec<kvrelay_core::Intent> {
+            self.$f.take_intents()
+        }
+    };
+    (@one $f:ident take_error) => {
+        fn take_error(&mut self) -> Option<String> {
+            self.$f.take_error()
+        }
+    };
+    (@one $f:ident has_pending_block_frees) => {
+        fn has_pending_block_frees(&self, view: &kvrelay_core::SchedulerView<'_>) -> bool {
+            self.$f.has_pending_block_frees(view)
+        }
+    };
+    (@one $f:ident has_pending_push_work) => {
+        fn has_pending_push_work(&self) -> bool {
+            self.$f.has_pending_push_work()
+        }
+    };
+    (@one $f:ident reset_cache) => {
+        fn reset_cache(&mut self) -> Option<bool> {
+            self.$f.reset_cache()
+        }
+    };
+    (@one $f:ident get_finished_count) => {
+        fn get_finished_count(&self) -> Option<u32> {
+            self.$f.get_finished_count()
+        }
+    };
+    (@one $f:ident requires_kv_delivery) => {
+        fn requires_kv_delivery(&self) -> bool {
+            self.$f.requires_kv_delivery()
+        }
+    };
+}
+pub(crate) use forward_scheduler_calls;
+
 /// Faults a test can inject into a scheduler-side connector, to show the checker finds the
 /// historical bugs they reproduce. Production code has no such switch: the fault lives in the
 /// [`Faulty`] wrapper, in this crate.
@@ -352,9 +462,6 @@ impl SchedulerConnector for Faulty<OffloadingConnector> {
     type Meta = OffloadingConnectorMeta;
     type WorkerMeta = kvrelay_core::Meta;
 
-    fn on_new_request(&mut self, view: &SchedulerView<'_>, request: RequestId) {
-        self.inner.on_new_request(view, request);
-    }
     fn get_num_new_matched_tokens(
         &mut self,
         view: &SchedulerView<'_>,
@@ -385,52 +492,11 @@ impl SchedulerConnector for Faulty<OffloadingConnector> {
         self.inner
             .update_state_after_alloc(view, request, blocks, num_external_tokens);
     }
-    fn build_connector_meta(
-        &mut self,
-        view: &SchedulerView<'_>,
-        output: &SchedulerOutput,
-    ) -> Self::Meta {
-        self.inner.build_connector_meta(view, output)
-    }
-    fn update_connector_output(
-        &mut self,
-        view: &SchedulerView<'_>,
-        output: &AggregatedOutput<Self::WorkerMeta>,
-    ) {
-        self.inner.update_connector_output(view, output);
-    }
-    fn request_finished(
-        &mut self,
-        view: &SchedulerView<'_>,
-        request: RequestId,
-        blocks: &[Vec<BlockId>],
-    ) -> FinishDecision {
-        self.inner.request_finished(view, request, blocks)
-    }
-    fn take_events(&mut self) -> Vec<KvEvent> {
-        self.inner.take_events()
-    }
-    fn take_intents(&mut self) -> Vec<Intent> {
-        self.inner.take_intents()
-    }
-    fn take_error(&mut self) -> Option<String> {
-        self.inner.take_error()
-    }
-    fn has_pending_block_frees(&self, view: &SchedulerView<'_>) -> bool {
-        self.inner.has_pending_block_frees(view)
-    }
-    fn has_pending_push_work(&self) -> bool {
-        self.inner.has_pending_push_work()
-    }
-    fn reset_cache(&mut self) -> Option<bool> {
-        self.inner.reset_cache()
-    }
-    fn get_finished_count(&self) -> Option<u32> {
-        self.inner.get_finished_count()
-    }
-    fn requires_kv_delivery(&self) -> bool {
-        self.inner.requires_kv_delivery()
-    }
+    forward_scheduler_calls!(inner:
+        on_new_request, build_connector_meta, update_connector_output, request_finished,
+        take_events, take_intents, take_error, has_pending_block_frees, has_pending_push_work,
+        reset_cache, get_finished_count, requires_kv_delivery,
+    );
 }
 
 /// The scheduler-side connector as the model holds it: the pair's connector, plus how often
@@ -452,42 +518,6 @@ impl<C: SchedulerConnector> SchedulerConnector for Counted<C> {
     type Meta = C::Meta;
     type WorkerMeta = C::WorkerMeta;
 
-    fn on_new_request(&mut self, view: &SchedulerView<'_>, request: RequestId) {
-        self.inner.on_new_request(view, request);
-    }
-    fn get_num_new_matched_tokens(
-        &mut self,
-        view: &SchedulerView<'_>,
-        request: RequestId,
-        num_computed_tokens: u32,
-    ) -> Lookup {
-        self.inner
-            .get_num_new_matched_tokens(view, request, num_computed_tokens)
-    }
-    fn update_state_after_alloc(
-        &mut self,
-        view: &SchedulerView<'_>,
-        request: RequestId,
-        blocks: &[Vec<BlockId>],
-        num_external_tokens: u32,
-    ) {
-        self.inner
-            .update_state_after_alloc(view, request, blocks, num_external_tokens);
-    }
-    fn build_connector_meta(
-        &mut self,
-        view: &SchedulerView<'_>,
-        output: &SchedulerOutput,
-    ) -> Self::Meta {
-        self.inner.build_connector_meta(view, output)
-    }
-    fn update_connector_output(
-        &mut self,
-        view: &SchedulerView<'_>,
-        output: &AggregatedOutput<Self::WorkerMeta>,
-    ) {
-        self.inner.update_connector_output(view, output);
-    }
     fn request_finished(
         &mut self,
         view: &SchedulerView<'_>,
@@ -499,30 +529,12 @@ impl<C: SchedulerConnector> SchedulerConnector for Counted<C> {
         }
         self.inner.request_finished(view, request, blocks)
     }
-    fn take_events(&mut self) -> Vec<KvEvent> {
-        self.inner.take_events()
-    }
-    fn take_intents(&mut self) -> Vec<Intent> {
-        self.inner.take_intents()
-    }
-    fn take_error(&mut self) -> Option<String> {
-        self.inner.take_error()
-    }
-    fn has_pending_block_frees(&self, view: &SchedulerView<'_>) -> bool {
-        self.inner.has_pending_block_frees(view)
-    }
-    fn has_pending_push_work(&self) -> bool {
-        self.inner.has_pending_push_work()
-    }
-    fn reset_cache(&mut self) -> Option<bool> {
-        self.inner.reset_cache()
-    }
-    fn get_finished_count(&self) -> Option<u32> {
-        self.inner.get_finished_count()
-    }
-    fn requires_kv_delivery(&self) -> bool {
-        self.inner.requires_kv_delivery()
-    }
+    forward_scheduler_calls!(inner:
+        on_new_request, get_num_new_matched_tokens, update_state_after_alloc,
+        build_connector_meta, update_connector_output, take_events, take_intents, take_error,
+        has_pending_block_frees, has_pending_push_work, reset_cache, get_finished_count,
+        requires_kv_delivery,
+    );
 }
 
 /// The worker → scheduler metadata of a pair.
