@@ -333,6 +333,30 @@ impl BlockPool {
 mod tests {
     use super::*;
 
+    /// `check_invariants` must reject a broken pool, not just accept good ones (a mutation
+    /// that made it always `Ok` went unnoticed by every other test).
+    #[test]
+    fn check_invariants_rejects_a_corrupt_pool() {
+        let mut pool = BlockPool::new(5);
+        let a = pool.get_new_blocks(2).unwrap();
+        assert!(pool.check_invariants().is_ok());
+        // An owned block whose count is dropped behind the pool's back is owned by nobody but
+        // missing from the free queue.
+        pool.ref_cnt[a[0].0 as usize] = 0;
+        let err = pool
+            .check_invariants()
+            .expect_err("a count-0 block outside the free queue");
+        assert_eq!(err.id, "I-20");
+        // A free block that gains an owner without leaving the queue.
+        let mut pool = BlockPool::new(5);
+        pool.ref_cnt[pool.head as usize] = 1;
+        assert!(pool.check_invariants().is_err());
+        // A stale free count.
+        let mut pool = BlockPool::new(5);
+        pool.num_free += 1;
+        assert!(pool.check_invariants().is_err());
+    }
+
     #[test]
     fn lru_eviction_prefers_least_recently_freed() {
         let mut pool = BlockPool::new(5);
