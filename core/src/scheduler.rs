@@ -678,20 +678,15 @@ pub enum SchedulerFault {
 }
 
 impl State {
-    /// Whether an injected fault makes the scheduler accept `id` in `finished_recving` although
-    /// it holds no such request (always `false` without the `fault-injection` feature).
-    fn fault_ignores_unknown_recv<M>(&self, kv: &AggregatedOutput<M>, id: RequestId) -> bool {
+    /// Whether [`SchedulerFault::FreeAbortedWhileLoading`] was injected: the one place the
+    /// fault's three effects ask (always `false` without the `fault-injection` feature).
+    fn frees_aborted_loads_at_once(&self) -> bool {
         #[cfg(feature = "fault-injection")]
         {
             self.fault == Some(SchedulerFault::FreeAbortedWhileLoading)
-                && kv
-                    .finished_recving
-                    .as_ref()
-                    .is_some_and(|s| s.contains(&id))
         }
         #[cfg(not(feature = "fault-injection"))]
         {
-            let _ = (kv, id);
             false
         }
     }
@@ -1354,14 +1349,11 @@ impl<C: SchedulerConnector> Scheduler<C> {
         let mut outs = Vec::with_capacity(valid.len());
         for id in valid {
             let st = &mut self.state;
+            let free_at_once = st.frees_aborted_loads_at_once();
             let r = st.requests.get_mut(&id).expect("filtered above");
             let mut delay = false;
             if r.status == RequestStatus::WaitingForRemoteKvs {
-                delay = !st.finished_recving_kv_req_ids.contains(&id);
-                #[cfg(feature = "fault-injection")]
-                if st.fault == Some(SchedulerFault::FreeAbortedWhileLoading) {
-                    delay = false;
-                }
+                delay = !st.finished_recving_kv_req_ids.contains(&id) && !free_at_once;
                 st.finished_recving_kv_req_ids.remove(&id);
                 st.failed_recving_kv_req_ids.remove(&id);
             }
@@ -1823,7 +1815,10 @@ impl<C: SchedulerConnector> Scheduler<C> {
                 .chain(kv.finished_recving.iter())
                 .flat_map(|s| s.iter())
             {
-                if !st.requests.contains_key(id) && !st.fault_ignores_unknown_recv(kv, *id) {
+                // (The pre-#32255 scheduler ignored unknown ids in `finished_recving`.)
+                let ignored = st.frees_aborted_loads_at_once()
+                    && kv.finished_recving.as_ref().is_some_and(|s| s.contains(id));
+                if !st.requests.contains_key(id) && !ignored {
                     return Err(SchedulerError::UnknownRequest(*id));
                 }
             }
@@ -1995,10 +1990,9 @@ impl<C: SchedulerConnector> Scheduler<C> {
     fn apply_completion(&mut self, id: RequestId, dir: Completion) -> Result<(), SchedulerError> {
         let strict = self.state.config.mode == Mode::Strict;
         let st = &mut self.state;
-        #[cfg(feature = "fault-injection")]
         if dir == Completion::Recving
             && !st.requests.contains_key(&id)
-            && st.fault == Some(SchedulerFault::FreeAbortedWhileLoading)
+            && st.frees_aborted_loads_at_once()
         {
             return Ok(());
         }

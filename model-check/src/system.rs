@@ -1498,50 +1498,50 @@ impl<P: Connectors> SystemModel<P> {
         if !ok {
             s.failures_left = s.failures_left.saturating_sub(1);
         }
-        if !ok && t.transfer.direction == TransferDirection::Load {
-            // The transfer stopped part-way: its blocks hold neither the old nor the new bytes.
-            let req = t.transfer.request;
-            if let Some(f) = s.ghost.load_failed.get_mut(req.index()) {
-                *f = true;
-            }
-            self.check_owned(s, rank, &t.transfer);
-            for b in &t.transfer.gpu_blocks {
-                self.write_block(s, rank, *b, CORRUPT, &format!("failed load job {}", job.0));
-            }
-        }
-        if ok {
-            let domain = if self.pair.shared_external() { 0 } else { rank };
-            match t.transfer.direction {
-                TransferDirection::Store => {
-                    if s.scheduler
-                        .status(t.transfer.request)
-                        .is_some_and(RequestStatus::is_finished)
-                    {
-                        s.ghost.delayed_free = true;
-                    }
-                    for (b, slot) in t.transfer.gpu_blocks.iter().zip(&t.transfer.external) {
-                        let content = if t.dirty {
-                            CORRUPT
-                        } else {
-                            s.ranks[rank].gpu[b.0 as usize]
-                        };
-                        s.ranks[domain].external.insert(*slot, content);
-                        s.ghost.stored_by.insert(*slot, t.transfer.request.0);
-                    }
+        let domain = if self.pair.shared_external() { 0 } else { rank };
+        let req = t.transfer.request;
+        match (t.transfer.direction, ok) {
+            // The environment fails loads only (`load_may_fail`).
+            (TransferDirection::Store, false) => {}
+            (TransferDirection::Store, true) => {
+                if s.scheduler
+                    .status(req)
+                    .is_some_and(RequestStatus::is_finished)
+                {
+                    s.ghost.delayed_free = true;
                 }
-                TransferDirection::Load => {
-                    let req = t.transfer.request;
-                    self.check_owned(s, rank, &t.transfer);
-                    for (b, slot) in t.transfer.gpu_blocks.iter().zip(&t.transfer.external) {
-                        let content = s.ranks[domain].external.get(slot).copied().unwrap_or(EMPTY);
-                        if s.ghost.stored_by.get(slot).is_some_and(|&w| w != req.0) {
-                            s.ghost.shared_loaded = true;
-                        }
-                        self.write_block(s, rank, *b, content, &format!("load job {}", job.0));
+                for (b, slot) in t.transfer.gpu_blocks.iter().zip(&t.transfer.external) {
+                    let content = if t.dirty {
+                        CORRUPT
+                    } else {
+                        s.ranks[rank].gpu[b.0 as usize]
+                    };
+                    s.ranks[domain].external.insert(*slot, content);
+                    s.ghost.stored_by.insert(*slot, req.0);
+                }
+            }
+            (TransferDirection::Load, false) => {
+                // The transfer stopped part-way: its blocks hold neither the old nor the new
+                // bytes.
+                if let Some(f) = s.ghost.load_failed.get_mut(req.index()) {
+                    *f = true;
+                }
+                self.check_owned(s, rank, &t.transfer);
+                for b in &t.transfer.gpu_blocks {
+                    self.write_block(s, rank, *b, CORRUPT, &format!("failed load job {}", job.0));
+                }
+            }
+            (TransferDirection::Load, true) => {
+                self.check_owned(s, rank, &t.transfer);
+                for (b, slot) in t.transfer.gpu_blocks.iter().zip(&t.transfer.external) {
+                    let content = s.ranks[domain].external.get(slot).copied().unwrap_or(EMPTY);
+                    if s.ghost.stored_by.get(slot).is_some_and(|&w| w != req.0) {
+                        s.ghost.shared_loaded = true;
                     }
-                    if s.ghost.preempted.get(req.index()).copied().unwrap_or(false) {
-                        s.ghost.resumed_from_offload = true;
-                    }
+                    self.write_block(s, rank, *b, content, &format!("load job {}", job.0));
+                }
+                if s.ghost.preempted.get(req.index()).copied().unwrap_or(false) {
+                    s.ghost.resumed_from_offload = true;
                 }
             }
         }
