@@ -19,9 +19,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvrelay_core::{
-    AggregatedOutput, BlockId, FinishDecision, JobId, Lookup, Meta, RequestId, RequestStatus,
-    SchedulerConnector, SchedulerOutput, SchedulerView, SortedSet, Transfer, TransferCommand,
-    TransferDirection, TransferDone, TransferResults, WorkerConnector,
+    BlockId, FinishDecision, JobId, Lookup, Meta, RequestId, RequestStatus, SchedulerConnector,
+    SchedulerOutput, SchedulerView, SortedSet, Transfer, TransferCommand, TransferDirection,
+    TransferDone, TransferResults, WorkerConnector,
 };
 
 /// The external location of prompt block `index` of `request` on the remote prefill instance.
@@ -185,8 +185,6 @@ impl SchedulerConnector for PdConnector {
             sends: std::mem::take(&mut self.sends),
         }
     }
-
-    fn update_connector_output(&mut self, _view: &SchedulerView<'_>, _output: &AggregatedOutput) {}
 
     fn request_finished(
         &mut self,
