@@ -130,8 +130,7 @@ enum ModelArg {
 
 impl ModelArg {
     fn name(self) -> String {
-        self.to_possible_value()
-            .map_or_else(|| format!("{self:?}"), |v| v.get_name().to_owned())
+        value_name(self)
     }
 }
 
@@ -339,6 +338,29 @@ enum FaultArg {
     /// vLLM PR #32255 (in the core scheduler; needs a build with --features scheduler-faults):
     /// a request aborted while loading has its blocks freed at once.
     FreeAbortedWhileLoading,
+}
+
+impl FaultArg {
+    /// The connectors the fault can be injected into (the one place `--fault` is matched
+    /// against `--connector`).
+    fn connectors(self) -> &'static [ConnectorArg] {
+        use ConnectorArg as C;
+        match self {
+            Self::BindFirst
+            | Self::SkipHandlePreemptions
+            | Self::OneRankOutput
+            | Self::FreeAbortedWhileLoading => &[C::Offloading, C::Pd, C::Multi, C::MultiSenders],
+            Self::DropZeroExternalAlloc | Self::LookupIgnoresJobs => &[C::Offloading, C::Multi],
+            Self::SwallowLoadFailures => &[C::Pd],
+            Self::StripExtraSaves => &[C::MultiSenders],
+        }
+    }
+}
+
+/// A value enum's name as typed on the command line (its `Debug` form for a skipped value).
+fn value_name(v: impl ValueEnum + std::fmt::Debug) -> String {
+    v.to_possible_value()
+        .map_or_else(|| format!("{v:?}"), |p| p.get_name().to_owned())
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -768,6 +790,19 @@ fn check_system_model(a: &CheckArgs) -> Result<ExitCode, CheckError> {
             FaultArg::StripExtraSaves => multi_fault = Some(MultiFault::StripExtraSaves),
         }
     }
+    if let Some(&f) = a
+        .fault
+        .iter()
+        .find(|f| !f.connectors().contains(&connector))
+    {
+        let names: Vec<String> = f.connectors().iter().map(|c| value_name(*c)).collect();
+        return Err(invalid(format!(
+            "--fault {} applies to --connector {}, not {}",
+            value_name(f),
+            names.join(", "),
+            value_name(connector)
+        )));
+    }
     if a.pd_role.is_some() && connector != ConnectorArg::Pd {
         return Err(invalid(
             "--pd-role applies to --connector pd (the multi connectors fix their children's \
@@ -775,31 +810,12 @@ fn check_system_model(a: &CheckArgs) -> Result<ExitCode, CheckError> {
                 .to_owned(),
         ));
     }
-    if multi_fault.is_some() && connector != ConnectorArg::MultiSenders {
-        return Err(invalid(
-            "--fault strip-extra-saves applies to --connector multi-senders (the only \
-             composition with two savers)"
-                .to_owned(),
-        ));
-    }
     match connector {
         ConnectorArg::Offloading => {
-            if pd_fault.is_some() {
-                return Err(invalid(
-                    "--fault swallow-load-failures applies to --connector pd (offloading \
-                     transfers cannot fail)"
-                        .to_owned(),
-                ));
-            }
             let pair = OffloadingPair { fault: sched_fault };
             check_pair(a, pair, c)
         }
         ConnectorArg::Pd => {
-            if let Some(s) = sched_fault {
-                return Err(invalid(format!(
-                    "--fault {s:?} is a fault of the offloading connector, not of --connector pd"
-                )));
-            }
             let role = a.pd_role.unwrap_or(PdRoleArg::Both);
             let pair = PdPair {
                 fault: pd_fault,
@@ -812,23 +828,11 @@ fn check_system_model(a: &CheckArgs) -> Result<ExitCode, CheckError> {
             check_pair(a, pair, c)
         }
         ConnectorArg::Multi => {
-            if pd_fault.is_some() {
-                return Err(invalid(
-                    "--fault swallow-load-failures applies to --connector pd only".to_owned(),
-                ));
-            }
             let mut pair = MultiPair::pd_then_offloading();
             pair.children[1] = ChildKind::Offloading(sched_fault);
             check_pair(a, pair, c)
         }
         ConnectorArg::MultiSenders => {
-            if pd_fault.is_some() || sched_fault.is_some() {
-                return Err(invalid(
-                    "--connector multi-senders takes only --fault strip-extra-saves and the \
-                     environment faults"
-                        .to_owned(),
-                ));
-            }
             let pair = MultiPair {
                 fault: multi_fault,
                 ..MultiPair::two_senders()
