@@ -697,4 +697,46 @@ mod tests {
         );
         assert_eq!(a.salvaged_len(), 1);
     }
+
+    #[test]
+    fn equality_sees_counts_but_not_capacity() {
+        // The model checker and the "a rejected call changes nothing" checks compare
+        // aggregators: a pending count must make them differ, a pre-sized table must not.
+        let fresh: Aggregator = Aggregator::new(2, Mode::Compat);
+        assert_eq!(fresh, Aggregator::with_capacity(2, Mode::Compat, 16));
+        let mut counting = fresh.clone();
+        counting.aggregate(&[sending(&[3]), None], Rank(0)).unwrap();
+        assert_eq!(counting.remaining(Direction::Send, RequestId(3)), Some(1));
+        assert_ne!(counting, fresh);
+        let mut other = fresh.clone();
+        other.aggregate(&[sending(&[2]), None], Rank(0)).unwrap();
+        assert_ne!(counting, other);
+    }
+
+    #[test]
+    fn strict_counts_reporters_beyond_64_ranks() {
+        // Ranks 64 and up live in `RankBits::high`; the invariant check counts reporters across
+        // both words (a cargo-mutants survivor: `low − high` instead of `low + high` went
+        // unnoticed below 65 ranks).
+        let mut a: Aggregator = Aggregator::new(66, Mode::Strict);
+        let mut outputs = vec![None; 66];
+        outputs[0] = sending(&[5]);
+        outputs[64] = sending(&[5]);
+        let out = a.aggregate(&outputs, Rank(0)).unwrap().unwrap();
+        assert_eq!(out.finished_sending, None, "2 of 66 reports close nothing");
+        assert_eq!(a.remaining(Direction::Send, RequestId(5)), Some(64));
+        a.check_invariants().unwrap();
+        // Rank 64 reporting again within the cycle is a duplicate, like any other rank.
+        let mut again = vec![None; 66];
+        again[0] = Some(WorkerOutput::default());
+        again[64] = sending(&[5]);
+        assert_eq!(
+            a.aggregate(&again, Rank(0)).unwrap_err(),
+            AggregateError::DuplicateReport {
+                rank: Rank(64),
+                request: RequestId(5),
+                direction: Direction::Send
+            }
+        );
+    }
 }

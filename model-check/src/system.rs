@@ -405,8 +405,11 @@ pub enum SchedFault {
     /// so the connector never learns that a fenced block was reallocated.
     DropZeroExternalAlloc,
     /// vLLM issue #46014: a request that still has jobs in flight (a preempted request whose
-    /// stores are not acknowledged yet) is looked up as if it had none — the lookup answers from
-    /// the manager's ready chunks instead of `None`.
+    /// stores are not acknowledged yet) is looked up as if it had none — the lookup answers the
+    /// manager's ready chunks (a chunk still being stored ends the run, as in the connector of
+    /// the bug report) instead of `None`, so a load job joins the request's store jobs.
+    /// With vLLM 0.33's lookup, where a chunk still being stored defers the answer, the
+    /// explored configurations never reach the crash: see `historical_bugs.rs`.
     LookupIgnoresJobs,
 }
 
@@ -421,8 +424,12 @@ pub struct Faulty<C> {
 }
 
 impl Faulty<OffloadingConnector> {
-    /// The faulty lookup of [`SchedFault::LookupIgnoresJobs`]: the ready chunks of the
-    /// full-attention group after `num_computed` tokens, one token always left to compute.
+    /// The faulty lookup of [`SchedFault::LookupIgnoresJobs`], as in the connector of the bug
+    /// report: no check for the request's own jobs, and a chunk whose store is still in flight
+    /// counts as not stored (the CPU manager answered "absent" for it before vLLM PR #41795).
+    /// For the full-attention group: the run of stored chunks from the chunk holding the first
+    /// token not computed locally (`computed / chunk`, rounded down, as the real lookup), fewer
+    /// than one chunk's tokens counting as no hit.
     fn ready_prefix(
         &self,
         view: &SchedulerView<'_>,
@@ -432,25 +439,21 @@ impl Faulty<OffloadingConnector> {
         let Some(r) = view.request(request) else {
             return Lookup::MISS;
         };
-        let bs = view.config().block_size;
-        let bpc = self.inner.config().blocks_per_chunk;
-        let chunk_tokens = bs * bpc;
-        let num_tokens = r.tokens().len() as u32;
-        let start = num_computed.div_ceil(chunk_tokens);
+        let bpc = self.inner.config().blocks_per_chunk as usize;
+        let chunk_tokens = view.config().block_size * bpc as u32;
+        let full_chunks = (r.block_hashes().len() / bpc) as u32;
+        let start = num_computed / chunk_tokens;
         let mut end = start;
-        loop {
-            let last_block = ((end + 1) * bpc - 1) as usize;
-            let Some(&hash) = r.block_hashes().get(last_block) else {
-                break;
-            };
-            if (end + 1) * chunk_tokens >= num_tokens
-                || self.inner.manager().lookup(OffloadKey { hash, group: 0 }) != KeyLookup::Hit
-            {
+        while end < full_chunks {
+            let hash = r.block_hashes()[(end as usize + 1) * bpc - 1];
+            if self.inner.manager().lookup(OffloadKey { hash, group: 0 }) != KeyLookup::Hit {
                 break;
             }
             end += 1;
         }
-        let tokens = (end * chunk_tokens).saturating_sub(num_computed);
+        let reach = (end * chunk_tokens).min(r.tokens().len() as u32);
+        let tokens = reach.saturating_sub(num_computed);
+        let tokens = if tokens < chunk_tokens { 0 } else { tokens };
         Lookup::Hit {
             tokens,
             load_async: tokens > 0,
@@ -584,6 +587,9 @@ pub struct SystemConfig {
     pub max_tokens: u32,
     /// Tokens per GPU block.
     pub block_size: u32,
+    /// The scheduler's GPU prefix cache (`enable_prefix_caching`). Off, a re-admitted or new
+    /// request finds nothing on the GPU and every hit comes from the offloading connector.
+    pub prefix_caching: bool,
     /// GPU blocks, the null block included: small, so that preemption and block reuse happen.
     pub gpu_blocks: u32,
     /// Token budget per step.
@@ -626,6 +632,7 @@ impl SystemConfig {
             shared_tokens: 1,
             max_tokens: 2,
             block_size: 1,
+            prefix_caching: true,
             gpu_blocks: 4,
             max_batched_tokens: 8,
             sliding_window: None,
@@ -718,7 +725,7 @@ impl SystemConfig {
             max_num_batched_tokens: self.max_batched_tokens,
             max_num_seqs: 16,
             max_model_len: self.prompt_tokens + self.max_tokens + 1,
-            enable_prefix_caching: true,
+            enable_prefix_caching: self.prefix_caching,
             enable_chunked_prefill: true,
             long_prefill_token_threshold: 0,
             watermark_blocks: 0,
@@ -1784,7 +1791,15 @@ impl<P: Connectors> Explain for SystemModel<P> {
         let mut line = action.to_string();
         match *action {
             SystemAction::Schedule => {
-                if let Some(st) = next.steps.back() {
+                // Only a step this action pushed (a failed or idle schedule pushes none).
+                let new_step = next
+                    .steps
+                    .back()
+                    .filter(|st| state.steps.back().map(|b| b.output.step) != Some(st.output.step));
+                if new_step.is_none() {
+                    line += " → no step";
+                }
+                if let Some(st) = new_step {
                     let o = &st.output;
                     line += &format!(
                         " → step {}: {:?}",

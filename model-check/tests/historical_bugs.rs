@@ -92,35 +92,65 @@ fn issue_21070_aggregator_fed_one_rank() {
     found(&r, p::QUIESCENT, 21, "deliver");
 }
 
-/// vLLM issue #46951 and issue #46014 as wrapper faults of the offloading connector alone: in
-/// the ci configuration the checker finds no counterexample, because kvrelay's connector
-/// records the blocks of every scheduled request in `build_connector_meta` (so only a request
-/// allocated but not scheduled — a MultiConnector sibling's async load, see
+/// vLLM issue #46951 as a wrapper fault of the offloading connector alone: in the ci
+/// configuration the checker finds no counterexample, because kvrelay's connector records the
+/// blocks of every scheduled request in `build_connector_meta` (so only a request allocated but
+/// not scheduled — a MultiConnector sibling's async load, see
 /// `issue_46951_zero_external_alloc_not_recorded` — depends on `update_state_after_alloc` with
-/// zero external tokens), and a re-admission with unacknowledged jobs and a ready chunk beyond
-/// the GPU hit is not reachable with 2 requests. Pinned so that a change which makes them
-/// reachable is noticed (and the README's table updated).
+/// zero external tokens). Pinned so that a change which makes it reachable is noticed (and the
+/// README's table updated).
 #[test]
-fn faults_46951_and_46014_not_reachable_in_ci() {
-    for fault in [
-        SchedFault::DropZeroExternalAlloc,
-        SchedFault::LookupIgnoresJobs,
-    ] {
-        let r = run(
-            OffloadingPair { fault: Some(fault) },
-            SystemConfig {
-                blocks_per_chunk: 1,
-                ..SystemConfig::ci()
-            },
-        );
-        assert!(
-            r.properties
-                .iter()
-                .filter(|x| x.expectation == "always")
-                .all(|x| x.holds),
-            "{fault:?}: a counterexample appeared — add it to the README table"
-        );
+fn fault_46951_not_reachable_with_the_offloading_connector_alone() {
+    let r = run(
+        OffloadingPair {
+            fault: Some(SchedFault::DropZeroExternalAlloc),
+        },
+        SystemConfig::ci(),
+    );
+    assert!(
+        r.properties
+            .iter()
+            .filter(|x| x.expectation == "always")
+            .all(|x| x.holds),
+        "a counterexample appeared — add it to the README table"
+    );
+}
+
+/// The configuration of the #46014 test: one rank, three requests, async scheduling depth 2, a
+/// pool that forces preemption, 3 output tokens, no abort, and the GPU prefix cache off — so a
+/// re-admitted request finds nothing on the GPU and its lookup starts at chunk 0, where its
+/// acknowledged prompt chunks lie before the chunk its flushed store is still writing.
+fn readmission_config() -> SystemConfig {
+    SystemConfig {
+        ranks: 1,
+        requests: 3,
+        max_tokens: 3,
+        gpu_blocks: 5,
+        async_depth: 2,
+        aborts: 0,
+        prefix_caching: false,
+        ..SystemConfig::ci()
     }
+}
+
+/// vLLM issue #46014: a preempted request was re-admitted under async scheduling while the
+/// store flushed at its preemption was not acknowledged yet; its lookup hit the chunks stored
+/// before, and the load job joined the in-flight store job (vLLM: `assert not
+/// req_status.transfer_jobs`; kvrelay: a sticky contract error, I-39). The fault is the lookup
+/// of the bug report (no jobs check; a chunk still being stored ends the run of hits). With
+/// vLLM 0.33's lookup, where such a chunk defers the answer, the crash is not reached here:
+/// the flushed chunk lies inside the looked-up range.
+#[test]
+fn issue_46014_readmission_with_unacknowledged_stores() {
+    let r = run(
+        OffloadingPair {
+            fault: Some(SchedFault::LookupIgnoresJobs),
+        },
+        readmission_config(),
+    );
+    found(&r, p::CORE, 28, "with jobs in flight");
+    let r = run(OffloadingPair::default(), readmission_config());
+    assert!(r.passed(), "{:#?}", r.properties);
 }
 
 /// vLLM PR #32255: a request aborted while its async load was in flight had its blocks freed at

@@ -166,6 +166,9 @@ struct CheckArgs {
     /// Tokens per GPU block.
     #[arg(long, value_name = "N", help_heading = "System model")]
     block_size: Option<u32>,
+    /// Turn the scheduler's GPU prefix cache off: every hit then comes from the connector.
+    #[arg(long, help_heading = "System model")]
+    no_prefix_caching: bool,
     /// CPU chunks of the offloading manager.
     #[arg(long, value_name = "N", help_heading = "System model")]
     cpu_chunks: Option<u32>,
@@ -558,6 +561,7 @@ fn model_flags_given(
         (a.mode.is_some(), "--mode", BOTH),
         (a.gpu_blocks.is_some(), "--gpu-blocks", SYSTEM),
         (a.block_size.is_some(), "--block-size", SYSTEM),
+        (a.no_prefix_caching, "--no-prefix-caching", SYSTEM),
         (a.cpu_chunks.is_some(), "--cpu-chunks", SYSTEM),
         (a.blocks_per_chunk.is_some(), "--blocks-per-chunk", SYSTEM),
         (a.prompt_tokens.is_some(), "--prompt-tokens", SYSTEM),
@@ -749,6 +753,9 @@ fn check_system_model(a: &CheckArgs) -> Result<ExitCode, CheckError> {
     }
     if a.unordered_completions {
         c.ordered_completions = false;
+    }
+    if a.no_prefix_caching {
+        c.prefix_caching = false;
     }
     set(&mut c.load_failures, a.load_failures);
     let connector = a.connector.unwrap_or(ConnectorArg::Offloading);

@@ -322,6 +322,7 @@ fn system_flags_override_the_preset() {
             "9",
             "--block-size",
             "1",
+            "--no-prefix-caching",
             "--cpu-chunks",
             "2",
             "--blocks-per-chunk",
@@ -368,6 +369,7 @@ fn system_flags_override_the_preset() {
         "shared_tokens: 2,",
         "max_tokens: 1,",
         "block_size: 1,",
+        "prefix_caching: false,",
         "gpu_blocks: 9,",
         "max_batched_tokens: 4,",
         "sliding_window: Some(2),",
@@ -447,4 +449,41 @@ fn a_scheduler_fault_without_the_feature_is_refused() {
     );
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("--features scheduler-faults"));
+}
+
+/// vLLM issue #46014 from the command line: the faulty lookup with the GPU prefix cache off
+/// re-admits a request whose flushed store is unacknowledged, and its load job is refused (I-39).
+#[test]
+fn the_readmission_fault_is_found_with_the_prefix_cache_off() {
+    let args = [
+        "--fault",
+        "lookup-ignores-jobs",
+        "--no-prefix-caching",
+        "--ranks",
+        "1",
+        "--requests",
+        "3",
+        "--max-tokens",
+        "3",
+        "--gpu-blocks",
+        "5",
+        "--async-depth",
+        "2",
+        "--aborts",
+        "0",
+        "--threads",
+        "1",
+    ];
+    let out = kvrelay_check(&args, LIMIT);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(stdout.contains("with jobs in flight"), "{stdout}");
+    // The prefix-cache flag belongs to the system model.
+    let out = kvrelay_check(&["--model", "completion", "--no-prefix-caching"], LIMIT);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("--no-prefix-caching"),
+        "{}",
+        text(&out.stderr)
+    );
 }
