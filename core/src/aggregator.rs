@@ -739,4 +739,32 @@ mod tests {
             }
         );
     }
+
+    #[test]
+    fn check_invariants_rejects_a_corrupt_aggregator() {
+        // The model checker calls check_invariants after every action; it must see each kind of
+        // corruption (a cargo-mutants survivor: the check replaced by Ok(()) went unnoticed).
+        let mut healthy: Aggregator = Aggregator::new(2, Mode::Strict);
+        healthy.aggregate(&[sending(&[1]), None], Rank(0)).unwrap();
+        healthy.check_invariants().unwrap();
+        let id_of = |a: Aggregator, f: fn(&mut Aggregator)| {
+            let mut a = a;
+            f(&mut a);
+            a.check_invariants().unwrap_err().id
+        };
+        // More reports to go than any quorum.
+        assert_eq!(id_of(healthy.clone(), |a| a.send.remaining[1] = 2), "I-21");
+        // Strict: reports to go but nobody reported in the cycle.
+        assert_eq!(
+            id_of(healthy.clone(), |a| a.send.reporters[1].clear()),
+            "I-21"
+        );
+        // A pending failure not counted.
+        assert_eq!(
+            id_of(healthy.clone(), |a| a.failed_pending.push(true)),
+            "I-24"
+        );
+        // A quorum above its recorded high.
+        assert_eq!(id_of(healthy, |a| a.quorum = 3), "I-26");
+    }
 }

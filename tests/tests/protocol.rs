@@ -129,6 +129,9 @@ fn run(ev: &[Ev]) -> Result<Verdict, TestCaseError> {
     let mut first: Option<(usize, ProtocolViolation)> = None;
     // Steps opened so far, and the shape of the last one.
     let (mut steps, mut shape) = (0u64, StepShape::default());
+    // Whether metadata is bound, by the grammar's reading: from an accepted `bind` to the
+    // step's `clear` (I-2).
+    let mut bound = false;
     for (i, e) in ev.iter().enumerate() {
         let phase = p.phase();
         let result = match *e {
@@ -140,7 +143,14 @@ fn run(ev: &[Ev]) -> Result<Verdict, TestCaseError> {
             Ev::Call(c) => p.handle(c),
         };
         match (&first, result) {
-            (None, Ok(())) => {}
+            (None, Ok(())) => {
+                match *e {
+                    Ev::Call(C::Bind) => bound = true,
+                    Ev::Call(C::Clear) => bound = false,
+                    _ => {}
+                }
+                prop_assert_eq!(p.is_bound(), bound, "is_bound after event {} {:?}", i, e);
+            }
             (None, Err(v)) => {
                 let call = match *e {
                     Ev::Begin(_) => None,
