@@ -365,3 +365,26 @@ fn next_phase(s: StepShape, phase: WorkerPhase, call: WorkerCall) -> Option<Work
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_invariants_rejects_a_corrupt_protocol() {
+        // The model checker calls check_invariants after every action (a cargo-mutants
+        // survivor: the check replaced by Ok(()) went unnoticed).
+        let mut p = WorkerProtocol::new();
+        p.check_invariants().unwrap();
+        p.begin_step(StepShape::default()).unwrap();
+        p.check_invariants().unwrap();
+        // A phase this step's shape cannot reach: finalizing without deferred finalization.
+        let mut bad = p.clone();
+        bad.phase = WorkerPhase::Finalizing;
+        assert_eq!(bad.check_invariants().unwrap_err().id, "I-1");
+        // A step in progress before any step was opened.
+        let mut bad = WorkerProtocol::new();
+        bad.phase = WorkerPhase::Opened;
+        assert_eq!(bad.check_invariants().unwrap_err().id, "I-5");
+    }
+}
