@@ -368,6 +368,8 @@ fn next_phase(s: StepShape, phase: WorkerPhase, call: WorkerCall) -> Option<Work
 
 #[cfg(test)]
 mod tests {
+    use alloc::vec;
+
     use super::*;
 
     #[test]
@@ -376,7 +378,11 @@ mod tests {
         // survivor: the check replaced by Ok(()) went unnoticed).
         let mut p = WorkerProtocol::new();
         p.check_invariants().unwrap();
-        p.begin_step(StepShape::default()).unwrap();
+        p.begin_step(StepShape {
+            forward: false,
+            ..StepShape::default()
+        })
+        .unwrap();
         p.check_invariants().unwrap();
         // A phase this step's shape cannot reach: finalizing without deferred finalization.
         let mut bad = p.clone();
@@ -386,5 +392,37 @@ mod tests {
         let mut bad = WorkerProtocol::new();
         bad.phase = WorkerPhase::Opened;
         assert_eq!(bad.check_invariants().unwrap_err().id, "I-5");
+        // Inside a layer of a step without a forward pass.
+        let mut bad = p.clone();
+        bad.phase = WorkerPhase::InLayer { loaded: false };
+        assert_eq!(bad.check_invariants().unwrap_err().id, "I-1");
+    }
+
+    #[test]
+    fn wait_for_save_after_the_metadata_only_in_a_deferred_step() {
+        // In a step that does not defer finalisation, `wait_for_save` comes before
+        // `get_finished`; after `build_worker_meta` only `clear` is legal.
+        use WorkerCall as C;
+        for defer_finalize in [false, true] {
+            let mut p = WorkerProtocol::new();
+            p.begin_step(StepShape {
+                defer_finalize,
+                ..StepShape::default()
+            })
+            .unwrap();
+            let mut calls = vec![C::HandlePreemptions, C::Bind, C::StartLoadKv];
+            if !defer_finalize {
+                calls.push(C::WaitForSave);
+            }
+            calls.extend([
+                C::GetFinished,
+                C::GetBlockIdsWithLoadErrors,
+                C::BuildWorkerMeta,
+            ]);
+            for c in calls {
+                p.handle(c).unwrap();
+            }
+            assert_eq!(p.handle(C::WaitForSave).is_ok(), defer_finalize);
+        }
     }
 }
