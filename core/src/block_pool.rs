@@ -407,4 +407,39 @@ mod tests {
         assert_ne!(a, hash_block(None, &[2, 1]));
         assert_ne!(hash_block(Some(a), &[3]), hash_block(None, &[3]));
     }
+
+    /// cargo-mutants survivors: the null block never gets a key, a cached block keeps its key,
+    /// and among blocks with the same key a hit takes the one cached first (vLLM's
+    /// `get_one_block`: the dict's insertion order).
+    #[test]
+    fn cache_keys_stick_and_the_oldest_duplicate_wins() {
+        let mut pool = BlockPool::new(6);
+        pool.cache_block(NULL_BLOCK, BlockHash(7), 0);
+        assert_eq!(pool.num_cached(), 0);
+        assert_eq!(pool.get_cached(BlockHash(7), 0), None);
+        let b = pool.get_new_blocks(3).unwrap();
+        pool.cache_block(b[0], BlockHash(7), 0);
+        pool.cache_block(b[0], BlockHash(8), 0);
+        assert_eq!(pool.cached_hash(b[0]), Some((BlockHash(7), 0)));
+        assert_eq!(pool.num_cached(), 1);
+        // Two more blocks with the same content: the first cached still answers, and once its
+        // key is evicted the next oldest does.
+        pool.cache_block(b[1], BlockHash(7), 0);
+        pool.cache_block(b[2], BlockHash(7), 0);
+        assert_eq!(pool.get_cached(BlockHash(7), 0), Some(b[0]));
+        pool.evict_blocks([b[0]]);
+        assert_eq!(pool.get_cached(BlockHash(7), 0), Some(b[1]));
+        assert!(pool.check_invariants().is_ok());
+    }
+
+    /// Load-error block ids come from workers: one outside the pool is ignored, not a panic.
+    #[test]
+    fn evicting_a_block_outside_the_pool_is_a_no_op() {
+        let mut pool = BlockPool::new(3);
+        let b = pool.get_new_blocks(1).unwrap();
+        pool.cache_block(b[0], BlockHash(1), 0);
+        pool.evict_blocks([BlockId(99), NULL_BLOCK]);
+        assert_eq!(pool.get_cached(BlockHash(1), 0), Some(b[0]));
+        assert!(pool.check_invariants().is_ok());
+    }
 }
