@@ -382,3 +382,37 @@ impl WorkerConnector for OffloadingWorker {
         self.flushed.clear();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_invariants_rejects_a_corrupt_worker() {
+        // The model checker calls check_invariants after every action (a cargo-mutants
+        // survivor: the check replaced by Ok(()) went unnoticed).
+        let fresh = OffloadingWorker::new(OffloadingWorkerConfig {
+            blocks_per_chunk: 1,
+            is_store_writer: true,
+            bytes_per_block: 1,
+        });
+        fresh.check_invariants().unwrap();
+        let mut queued = fresh.clone();
+        queued.queues[0].push_back((JobId(1), 1));
+        queued.check_invariants().unwrap();
+        let corruptions: [fn(&mut OffloadingWorker); 3] = [
+            |w| w.queues[1].push_back((JobId(1), 1)),
+            |w| {
+                w.done.insert(JobId(2));
+            },
+            |w| {
+                w.load_jobs.insert(JobId(3), None);
+            },
+        ];
+        for corrupt in corruptions {
+            let mut w = queued.clone();
+            corrupt(&mut w);
+            assert_eq!(w.check_invariants().unwrap_err().id, "I-46");
+        }
+    }
+}
