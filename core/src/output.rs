@@ -211,3 +211,19 @@ pub struct AggregatedOutput<M = Meta> {
     /// The quorum in force after this call.
     pub expected_finished_count: u32,
 }
+
+#[cfg(test)]
+mod tests {
+    use alloc::vec;
+
+    use super::*;
+
+    #[test]
+    fn a_sorted_set_sorts_deduplicates_and_counts() {
+        let s = SortedSet::from_vec(vec![3u32, 1, 3, 2]);
+        assert_eq!(s.len(), 3);
+        assert!(!s.is_empty());
+        assert!(s.contains(&2) && !s.contains(&4));
+        assert_eq!(SortedSet::<u32>::new().len(), 0);
+    }
+}
