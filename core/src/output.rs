@@ -226,4 +226,25 @@ mod tests {
         assert!(s.contains(&2) && !s.contains(&4));
         assert_eq!(SortedSet::<u32>::new().len(), 0);
     }
+
+    #[test]
+    fn a_worker_output_is_empty_until_any_field_carries_something() {
+        let empty: WorkerOutput = WorkerOutput::default();
+        assert!(empty.is_empty());
+        let counted = WorkerOutput::<crate::Meta> {
+            expected_finished_count: 3,
+            ..WorkerOutput::default()
+        };
+        assert!(counted.is_empty(), "the quorum alone is not content");
+        let recving = WorkerOutput::<crate::Meta> {
+            finished_recving: Some(SortedSet::from_vec(vec![crate::RequestId(1)])),
+            ..WorkerOutput::default()
+        };
+        assert!(!recving.is_empty());
+        let sending_none = WorkerOutput::<crate::Meta> {
+            finished_sending: Some(SortedSet::new()),
+            ..WorkerOutput::default()
+        };
+        assert!(sending_none.is_empty(), "an empty set is no content");
+    }
 }
