@@ -269,3 +269,20 @@ pub fn build_multi(children: Vec<Option<Meta>>) -> Option<Meta> {
         Some(Meta::Multi(children))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offload_meta_counts_distinct_jobs() {
+        // A cargo-mutants survivor: a constant `len` went unnoticed.
+        let m = OffloadMeta::from_counts([(JobId(2), 1), (JobId(1), 1), (JobId(2), 1)]);
+        assert_eq!(m.len(), 2);
+        assert_eq!(
+            m.completed_jobs().collect::<Vec<_>>(),
+            [(JobId(1), 1), (JobId(2), 2)]
+        );
+        assert_eq!(OffloadMeta::new().len(), 0);
+    }
+}
