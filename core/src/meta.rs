@@ -285,4 +285,17 @@ mod tests {
         );
         assert_eq!(OffloadMeta::new().len(), 0);
     }
+
+    #[test]
+    fn offload_meta_count_reads_recorded_counts() {
+        // A cargo-mutants survivor: the merge law `count(a + b) = count(a) + count(b)` holds for
+        // a constant-0 `count`, so read counts against what was recorded.
+        let m = OffloadMeta::from_counts([(JobId(3), 1), (JobId(1), 2), (JobId(3), 1)]);
+        assert_eq!(m.count(JobId(1)), 2);
+        assert_eq!(m.count(JobId(3)), 2);
+        assert_eq!(m.count(JobId(2)), 0, "an absent job counts 0");
+        for (job, count) in m.completed_jobs() {
+            assert_eq!(m.count(job), count);
+        }
+    }
 }
