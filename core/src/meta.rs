@@ -298,4 +298,26 @@ mod tests {
             assert_eq!(m.count(job), count);
         }
     }
+
+    #[test]
+    fn mismatched_forms_are_named_in_the_error() {
+        // A cargo-mutants survivor: no test read the form names the error reports.
+        let offload = Meta::Offload(OffloadMeta::new());
+        let set = Meta::Set(SortedSet::default());
+        let multi = Meta::Multi(alloc::vec![None]);
+        assert_eq!(
+            merge(Some(offload.clone()), Some(set.clone())),
+            Err(MetaMismatch::Forms {
+                left: "offload",
+                right: "set"
+            })
+        );
+        assert_eq!(
+            merge(Some(multi), Some(offload)),
+            Err(MetaMismatch::Forms {
+                left: "multi",
+                right: "offload"
+            })
+        );
+    }
 }
