@@ -334,6 +334,20 @@ impl<M: WorkerMeta> Aggregator<M> {
         }
     }
 
+    /// vLLM's `init_kv_output_aggregator(connector)`, called once when the executor starts: the
+    /// quorum is the scheduler connector's `get_finished_count()` answer or, when that is `None`
+    /// or 0 (Python's `or`), the world size.
+    ///
+    /// # Panics
+    /// If the resulting quorum is 0 (`world_size` 0 with no override), as [`Aggregator::new`].
+    pub fn for_connector(finished_count: Option<u32>, world_size: u32, mode: Mode) -> Self {
+        let quorum = match finished_count {
+            Some(n) if n > 0 => n,
+            _ => world_size,
+        };
+        Self::new(quorum, mode)
+    }
+
     /// Like [`Aggregator::new`], with the dense tables pre-sized for ids `0..requests`.
     pub fn with_capacity(quorum: u32, mode: Mode, requests: usize) -> Self {
         let mut a = Self::new(quorum, mode);
@@ -696,6 +710,16 @@ mod tests {
             }
         );
         assert_eq!(a.salvaged_len(), 1);
+    }
+
+    #[test]
+    fn connector_finished_count_overrides_the_world_size() {
+        // `get_finished_count() or world_size`: None and 0 both fall back (Python's `or`).
+        let quorum = |n, w| Aggregator::<Meta>::for_connector(n, w, Mode::Compat).quorum();
+        assert_eq!(quorum(None, 4), 4);
+        assert_eq!(quorum(Some(0), 4), 4);
+        assert_eq!(quorum(Some(2), 4), 2);
+        assert_eq!(quorum(Some(8), 4), 8);
     }
 
     #[test]

@@ -1088,11 +1088,13 @@ impl<P: Connectors> SystemModel<P> {
                 symmetric,
             })
             .collect();
+        let aggregator =
+            Aggregator::for_connector(scheduler.connector().get_finished_count(), c.ranks, c.mode);
         let n = c.requests as usize;
         SystemState {
             scheduler,
             ranks,
-            aggregator: Aggregator::new(c.ranks, c.mode),
+            aggregator,
             steps: VecDeque::new(),
             arrived: 0,
             aborts_left: c.aborts,
