@@ -101,3 +101,27 @@ impl EventAccumulator {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_invariants_rejects_corrupt_accumulations() {
+        // A cargo-mutants survivor: `update` cannot build these states, so only a corrupted
+        // accumulator shows that the check looks at all.
+        let mut acc = EventAccumulator::new();
+        acc.update(Some(&KvEvents::from_worker(alloc::vec![KvEvent(
+            "e".into()
+        )])));
+        assert_eq!(acc.check_invariants(), Ok(()));
+        let zero_contributors = EventAccumulator {
+            pending: Some((BTreeMap::new(), 0)),
+        };
+        assert!(zero_contributors.check_invariants().is_err());
+        let zero_occurrences = EventAccumulator {
+            pending: Some((BTreeMap::from([(KvEvent("e".into()), 0)]), 1)),
+        };
+        assert!(zero_occurrences.check_invariants().is_err());
+    }
+}

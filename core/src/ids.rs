@@ -177,5 +177,13 @@ mod tests {
         assert_eq!(i.resolve(RequestId(0)), None);
         assert_eq!(i.intern("c"), RequestId(0), "released ids are reused");
         assert_eq!((i.len(), i.capacity()), (2, 2));
+        // cargo-mutants survivors: `get` and `is_empty` were read by no test.
+        assert_eq!(i.get("a"), Some(RequestId(1)));
+        assert_eq!(i.get("b"), None, "released");
+        assert!(!i.is_empty());
+        i.release("a");
+        i.release("c");
+        assert!(i.is_empty());
+        assert_eq!(Interner::new().get("a"), None);
     }
 }

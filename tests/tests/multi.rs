@@ -237,6 +237,21 @@ fn params_of_children_merge_and_empty_params_are_not_none() {
 }
 
 #[test]
+fn scripted_delay_all_delays_every_free_until_cleared() {
+    // A cargo-mutants survivor: `set_delay_all` (the P/D producer switch of conformance cases)
+    // was exercised by no test.
+    let s = idle();
+    let v = s.view();
+    let mut c = ScriptedConnector::quiet();
+    assert!(!c.request_finished(&v, rid(1), &[]).delay_free);
+    c.set_delay_all(true);
+    assert!(c.request_finished(&v, rid(1), &[]).delay_free);
+    assert!(c.request_finished(&v, rid(7), &[]).delay_free);
+    c.set_delay_all(false);
+    assert!(!c.request_finished(&v, rid(7), &[]).delay_free);
+}
+
+#[test]
 fn a_params_key_clash_is_a_typed_error_that_records_nothing() {
     let s = idle();
     let v = s.view();
