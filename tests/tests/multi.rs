@@ -252,6 +252,19 @@ fn scripted_delay_all_delays_every_free_until_cleared() {
 }
 
 #[test]
+fn scripted_finish_params_are_returned_until_cleared() {
+    // A cargo-mutants survivor: `clear_finish_params` was exercised by no test.
+    let s = idle();
+    let v = s.view();
+    let mut c = ScriptedConnector::quiet();
+    c.set_finish_params(rid(1), params(&[("k", "1")]));
+    let d = c.request_finished(&v, rid(1), &[]);
+    assert_eq!(d.kv_transfer_params, Some(params(&[("k", "1")])));
+    c.clear_finish_params(rid(1));
+    assert_eq!(c.request_finished(&v, rid(1), &[]).kv_transfer_params, None);
+}
+
+#[test]
 fn a_params_key_clash_is_a_typed_error_that_records_nothing() {
     let s = idle();
     let v = s.view();
