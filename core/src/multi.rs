@@ -813,3 +813,25 @@ impl<T: WorkerConnector + ?Sized> WorkerConnector for alloc::boxed::Box<T> {
         (**self).clear();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ScriptedConnector;
+
+    #[test]
+    fn check_invariants_rejects_corrupt_scheduler_state() {
+        // A cargo-mutants survivor: the public calls never build these states, so only a
+        // corrupted connector shows that the check looks at all.
+        let healthy = MultiConnector::new(alloc::vec![ScriptedConnector::quiet(); 2]).unwrap();
+        assert_eq!(healthy.check_invariants(), Ok(()));
+        let mut stray_loader = healthy.clone();
+        stray_loader.loaders.insert(RequestId(1), 2);
+        let e = stray_loader.check_invariants().unwrap_err();
+        assert!(format!("{e:?}").contains("I-29"), "{e:?}");
+        let mut zero_saves = healthy.clone();
+        zero_saves.extra_async_saves.insert(RequestId(1), 0);
+        let e = zero_saves.check_invariants().unwrap_err();
+        assert!(format!("{e:?}").contains("I-28"), "{e:?}");
+    }
+}
