@@ -817,7 +817,7 @@ impl<T: WorkerConnector + ?Sized> WorkerConnector for alloc::boxed::Box<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ScriptedConnector;
+    use crate::{ScriptedConnector, ScriptedWorker};
 
     #[test]
     fn check_invariants_rejects_corrupt_scheduler_state() {
@@ -833,5 +833,25 @@ mod tests {
         zero_saves.extra_async_saves.insert(RequestId(1), 0);
         let e = zero_saves.check_invariants().unwrap_err();
         assert!(format!("{e:?}").contains("I-28"), "{e:?}");
+    }
+
+    #[test]
+    fn worker_check_invariants_rejects_corrupt_renumbering() {
+        // A cargo-mutants survivor, like the scheduler side's check above.
+        let healthy = MultiWorker::new(alloc::vec![ScriptedWorker::new(); 2]);
+        assert_eq!(healthy.check_invariants(), Ok(()));
+        let mut zero_saves = healthy.clone();
+        zero_saves.extra_async_saves.insert(RequestId(1), 0);
+        assert!(format!("{:?}", zero_saves.check_invariants()).contains("I-28"));
+        let mut one_way = healthy.clone();
+        one_way.jobs.insert(JobId(0), (0, JobId(5)));
+        assert!(
+            one_way.check_invariants().is_err(),
+            "outer job without its inverse"
+        );
+        let mut stray_child = healthy.clone();
+        stray_child.jobs.insert(JobId(0), (2, JobId(5)));
+        stray_child.outer.insert((2, JobId(5)), JobId(0));
+        assert!(stray_child.check_invariants().is_err(), "child 2 of 2");
     }
 }
