@@ -836,6 +836,31 @@ mod tests {
     }
 
     #[test]
+    fn a_boxed_connector_forwards_every_answer() {
+        // cargo-mutants survivors: the `Box<T>` forwarding impl was only ever asked defaults.
+        let scheduler =
+            crate::Scheduler::new(crate::SchedulerConfig::default(), crate::NoopConnector).unwrap();
+        let view = scheduler.view();
+        let mut inner = ScriptedConnector::quiet();
+        inner.set_pending_block_frees(true);
+        inner.set_push_work(true);
+        inner.set_finished_count(Some(3));
+        inner.set_requires_kv_delivery(true);
+        let boxed = alloc::boxed::Box::new(inner);
+        assert!(boxed.has_pending_block_frees(&view));
+        assert!(boxed.has_pending_push_work());
+        assert_eq!(boxed.get_finished_count(), Some(3));
+        assert!(boxed.requires_kv_delivery());
+        let mut multi = MultiConnector::new(alloc::vec![ScriptedConnector::quiet()]).unwrap();
+        multi.record(MultiError::FinishedCountConflict {
+            counts: alloc::vec![1, 2],
+        });
+        let mut boxed = alloc::boxed::Box::new(multi);
+        assert!(boxed.take_error().is_some());
+        assert_eq!(boxed.take_error(), None, "reported once");
+    }
+
+    #[test]
     fn worker_check_invariants_rejects_corrupt_renumbering() {
         // A cargo-mutants survivor, like the scheduler side's check above.
         let healthy = MultiWorker::new(alloc::vec![ScriptedWorker::new(); 2]);
