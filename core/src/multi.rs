@@ -851,6 +851,13 @@ mod tests {
         assert!(boxed.has_pending_push_work());
         assert_eq!(boxed.get_finished_count(), Some(3));
         assert!(boxed.requires_kv_delivery());
+        let mut plain = alloc::boxed::Box::new(ScriptedConnector::quiet());
+        assert!(!plain.requires_kv_delivery());
+        assert_eq!(
+            plain.reset_cache(),
+            ScriptedConnector::quiet().reset_cache()
+        );
+        assert_ne!(plain.reset_cache(), Some(false));
         let mut multi = MultiConnector::new(alloc::vec![ScriptedConnector::quiet()]).unwrap();
         multi.record(MultiError::FinishedCountConflict {
             counts: alloc::vec![1, 2],
