@@ -340,8 +340,11 @@ impl<M: WorkerMeta> Aggregator<M> {
     ///
     /// # Panics
     /// If the resulting quorum is 0 (`world_size` 0 with no override), as [`Aggregator::new`].
-    pub fn for_connector(finished_count: Option<u32>, world_size: u32, mode: Mode) -> Self {
-        let quorum = match finished_count {
+    pub fn for_connector<C>(connector: &C, world_size: u32, mode: Mode) -> Self
+    where
+        C: crate::SchedulerConnector<WorkerMeta = M> + ?Sized,
+    {
+        let quorum = match connector.get_finished_count() {
             Some(n) if n > 0 => n,
             _ => world_size,
         };
@@ -715,7 +718,11 @@ mod tests {
     #[test]
     fn connector_finished_count_overrides_the_world_size() {
         // `get_finished_count() or world_size`: None and 0 both fall back (Python's `or`).
-        let quorum = |n, w| Aggregator::<Meta>::for_connector(n, w, Mode::Compat).quorum();
+        let quorum = |n, w| {
+            let mut connector = crate::ScriptedConnector::quiet();
+            connector.set_finished_count(n);
+            Aggregator::for_connector(&connector, w, Mode::Compat).quorum()
+        };
         assert_eq!(quorum(None, 4), 4);
         assert_eq!(quorum(Some(0), 4), 4);
         assert_eq!(quorum(Some(2), 4), 2);

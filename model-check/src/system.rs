@@ -1088,8 +1088,7 @@ impl<P: Connectors> SystemModel<P> {
                 symmetric,
             })
             .collect();
-        let aggregator =
-            Aggregator::for_connector(scheduler.connector().get_finished_count(), c.ranks, c.mode);
+        let aggregator = Aggregator::for_connector(scheduler.connector(), c.ranks, c.mode);
         let n = c.requests as usize;
         SystemState {
             scheduler,

@@ -189,7 +189,7 @@ impl OffloadEngine {
         off.offload_prompt_only = c.offload_prompt_only;
         let conn = OffloadingConnector::new(off, &sc).map_err(|e| CaseError(e.to_string()))?;
         let s = Scheduler::new(sc, conn).map_err(|e| CaseError(e.to_string()))?;
-        let agg = Aggregator::for_connector(s.connector().get_finished_count(), c.ranks, mode);
+        let agg = Aggregator::for_connector(s.connector(), c.ranks, mode);
         let w = c.ranks as usize;
         let workers = (0..c.ranks)
             .map(|r| {
