@@ -867,6 +867,79 @@ mod tests {
         assert_eq!(boxed.take_error(), None, "reported once");
     }
 
+    /// A worker connector that records every call and answers with values no default matches.
+    #[derive(Debug, Default)]
+    struct Recorder {
+        calls: Vec<&'static str>,
+        done: Vec<TransferDone>,
+    }
+
+    impl WorkerConnector for Recorder {
+        type Meta = u32;
+        type WorkerMeta = Meta;
+
+        fn handle_preemptions(&mut self, _meta: &u32) -> Vec<TransferCommand> {
+            Vec::new()
+        }
+        fn bind(&mut self, _meta: &u32) {
+            self.calls.push("bind");
+        }
+        fn start_load_kv(&mut self) -> Vec<TransferCommand> {
+            Vec::new()
+        }
+        fn wait_for_save(&mut self) -> Vec<TransferCommand> {
+            Vec::new()
+        }
+        fn handle_transfer_done(&mut self, done: TransferDone) {
+            self.done.push(done);
+        }
+        fn get_transfer_results(&mut self, finished: &SortedSet<RequestId>) -> TransferResults {
+            TransferResults {
+                finished_sending: Some(finished.clone()),
+                finished_recving: None,
+                failed_recving: SortedSet::from_vec(alloc::vec![RequestId(9)]),
+            }
+        }
+        fn get_block_ids_with_load_errors(&mut self) -> SortedSet<BlockId> {
+            SortedSet::from_vec(alloc::vec![BlockId(4), BlockId(7)])
+        }
+        fn build_connector_worker_meta(&mut self) -> Option<Meta> {
+            Some(Meta::Set(SortedSet::from_vec(alloc::vec![
+                "rank".to_string()
+            ])))
+        }
+        fn clear(&mut self) {
+            self.calls.push("clear");
+        }
+    }
+
+    #[test]
+    fn a_boxed_worker_connector_forwards_every_call() {
+        // cargo-mutants survivors: the worker side of the `Box<T>` forwarding impl.
+        let mut boxed = alloc::boxed::Box::new(Recorder::default());
+        boxed.bind(&1);
+        let done = TransferDone {
+            job: JobId(3),
+            ok: false,
+        };
+        boxed.handle_transfer_done(done);
+        let finished = SortedSet::from_vec(alloc::vec![RequestId(2)]);
+        let results = boxed.get_transfer_results(&finished);
+        assert_eq!(results.finished_sending, Some(finished));
+        assert_eq!(results.failed_recving.as_slice(), &[RequestId(9)]);
+        assert_eq!(
+            boxed.get_block_ids_with_load_errors().as_slice(),
+            &[BlockId(4), BlockId(7)]
+        );
+        assert!(matches!(
+            boxed.build_connector_worker_meta(),
+            Some(Meta::Set(_))
+        ));
+        boxed.clear();
+        assert_eq!(boxed.calls, ["bind", "clear"]);
+        assert_eq!(boxed.done, [done]);
+    }
+
     #[test]
     fn worker_check_invariants_rejects_corrupt_renumbering() {
         // A cargo-mutants survivor, like the scheduler side's check above.
