@@ -870,6 +870,48 @@ fn the_sliding_window_lookup_needs_only_the_last_window() {
     sim.drain(10);
 }
 
+/// A sliding-window-only connector whose window (16 tokens) spans two 12-token chunks, with a
+/// 4-chunk LRU manager, and its first request's 48-token prompt offloaded (keys 0..4 stored).
+fn two_chunk_window_sim() -> (Sim, Vec<u32>) {
+    let mut config = sched_config(200, false);
+    config.groups = vec![GroupKind::SlidingWindow { window: 16 }];
+    let off = OffloadingConfig::new(BPC, 1, manager(4));
+    let mut sim = Sim::new(config, off, &[true]);
+    let p = prompt(1, 48);
+    sim.offload(1, &p);
+    (sim, p)
+}
+
+fn window_keys(sim: &Sim, p: &[u32]) -> Vec<KeyLookup> {
+    (0..4).map(|c| sim.lookup(p, c, 0)).collect()
+}
+
+#[test]
+fn a_sliding_window_hit_only_needs_the_last_window_not_the_prefix() {
+    // `_sliding_window_lookup` scans from the end: with chunk 1's key evicted, the window ending
+    // at chunk 3 (chunks 2 and 3) still hits, where a prefix lookup would stop at chunk 0.
+    let (mut sim, p) = two_chunk_window_sim();
+    // A request with the same prefix loads the last window (the LRU commits chunks 2 and 3 as
+    // most recent); then one new chunk evicts the least recent key, chunk 1.
+    sim.offload(2, &extended(&p, &[9]));
+    sim.offload(3, &prompt(3, 13));
+    use KeyLookup::{Hit, Miss};
+    assert_eq!(window_keys(&sim, &p), [Hit, Miss, Hit, Hit]);
+    sim.add(spec(4, extended(&p, &[9]), 1));
+    let s = sim.step();
+    let lj = s
+        .meta
+        .load_jobs
+        .values()
+        .next()
+        .expect("a load of the last window");
+    // The 16-token window ending at token 48: blocks 8..12, in the keys of chunks 2 and 3.
+    assert_eq!(lj.gpu.block_indices, [8]);
+    assert_eq!(lj.gpu.block_ids[0], sim.blocks(4, 0)[8..12].to_vec());
+    assert_eq!(lj.chunks[0].len(), 2);
+    sim.drain(10);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Direct checks of the connector and the worker.
 
