@@ -1104,6 +1104,40 @@ fn a_hit_within_the_sync_budget_loads_before_the_forward() {
 }
 
 #[test]
+fn the_sync_budget_boundaries() {
+    // One sim per case: a 36-token prefix offloaded, then a request whose hit is that prefix.
+    let first_load = |budget: u32, second: Vec<u32>| {
+        let mut off = OffloadingConfig::new(BPC, 1, manager(64));
+        off.sync_load_budget_tokens = budget;
+        let mut sim = Sim::new(sched_config(100, false), off, &[true]);
+        let p = prompt(1, 36);
+        sim.offload(1, &p);
+        sim.add(spec(2, second, 2));
+        let s = sim.step();
+        let lj = s.meta.load_jobs.values().next().expect("a load").clone();
+        sim.drain(10);
+        lj
+    };
+    let p = prompt(1, 36);
+    // A hit of exactly the budget is loaded synchronously; one token over is not.
+    let lj = first_load(36, extended(&p, &[1]));
+    assert_eq!(
+        (lj.num_blocks(), lj.sync),
+        (9, true),
+        "36-token hit, budget 36"
+    );
+    let lj = first_load(35, extended(&p, &[1]));
+    assert_eq!(
+        (lj.num_blocks(), lj.sync),
+        (9, false),
+        "36-token hit, budget 35"
+    );
+    // A hit of the whole prompt leaves nothing to compute this step: never synchronous.
+    let lj = first_load(40, p.clone());
+    assert!(!lj.sync, "whole-prompt hit");
+}
+
+#[test]
 fn max_load_tokens_caps_the_hit_to_whole_chunks() {
     let mut sim = Sim::simple(100, false, 1);
     let p = prompt(1, 36);
