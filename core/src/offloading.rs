@@ -1396,3 +1396,70 @@ impl SchedulerConnector for OffloadingConnector {
         Some(true)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::offload_manager::PolicyKind;
+
+    fn connector() -> OffloadingConnector {
+        let manager = ManagerConfig {
+            capacity_chunks: 8,
+            policy: PolicyKind::Lru,
+            store_threshold: 0,
+        };
+        OffloadingConnector::new(
+            OffloadingConfig::new(2, 1, manager),
+            &SchedulerConfig::default(),
+        )
+        .unwrap()
+    }
+
+    /// A job of `kind`: `'s'` store, `'l'` async load, `'y'` sync load.
+    fn job(request: RequestId, kind: char) -> JobStatus {
+        JobStatus {
+            request,
+            pending: 1,
+            keys: Vec::new(),
+            is_store: kind == 's',
+            is_sync_load: kind == 'y',
+            fenced: Vec::new(),
+            deferred_fence: Vec::new(),
+        }
+    }
+
+    /// A connector with jobs 0.. (one per kind, all of request 1, listed by it).
+    fn with_jobs(kinds: &str) -> OffloadingConnector {
+        let mut conn = connector();
+        let r = RequestId(1);
+        let mut st = ReqState::new(1, None, None);
+        for (i, kind) in kinds.chars().enumerate() {
+            let id = conn.new_job_id();
+            assert_eq!(id, JobId(i as u64));
+            conn.jobs.insert(id, job(r, kind));
+            st.jobs.insert(id);
+        }
+        conn.requests.insert(r, st);
+        conn
+    }
+
+    #[test]
+    fn check_invariants_rejects_corrupt_job_tables() {
+        // cargo-mutants survivors: the public calls never build these states, so only a
+        // corrupted connector shows that each check looks at all.
+        // Stores plus a sync load are fine.
+        assert_eq!(with_jobs("ssy").check_invariants(), Ok(()));
+        let mut unlisted = with_jobs("s");
+        unlisted
+            .requests
+            .get_mut(&RequestId(1))
+            .unwrap()
+            .jobs
+            .clear();
+        let e = unlisted.check_invariants().unwrap_err();
+        assert!(format!("{e:?}").contains("not listed"), "{e:?}");
+        // An async load only ever runs alone.
+        let e = with_jobs("ls").check_invariants().unwrap_err();
+        assert!(format!("{e:?}").contains("async load next to"), "{e:?}");
+    }
+}

@@ -1104,6 +1104,30 @@ fn a_hit_within_the_sync_budget_loads_before_the_forward() {
 }
 
 #[test]
+fn a_request_may_have_several_stores_in_flight() {
+    // A chunked prefill on a held rank: each step's chunks become a store job of their own, and
+    // none is acknowledged, so the request holds two stores at once (I-39 allows any number of
+    // stores, at most one load).
+    let mut config = sched_config(200, false);
+    config.max_num_batched_tokens = 24;
+    let off = OffloadingConfig::new(BPC, 1, manager(64));
+    let mut sim = Sim::new(config, off, &[true]);
+    sim.held[0] = true;
+    sim.add(spec(1, prompt(1, 48), 2));
+    for _ in 0..3 {
+        sim.step();
+    }
+    assert_eq!(
+        sim.conn().request_jobs(rid(1)).len(),
+        2,
+        "two unacknowledged stores"
+    );
+    sim.held[0] = false;
+    sim.drain(10);
+    assert_eq!(sim.lookup(&prompt(1, 48), 3, 0), KeyLookup::Hit);
+}
+
+#[test]
 fn the_sync_budget_boundaries() {
     // One sim per case: a 36-token prefix offloaded, then a request whose hit is that prefix.
     let first_load = |budget: u32, second: Vec<u32>| {
