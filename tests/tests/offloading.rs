@@ -912,6 +912,30 @@ fn a_sliding_window_hit_only_needs_the_last_window_not_the_prefix() {
     sim.drain(10);
 }
 
+#[test]
+fn a_whole_prompt_hit_keeps_the_last_token_only_under_sliding_windows() {
+    // `_lookup_complete_chunks`: with a sliding-window group the last prompt token is always
+    // recomputed (for its logprobs), so a hit of a chunk-aligned prompt stops one token short;
+    // full attention loads the whole prompt.
+    for (group, loaded) in [
+        (GroupKind::SlidingWindow { window: 8 }, 47),
+        (GroupKind::FullAttention, 48),
+    ] {
+        let mut config = sched_config(200, false);
+        config.groups = vec![group];
+        let off = OffloadingConfig::new(BPC, 1, manager(64));
+        let mut sim = Sim::new(config, off, &[true]);
+        let p = prompt(1, 48);
+        sim.offload(1, &p);
+        sim.add(spec(2, p, 1));
+        let s = sim.step();
+        assert_eq!(s.meta.load_jobs.len(), 1, "{group:?}");
+        let computed = sim.s.view().request(rid(2)).unwrap().num_computed_tokens();
+        assert_eq!(computed, loaded, "{group:?}");
+        sim.drain(10);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Direct checks of the connector and the worker.
 
