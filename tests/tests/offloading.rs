@@ -936,6 +936,31 @@ fn a_whole_prompt_hit_keeps_the_last_token_only_under_sliding_windows() {
     }
 }
 
+#[test]
+fn a_sliding_window_chunk_is_stored_when_only_its_reachable_blocks_survive() {
+    // A 4-token window needs only the last block of a chunk to serve a hit at the chunk's end
+    // (`reachable_block_mask`). Decoding on a 2-block pool reuses each chunk's first block
+    // before the chunk completes: the connector zeroes that stale entry, and still stores the
+    // chunk from the blocks that remain.
+    let mut config = sched_config(3, false);
+    config.groups = vec![GroupKind::SlidingWindow { window: 4 }];
+    let mut off = OffloadingConfig::new(BPC, 1, manager(64));
+    off.offload_prompt_only = false;
+    let mut sim = Sim::new(config, off, &[true]);
+    sim.add(spec(1, prompt(1, 3), 30));
+    let stores: Vec<_> = sim
+        .drain(40)
+        .into_iter()
+        .flat_map(|l| l.meta.store_jobs.into_values())
+        .collect();
+    // Chunk 0 from table index 1 on, chunk 1 from index 4 on: two blocks each.
+    let layout: Vec<_> = stores
+        .iter()
+        .map(|j| (j.gpu.block_indices[0], j.gpu.block_ids[0].len()))
+        .collect();
+    assert_eq!(layout, [(1, 2), (4, 2)]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Direct checks of the connector and the worker.
 
@@ -1138,14 +1163,15 @@ fn a_request_may_have_several_stores_in_flight() {
     let mut sim = Sim::new(config, off, &[true]);
     sim.held[0] = true;
     sim.add(spec(1, prompt(1, 48), 2));
+    let mut stores = Vec::new();
     for _ in 0..3 {
-        sim.step();
+        stores.extend(sim.step().meta.store_jobs.into_values());
     }
-    assert_eq!(
-        sim.conn().request_jobs(rid(1)).len(),
-        2,
-        "two unacknowledged stores"
-    );
+    let jobs = sim.conn().request_jobs(rid(1));
+    assert_eq!(jobs.len(), 2, "two unacknowledged stores");
+    // Each job names the table index of its first block: chunks 0–1, then chunks 2–3.
+    let firsts: Vec<_> = stores.iter().map(|j| j.gpu.block_indices.clone()).collect();
+    assert_eq!(firsts, [[0], [6]]);
     sim.held[0] = false;
     sim.drain(10);
     assert_eq!(sim.lookup(&prompt(1, 48), 3, 0), KeyLookup::Hit);
