@@ -937,6 +937,26 @@ fn a_whole_prompt_hit_keeps_the_last_token_only_under_sliding_windows() {
 }
 
 #[test]
+fn only_prompt_chunks_are_stored_by_default() {
+    // vLLM's `offload_prompt_only = true`: a 24-token prompt decoded to 44 tokens stores its two
+    // prompt chunks, never the chunk its generated tokens complete; with the option off, that
+    // third chunk is stored too.
+    for (prompt_only, chunks) in [(true, 2), (false, 3)] {
+        let mut off = OffloadingConfig::new(BPC, 1, manager(64));
+        off.offload_prompt_only = prompt_only;
+        let mut sim = Sim::new(sched_config(100, false), off, &[true]);
+        sim.add(spec(1, prompt(1, 24), 20));
+        let stored: usize = sim
+            .drain(40)
+            .iter()
+            .flat_map(|l| l.meta.store_jobs.values())
+            .map(|j| j.chunks[0].len())
+            .sum();
+        assert_eq!(stored, chunks, "offload_prompt_only = {prompt_only}");
+    }
+}
+
+#[test]
 fn a_sliding_window_chunk_is_stored_when_only_its_reachable_blocks_survive() {
     // A 4-token window needs only the last block of a chunk to serve a hit at the chunk's end
     // (`reachable_block_mask`). Decoding on a 2-block pool reuses each chunk's first block
