@@ -719,6 +719,31 @@ fn a_zero_token_admission_still_counts_as_an_allocation_for_fences() {
     sim.drain(10);
 }
 
+#[test]
+fn an_async_load_into_reused_blocks_flushes_the_store_reading_them() {
+    // Request 3 is admitted with an async load and is not scheduled this step, so its blocks
+    // (request 2's, reused while request 2's store is in flight) reach the connector only
+    // through update_state_after_alloc: the load must not write them before that store is
+    // flushed (I-41).
+    let mut sim = Sim::simple(11, false, 1);
+    let p = prompt(1, 24);
+    sim.offload(1, &p);
+    sim.add(spec(2, prompt(2, 24), 1));
+    let (s0, job) = sim.held_step(0);
+    let read = s0.meta.store_jobs[&job].gpu.block_ids[0].clone();
+    sim.add(spec(3, extended(&p, &prompt(3, 5)), 1));
+    let s1 = sim.step();
+    let (_, lj) = s1.meta.load_jobs.iter().next().expect("an async load");
+    assert!(
+        lj.gpu.block_ids[0].iter().any(|b| read.contains(b)),
+        "{lj:?} {read:?}"
+    );
+    assert!(s1.output.num_scheduled_tokens.is_empty());
+    assert!(s1.meta.jobs_to_flush.contains(&job), "{:?}", s1.meta);
+    sim.held[0] = false;
+    sim.drain(10);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Quorum, non-writers.
 
