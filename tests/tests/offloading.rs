@@ -832,6 +832,62 @@ fn reset_without_jobs_flushes_at_once() {
     assert!(!sim.s.has_requests());
 }
 
+#[test]
+fn a_finished_request_leaves_its_tail_chunks_least_recent() {
+    // The manager commits a request's accesses in prefix order when it finishes: the head is
+    // most recent, so the tail is evicted first. Checked after a request that stored its chunks
+    // and after one that loaded them (the positions come from each path).
+    let mut sim = Sim::new(
+        sched_config(100, false),
+        OffloadingConfig::new(BPC, 1, manager(4)),
+        &[true],
+    );
+    let p = prompt(1, 48);
+    let keys = |sim: &Sim| (0..4).map(|c| sim.lookup(&p, c, 0)).collect::<Vec<_>>();
+    use KeyLookup::{Hit, Miss};
+    sim.offload(1, &p);
+    assert_eq!(keys(&sim), [Hit; 4]);
+    sim.offload(2, &prompt(2, 13)); // one new chunk in a full pool
+    assert_eq!(
+        keys(&sim),
+        [Hit, Hit, Hit, Miss],
+        "stored, then evicted from the tail"
+    );
+    // Load chunks 0–2, then store two new chunks: request 2's chunk (least recent) and chunk 2,
+    // the loaded tail, go.
+    let mut q = p[..36].to_vec();
+    q.push(7);
+    sim.add(spec(3, q, 1));
+    assert_eq!(sim.step().meta.load_jobs.len(), 1);
+    sim.drain(10);
+    sim.offload(4, &prompt(4, 25));
+    assert_eq!(
+        keys(&sim),
+        [Hit, Hit, Miss, Miss],
+        "loaded, then evicted from the tail"
+    );
+}
+
+#[test]
+fn a_hybrid_request_is_ordered_head_to_tail_across_groups() {
+    // `order_request_keys`: one head-to-tail order across groups (by token position), not
+    // group after group, so evicting two keys takes chunk 3 of both groups.
+    let mut config = sched_config(200, false);
+    config.groups = vec![
+        GroupKind::FullAttention,
+        GroupKind::SlidingWindow { window: 8 },
+    ];
+    let mut sim = Sim::new(config, OffloadingConfig::new(BPC, 1, manager(8)), &[true]);
+    let p = prompt(1, 48);
+    sim.offload(1, &p);
+    sim.offload(2, &prompt(2, 13)); // one new chunk per group: two evictions
+    use KeyLookup::{Hit, Miss};
+    for g in 0..2 {
+        let keys: Vec<_> = (0..4).map(|c| sim.lookup(&p, c, g)).collect();
+        assert_eq!(keys, [Hit, Hit, Hit, Miss], "group {g}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Hybrid: full attention + sliding window.
 
