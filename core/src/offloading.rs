@@ -1444,6 +1444,19 @@ mod tests {
     }
 
     #[test]
+    fn sealing_sorts_and_dedups_the_allocated_blocks() {
+        // The fence and stale-entry checks binary-search this list: allocation order is the
+        // free queue's (not sorted), and a block may be reported twice in a step.
+        let mut batch = Batch {
+            allocated: [9, 3, 7, 3].map(BlockId).to_vec(),
+            ..Batch::default()
+        };
+        batch.seal_allocated();
+        assert_eq!(batch.allocated, [3, 7, 9].map(BlockId));
+        assert!(batch.allocated_sealed);
+    }
+
+    #[test]
     fn check_invariants_rejects_corrupt_job_tables() {
         // cargo-mutants survivors: the public calls never build these states, so only a
         // corrupted connector shows that each check looks at all.
