@@ -559,6 +559,33 @@ fn stored_and_evicted(sim: &mut Sim, id: u32, p: &[u32], pool_usable: u32) {
 }
 
 #[test]
+fn concurrent_lookups_wait_also_without_a_local_hit() {
+    // As above, with the prefix gone from the GPU entirely (no local hit): the chunks being
+    // loaded are those from token 0 to the end of the hit.
+    let mut sim = Sim::simple(40, true, 1);
+    let p = prompt(1, 36);
+    stored_and_evicted(&mut sim, 1, &p, 40);
+    sim.add(spec(2, extended(&p, &[1]), 1));
+    sim.add(spec(3, extended(&p, &[2]), 1));
+    sim.held[0] = true;
+    let s = sim.step();
+    let (_, lj) = s.meta.load_jobs.iter().next().expect("a load");
+    assert_eq!(
+        (lj.request, lj.chunks[0].len()),
+        (rid(2), 3),
+        "the whole prefix, no local hit"
+    );
+    assert_eq!(
+        s.meta.load_jobs.len(),
+        1,
+        "request 3 waits for request 2's load"
+    );
+    assert_eq!(sim.s.status(rid(3)), Some(RequestStatus::Waiting));
+    sim.held[0] = false;
+    sim.drain(20);
+}
+
+#[test]
 fn concurrent_lookups_of_one_prefix_the_second_waits() {
     let mut sim = Sim::simple(40, true, 1);
     let p = prompt(1, 36);
