@@ -1566,3 +1566,35 @@ fn arc_ghost_hit(
         _ => {}
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Nodes 0, 1, 2 linked in that order.
+    fn three() -> (List, Vec<Node>) {
+        let mut nodes = alloc::vec![Node::FREE; 3];
+        let mut list = List::EMPTY;
+        for s in 0..3 {
+            list.push_back(&mut nodes, s, Place::IdleList);
+        }
+        (list, nodes)
+    }
+
+    #[test]
+    fn collect_walks_a_list_and_rejects_broken_links() {
+        // cargo-mutants survivors: the invariant check's walk only ever saw healthy lists.
+        let (list, nodes) = three();
+        assert_eq!(list.collect(&nodes), Some(alloc::vec![0, 1, 2]));
+        // A back link that does not point at the predecessor.
+        let mut bad_prev = nodes.clone();
+        bad_prev[2].prev = 0;
+        assert_eq!(list.collect(&bad_prev), None);
+        // A tail that is not where the walk ends.
+        let bad_tail = List { tail: 1, ..list };
+        assert_eq!(bad_tail.collect(&nodes), None);
+        // A length that the walk does not match.
+        let short = List { len: 2, ..list };
+        assert_eq!(short.collect(&nodes), None);
+    }
+}
