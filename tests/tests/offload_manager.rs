@@ -206,3 +206,35 @@ fn arc_touch_promotes_only_ready_keys() {
     assert_eq!(out.evicted, vec![k(2)]);
     ok(&m);
 }
+
+#[test]
+fn hundreds_of_keys_survive_the_index_growing_and_evictions() {
+    // The key index grows at half load (64, 128, 256, 512 entries): every stored key must
+    // still be found after each growth, and evicted ones must be gone. Batches of 50 keys
+    // (hashes spread over a wide range) in a 300-chunk pool: the fourth… seventh batches evict.
+    for p in POLICIES {
+        let mut m = manager(p, 300, 1);
+        let key = |i: u64| k(i.wrapping_mul(0x9E37_79B9) ^ (i << 40));
+        for batch in 0..7u64 {
+            let keys: Vec<_> = (batch * 50..batch * 50 + 50).map(key).collect();
+            let out = m.prepare_store(&keys, Access::default()).expect("room");
+            assert_eq!(out.keys_to_store, keys, "{p:?} batch {batch}");
+            m.complete_store(&keys, true);
+            ok(&m);
+            let hits = (0..batch * 50 + 50)
+                .filter(|&i| m.lookup(key(i)) == KeyLookup::Hit)
+                .count();
+            assert_eq!(
+                hits,
+                (batch as usize * 50 + 50).min(300),
+                "{p:?} batch {batch}"
+            );
+        }
+        // The newest 300 keys are the ones kept.
+        assert!(
+            (50..350).all(|i| m.lookup(key(i)) == KeyLookup::Hit),
+            "{p:?}"
+        );
+        assert_eq!(m.lookup(key(0)), KeyLookup::Miss, "{p:?}");
+    }
+}
