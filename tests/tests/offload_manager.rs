@@ -238,3 +238,65 @@ fn hundreds_of_keys_survive_the_index_growing_and_evictions() {
         assert_eq!(m.lookup(key(0)), KeyLookup::Miss, "{p:?}");
     }
 }
+
+#[test]
+fn a_full_offer_tracker_forgets_its_oldest_unprotected_key() {
+    // `store_threshold` counts offers in a tracker of at most 64,000 keys. When it is full, a new
+    // key replaces the least recently offered key that is not part of the same offer; when every
+    // tracked key is part of the offer, new keys are not tracked at all.
+    const N: u64 = 64_000;
+    let offer = |m: &mut CpuOffloadingManager, keys: &[OffloadKey]| -> Vec<OffloadKey> {
+        m.prepare_store(keys, Access::default())
+            .map(|o| o.keys_to_store)
+            .unwrap_or_default()
+    };
+    let all: Vec<OffloadKey> = (0..N).map(k).collect();
+
+    // Full tracker; offering key 0 again (its second offer: stored) with one new key forgets
+    // key 1, the oldest key outside the offer.
+    let mut m = manager(PolicyKind::Lru, 4, 2);
+    assert!(offer(&mut m, &all).is_empty());
+    assert_eq!(offer(&mut m, &[k(0), k(N)]), [k(0)]);
+    assert_eq!(
+        offer(&mut m, &[k(3)]),
+        [k(3)],
+        "still tracked: second offer"
+    );
+    assert!(
+        offer(&mut m, &[k(1)]).is_empty(),
+        "forgotten: a first offer again"
+    );
+
+    // Every tracked key in the offer: the two new keys are not tracked.
+    let mut m = manager(PolicyKind::Lru, 4, 2);
+    offer(&mut m, &all);
+    let mut with_new = all.clone();
+    with_new.extend([k(N), k(N + 1)]);
+    offer(&mut m, &with_new);
+    assert!(offer(&mut m, &[k(N)]).is_empty(), "was not tracked");
+
+    // One tracked key outside the offer: the first new key replaces it, the second is dropped.
+    let mut m = manager(PolicyKind::Lru, 4, 2);
+    offer(&mut m, &all);
+    let mut most: Vec<OffloadKey> = (1..N).map(k).collect();
+    most.extend([k(N), k(N + 1)]);
+    offer(&mut m, &most);
+    assert_eq!(offer(&mut m, &[k(N)]), [k(N)], "tracked: second offer");
+    assert!(offer(&mut m, &[k(N + 1)]).is_empty(), "dropped");
+    ok(&m);
+
+    // Keys offered again move to the recent end in offer order: re-offer 5 then 2, then every
+    // other key; a new key then forgets 5 (threshold 3: no key reaches it before the end).
+    let mut m = manager(PolicyKind::Lru, 4, 3);
+    offer(&mut m, &all);
+    offer(&mut m, &[k(5), k(2)]);
+    let others: Vec<OffloadKey> = (0..N).filter(|&i| i != 5 && i != 2).map(k).collect();
+    assert!(offer(&mut m, &others).is_empty());
+    offer(&mut m, &[k(N)]);
+    assert_eq!(offer(&mut m, &[k(2)]), [k(2)], "still tracked: third offer");
+    assert!(
+        offer(&mut m, &[k(5)]).is_empty(),
+        "forgotten: a first offer again"
+    );
+    ok(&m);
+}
