@@ -251,11 +251,16 @@ fn a_full_offer_tracker_forgets_its_oldest_unprotected_key() {
             .unwrap_or_default()
     };
     let all: Vec<OffloadKey> = (0..N).map(k).collect();
+    // An LRU manager whose tracker is full: every key of `all` offered once, none stored.
+    let full = |store_threshold: u32| {
+        let mut m = manager(PolicyKind::Lru, 4, store_threshold);
+        assert!(offer(&mut m, &all).is_empty());
+        m
+    };
 
     // Full tracker; offering key 0 again (its second offer: stored) with one new key forgets
     // key 1, the oldest key outside the offer.
-    let mut m = manager(PolicyKind::Lru, 4, 2);
-    assert!(offer(&mut m, &all).is_empty());
+    let mut m = full(2);
     assert_eq!(offer(&mut m, &[k(0), k(N)]), [k(0)]);
     assert_eq!(
         offer(&mut m, &[k(3)]),
@@ -268,16 +273,14 @@ fn a_full_offer_tracker_forgets_its_oldest_unprotected_key() {
     );
 
     // Every tracked key in the offer: the two new keys are not tracked.
-    let mut m = manager(PolicyKind::Lru, 4, 2);
-    offer(&mut m, &all);
+    let mut m = full(2);
     let mut with_new = all.clone();
     with_new.extend([k(N), k(N + 1)]);
     offer(&mut m, &with_new);
     assert!(offer(&mut m, &[k(N)]).is_empty(), "was not tracked");
 
     // One tracked key outside the offer: the first new key replaces it, the second is dropped.
-    let mut m = manager(PolicyKind::Lru, 4, 2);
-    offer(&mut m, &all);
+    let mut m = full(2);
     let mut most: Vec<OffloadKey> = (1..N).map(k).collect();
     most.extend([k(N), k(N + 1)]);
     offer(&mut m, &most);
@@ -287,8 +290,7 @@ fn a_full_offer_tracker_forgets_its_oldest_unprotected_key() {
 
     // Keys offered again move to the recent end in offer order: re-offer 5 then 2, then every
     // other key; a new key then forgets 5 (threshold 3: no key reaches it before the end).
-    let mut m = manager(PolicyKind::Lru, 4, 3);
-    offer(&mut m, &all);
+    let mut m = full(3);
     offer(&mut m, &[k(5), k(2)]);
     let others: Vec<OffloadKey> = (0..N).filter(|&i| i != 5 && i != 2).map(k).collect();
     assert!(offer(&mut m, &others).is_empty());

@@ -295,6 +295,11 @@ impl Sim {
         self.conn().manager().lookup(key(hash_of, chunk, group))
     }
 
+    /// The manager's answer for the keys of `p`'s first four chunks in `group`.
+    fn four_keys(&self, p: &[u32], group: u32) -> Vec<KeyLookup> {
+        (0..4).map(|c| self.lookup(p, c, group)).collect()
+    }
+
     fn blocks(&self, id: u32, group: usize) -> Vec<BlockId> {
         self.s
             .view()
@@ -870,13 +875,12 @@ fn a_finished_request_leaves_its_tail_chunks_least_recent() {
         &[true],
     );
     let p = prompt(1, 48);
-    let keys = |sim: &Sim| (0..4).map(|c| sim.lookup(&p, c, 0)).collect::<Vec<_>>();
     use KeyLookup::{Hit, Miss};
     sim.offload(1, &p);
-    assert_eq!(keys(&sim), [Hit; 4]);
+    assert_eq!(sim.four_keys(&p, 0), [Hit; 4]);
     sim.offload(2, &prompt(2, 13)); // one new chunk in a full pool
     assert_eq!(
-        keys(&sim),
+        sim.four_keys(&p, 0),
         [Hit, Hit, Hit, Miss],
         "stored, then evicted from the tail"
     );
@@ -889,7 +893,7 @@ fn a_finished_request_leaves_its_tail_chunks_least_recent() {
     sim.drain(10);
     sim.offload(4, &prompt(4, 25));
     assert_eq!(
-        keys(&sim),
+        sim.four_keys(&p, 0),
         [Hit, Hit, Miss, Miss],
         "loaded, then evicted from the tail"
     );
@@ -910,8 +914,7 @@ fn a_hybrid_request_is_ordered_head_to_tail_across_groups() {
     sim.offload(2, &prompt(2, 13)); // one new chunk per group: two evictions
     use KeyLookup::{Hit, Miss};
     for g in 0..2 {
-        let keys: Vec<_> = (0..4).map(|c| sim.lookup(&p, c, g)).collect();
-        assert_eq!(keys, [Hit, Hit, Hit, Miss], "group {g}");
+        assert_eq!(sim.four_keys(&p, g), [Hit, Hit, Hit, Miss], "group {g}");
     }
 }
 
@@ -990,10 +993,6 @@ fn two_chunk_window_sim() -> (Sim, Vec<u32>) {
     (sim, p)
 }
 
-fn window_keys(sim: &Sim, p: &[u32]) -> Vec<KeyLookup> {
-    (0..4).map(|c| sim.lookup(p, c, 0)).collect()
-}
-
 #[test]
 fn a_sliding_window_hit_only_needs_the_last_window_not_the_prefix() {
     // `_sliding_window_lookup` scans from the end: with chunk 1's key evicted, the window ending
@@ -1004,7 +1003,7 @@ fn a_sliding_window_hit_only_needs_the_last_window_not_the_prefix() {
     sim.offload(2, &extended(&p, &[9]));
     sim.offload(3, &prompt(3, 13));
     use KeyLookup::{Hit, Miss};
-    assert_eq!(window_keys(&sim, &p), [Hit, Miss, Hit, Hit]);
+    assert_eq!(sim.four_keys(&p, 0), [Hit, Miss, Hit, Hit]);
     sim.add(spec(4, extended(&p, &[9]), 1));
     let s = sim.step();
     let lj = s
@@ -1308,11 +1307,11 @@ fn a_request_may_have_several_stores_in_flight() {
 #[test]
 fn the_sync_budget_boundaries() {
     // One sim per case: a 36-token prefix offloaded, then a request whose hit is that prefix.
+    let p = prompt(1, 36);
     let first_load = |budget: u32, second: Vec<u32>| {
         let mut off = OffloadingConfig::new(BPC, 1, manager(64));
         off.sync_load_budget_tokens = budget;
         let mut sim = Sim::new(sched_config(100, false), off, &[true]);
-        let p = prompt(1, 36);
         sim.offload(1, &p);
         sim.add(spec(2, second, 2));
         let s = sim.step();
@@ -1320,7 +1319,6 @@ fn the_sync_budget_boundaries() {
         sim.drain(10);
         lj
     };
-    let p = prompt(1, 36);
     // A hit of exactly the budget is loaded synchronously; one token over is not.
     let lj = first_load(36, extended(&p, &[1]));
     assert_eq!(
