@@ -913,6 +913,8 @@ impl CpuOffloadingManager {
     /// outside the offer if the pool is full) and marks them write-pending. `None` = cannot
     /// store now (nothing was evicted or allocated); an empty output = nothing to do. Call once
     /// per chunk batch of a request, then [`Self::complete_store`] when the transfer is done.
+    /// A key offered twice in one call is stored once (vLLM would reserve a chunk per copy and
+    /// leak all but the last; the offloading connector never offers a key twice).
     pub fn prepare_store(
         &mut self,
         keys: &[OffloadKey],
@@ -1596,5 +1598,63 @@ mod tests {
         // A length that the walk does not match.
         let short = List { len: 2, ..list };
         assert_eq!(short.collect(&nodes), None);
+    }
+
+    /// An LRU manager with `k(1)`, `k(2)` stored and `k(3)` write-pending, and the slot of `k(3)`.
+    fn lru_with_a_pending_key() -> (CpuOffloadingManager, u32) {
+        let k = |n| OffloadKey {
+            hash: crate::BlockHash(n),
+            group: 0,
+        };
+        let mut m = CpuOffloadingManager::new(ManagerConfig {
+            capacity_chunks: 4,
+            policy: PolicyKind::Lru,
+            store_threshold: 1,
+        })
+        .expect("a valid config");
+        m.prepare_store(&[k(1), k(2)], Access::default())
+            .expect("room for two");
+        m.complete_store(&[k(1), k(2)], true);
+        m.prepare_store(&[k(3)], Access::default())
+            .expect("room for one more");
+        let pending = m.arena.slot(&k(3)).expect("k(3) has a node");
+        m.check_invariants().expect("a healthy manager");
+        (m, pending)
+    }
+
+    #[test]
+    fn check_invariants_reports_a_corrupt_manager() {
+        // cargo-mutants survivors (`check_invariants -> Ok(())`, and `&&` → `||` in the LRU
+        // placement check): no test had ever handed I-40 a broken manager.
+        type Corrupt = fn(&mut CpuOffloadingManager, u32);
+        let corruptions: [(&str, Corrupt); 5] = [
+            ("more chunks handed out than the pool holds", |m, _| {
+                m.next_fresh = m.config.capacity_chunks + 1;
+            }),
+            ("a held chunk also on the free list", |m, s| {
+                let chunk = m.arena.nodes[s as usize].chunk.expect("stored").chunk;
+                m.free.push(chunk);
+            }),
+            // Not idle, so it must be unlinked: an LRU key cannot sit in an ARC list.
+            ("a write-pending LRU key placed in T1", |m, s| {
+                m.arena.nodes[s as usize].place = Place::T1;
+            }),
+            ("an idle key taken out of the idle order", |m, _| {
+                let Policy::Lru { idle, .. } = &mut m.policy else {
+                    unreachable!("built as LRU")
+                };
+                let head = idle.head;
+                idle.unlink(&mut m.arena.nodes, head);
+            }),
+            ("a write-pending key counted as evictable", |m, _| {
+                m.evictable += 1;
+            }),
+        ];
+        for (what, corrupt) in corruptions {
+            let (mut m, pending) = lru_with_a_pending_key();
+            corrupt(&mut m, pending);
+            let err = m.check_invariants().expect_err(what);
+            assert_eq!(err.id, "I-40", "{what}: {}", err.detail);
+        }
     }
 }

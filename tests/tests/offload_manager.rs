@@ -108,6 +108,30 @@ fn store_threshold_admits_on_the_nth_offer() {
     }
 }
 
+/// A key offered twice in one call is stored once, in first-offer order. (vLLM would reserve a
+/// chunk per copy and leak all but the last; the connector never offers a key twice.)
+#[test]
+fn a_key_offered_twice_in_one_call_is_stored_once() {
+    // cargo-mutants survivors: the duplicate check (`==` → `!=`, `&&` → `||`) had only ever
+    // seen offers without duplicates.
+    for p in POLICIES {
+        let mut m = manager(p, 4, 1);
+        let same = m.prepare_store(&[k(1), k(1)], Access::default()).unwrap();
+        assert_eq!(same.keys_to_store, vec![k(1)]);
+        assert_eq!(same.chunks.len(), 1);
+        let mixed = m
+            .prepare_store(&[k(2), k(3), k(2)], Access::default())
+            .unwrap();
+        assert_eq!(mixed.keys_to_store, vec![k(2), k(3)]);
+        assert_eq!(mixed.chunks.len(), 2);
+        assert_eq!((m.num_write_pending(), m.num_free_chunks()), (3, 1));
+        ok(&m);
+        m.complete_store(&[k(1), k(2), k(3)], true);
+        assert_eq!(m.num_evictable(), 3);
+        ok(&m);
+    }
+}
+
 #[test]
 fn reset_forgets_everything() {
     for p in POLICIES {
