@@ -1627,7 +1627,7 @@ mod tests {
         // cargo-mutants survivors (`check_invariants -> Ok(())`, and `&&` → `||` in the LRU
         // placement check): no test had ever handed I-40 a broken manager.
         type Corrupt = fn(&mut CpuOffloadingManager, u32);
-        let corruptions: [(&str, Corrupt); 5] = [
+        let corruptions: [(&str, Corrupt); 6] = [
             ("more chunks handed out than the pool holds", |m, _| {
                 m.next_fresh = m.config.capacity_chunks + 1;
             }),
@@ -1648,6 +1648,13 @@ mod tests {
             }),
             ("a write-pending key counted as evictable", |m, _| {
                 m.evictable += 1;
+            }),
+            // Only ARC keeps keys without a chunk (its ghosts).
+            ("an LRU key without a chunk", |m, _| {
+                m.arena.alloc(OffloadKey {
+                    hash: crate::BlockHash(9),
+                    group: 0,
+                });
             }),
         ];
         for (what, corrupt) in corruptions {
