@@ -170,6 +170,88 @@ fn two_groups_with_sliding_window() {
     assert!(r.block_ids(0).iter().all(|b| *b != BlockId(0)));
 }
 
+/// Every documented range of [`SchedulerConfig`], checked at both sides of each edge.
+#[test]
+fn config_ranges_are_checked_at_their_edges() {
+    type Edit = fn(&mut SchedulerConfig);
+    let cases: [(&str, Edit, bool); 17] = [
+        ("block_size 0", |c| c.block_size = 0, false),
+        ("block_size 1", |c| c.block_size = 1, true),
+        ("num_gpu_blocks 1", |c| c.num_gpu_blocks = 1, false),
+        ("num_gpu_blocks 2", |c| c.num_gpu_blocks = 2, true),
+        (
+            "num_gpu_blocks u32::MAX",
+            |c| c.num_gpu_blocks = u32::MAX,
+            false,
+        ),
+        (
+            "num_gpu_blocks u32::MAX - 1",
+            |c| c.num_gpu_blocks = u32::MAX - 1,
+            true,
+        ),
+        ("no groups", |c| c.groups.clear(), false),
+        (
+            "8 groups",
+            |c| c.groups = vec![GroupKind::FullAttention; 8],
+            true,
+        ),
+        (
+            "9 groups",
+            |c| c.groups = vec![GroupKind::FullAttention; 9],
+            false,
+        ),
+        (
+            "window 0",
+            |c| c.groups.push(GroupKind::SlidingWindow { window: 0 }),
+            false,
+        ),
+        (
+            "window 1",
+            |c| c.groups.push(GroupKind::SlidingWindow { window: 1 }),
+            true,
+        ),
+        (
+            "max_num_batched_tokens 0",
+            |c| c.max_num_batched_tokens = 0,
+            false,
+        ),
+        ("max_num_seqs 0", |c| c.max_num_seqs = 0, false),
+        ("max_model_len 1", |c| c.max_model_len = 1, false),
+        ("max_model_len 2", |c| c.max_model_len = 2, true),
+        ("async_depth 0", |c| c.async_depth = 0, false),
+        ("async_depth 9", |c| c.async_depth = 9, false),
+    ];
+    for (what, edit, valid) in cases {
+        let mut c = SchedulerConfig::default();
+        edit(&mut c);
+        match c.validate() {
+            Ok(()) => assert!(valid, "{what} accepted"),
+            Err(e) => {
+                assert!(!valid, "{what} rejected: {e}");
+                assert_eq!(e.kind(), "invalid_config", "{what}");
+            }
+        }
+    }
+    for depth in [1, 8] {
+        let c = SchedulerConfig {
+            async_depth: depth,
+            max_num_batched_tokens: 1,
+            max_num_seqs: 1,
+            ..SchedulerConfig::default()
+        };
+        assert_eq!(c.validate(), Ok(()), "async_depth {depth}");
+    }
+    // The scheduler refuses a bad config with the same typed error.
+    let bad = SchedulerConfig {
+        block_size: 0,
+        ..SchedulerConfig::default()
+    };
+    let e = Scheduler::new(bad, ScriptedConnector::new())
+        .err()
+        .expect("rejected");
+    assert_eq!(e.kind(), "invalid_config");
+}
+
 #[test]
 fn bad_inputs_are_typed_errors() {
     let mut s = sched(SchedulerConfig::default());
