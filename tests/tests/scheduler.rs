@@ -246,9 +246,9 @@ fn config_ranges_are_checked_at_their_edges() {
         block_size: 0,
         ..SchedulerConfig::default()
     };
-    let e = Scheduler::new(bad, ScriptedConnector::new())
-        .err()
-        .expect("rejected");
+    let Err(e) = Scheduler::new(bad, ScriptedConnector::new()) else {
+        panic!("block_size 0 accepted by Scheduler::new");
+    };
     assert_eq!(e.kind(), "invalid_config");
 }
 
