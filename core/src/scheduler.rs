@@ -2276,3 +2276,101 @@ impl<C: SchedulerConnector> Scheduler<C> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ScriptedConnector;
+
+    /// Two requests scheduled in one step (both running, holding blocks; the step in flight).
+    fn two_running() -> Scheduler<ScriptedConnector> {
+        let mut s = Scheduler::new(SchedulerConfig::default(), ScriptedConnector::new())
+            .expect("the default config is valid");
+        for id in [1, 2] {
+            s.add_request(RequestSpec {
+                id: RequestId(id),
+                prompt: (0..20).map(|t| 100 * id + t).collect(),
+                max_tokens: 4,
+                stop_token: None,
+                kv_transfer_params: None,
+            })
+            .expect("a new request");
+        }
+        s.schedule().expect("room for both");
+        s.check_invariants().expect("a healthy scheduler");
+        s
+    }
+
+    fn r1(st: &mut State) -> &mut Request {
+        st.requests
+            .get_mut(&RequestId(1))
+            .expect("request 1 is held")
+    }
+
+    #[test]
+    fn check_invariants_reports_a_corrupt_scheduler() {
+        // No test outside this module can corrupt the scheduler, so without these the checks
+        // could be replaced by `Ok(())` and every suite would still pass.
+        type Corrupt = fn(&mut State);
+        let corruptions: [(&str, &str, Corrupt); 11] = [
+            (
+                "I-16",
+                "a running request missing from the running queue",
+                |st| {
+                    st.running.retain(|id| *id != RequestId(1));
+                },
+            ),
+            ("I-16", "a request queued twice", |st| {
+                st.waiting.push_back(RequestId(1));
+            }),
+            (
+                "I-16",
+                "a queue naming a request the scheduler does not hold",
+                |st| {
+                    st.waiting.push_back(RequestId(7));
+                },
+            ),
+            ("I-20", "a connector pin the pool does not count", |st| {
+                let b = r1(st).blocks[0][0];
+                st.pins.insert(b, 1);
+            }),
+            ("I-15", "a live request held for the connector", |st| {
+                r1(st).held_for_send = true;
+            }),
+            ("I-14", "a finished request held for no transfer", |st| {
+                r1(st).status = RequestStatus::FinishedAborted;
+            }),
+            (
+                "I-18",
+                "a loading request outside kv_holding_waiting",
+                |st| {
+                    r1(st).status = RequestStatus::WaitingForRemoteKvs;
+                },
+            ),
+            ("I-20", "a preempted request holding blocks", |st| {
+                let r = r1(st);
+                r.status = RequestStatus::Preempted;
+                r.num_computed_tokens = 0;
+            }),
+            ("I-20", "more running requests than max_num_seqs", |st| {
+                st.config.max_num_seqs = 1;
+            }),
+            ("I-12", "more steps in flight than the async depth", |st| {
+                st.config.async_depth = 0;
+            }),
+            (
+                "I-18",
+                "a loaded mark on a request that is not loading",
+                |st| {
+                    st.finished_recving_kv_req_ids.insert(RequestId(1));
+                },
+            ),
+        ];
+        for (id, what, corrupt) in corruptions {
+            let mut s = two_running();
+            corrupt(&mut s.state);
+            let err = s.check_invariants().expect_err(what);
+            assert_eq!(err.id, id, "{what}: {}", err.detail);
+        }
+    }
+}
