@@ -252,6 +252,68 @@ fn config_ranges_are_checked_at_their_edges() {
     assert_eq!(e.kind(), "invalid_config");
 }
 
+/// vLLM's `allocate_slots`: the blocks for externally computed tokens are taken for every
+/// group first, then the blocks for the tokens to compute (so the ids interleave by group).
+#[test]
+fn external_blocks_come_before_new_blocks_in_every_group() {
+    // cargo-mutants survivors: skipping the external-token pass (its `ext > 0` guards) still
+    // allocates the same number of blocks, only in another order.
+    let mut s = sched(SchedulerConfig {
+        block_size: 4,
+        groups: vec![GroupKind::FullAttention; 2],
+        ..SchedulerConfig::default()
+    });
+    s.connector_mut().set_lookup(
+        rid(1),
+        Lookup::Hit {
+            tokens: 8,
+            load_async: false,
+        },
+    );
+    s.add_request(spec(1, 20, 4)).unwrap();
+    let (out, _) = step(&mut s, None);
+    let new = &out.scheduled_new_reqs[0];
+    assert_eq!(new.num_computed_tokens, 8);
+    let ids = |v: &[u64]| v.iter().map(|&b| BlockId(b)).collect::<Vec<_>>();
+    assert_eq!(
+        new.block_ids,
+        vec![ids(&[1, 2, 5, 6, 7]), ids(&[3, 4, 8, 9, 10])]
+    );
+}
+
+/// A block filled by decoding is offered to the prefix cache in the step that fills it.
+#[test]
+fn a_block_filled_by_decoding_is_cached() {
+    // cargo-mutants survivors: with the hit-adoption pass run for every allocation, a running
+    // request's cached-block count jumped to its table length, and the block it was still
+    // filling was never cached.
+    let mut s = sched(SchedulerConfig {
+        block_size: 4,
+        ..SchedulerConfig::default()
+    });
+    s.add_request(spec(1, 6, 8)).unwrap();
+    // Prefill (6 tokens), then two decode steps: the 8th token fills block 1.
+    for _ in 0..3 {
+        step(&mut s, None);
+    }
+    let tokens = s.view().request(rid(1)).unwrap().tokens().to_vec();
+    assert_eq!(tokens.len(), 9);
+    let mut prompt = tokens[..8].to_vec();
+    prompt.push(7777);
+    s.add_request(RequestSpec {
+        prompt,
+        ..spec(2, 1, 4)
+    })
+    .unwrap();
+    let (out, _) = step(&mut s, None);
+    let new = out
+        .scheduled_new_reqs
+        .iter()
+        .find(|n| n.id == rid(2))
+        .expect("request 2 admitted");
+    assert_eq!(new.num_computed_tokens, 8, "both blocks of the prefix hit");
+}
+
 #[test]
 fn bad_inputs_are_typed_errors() {
     let mut s = sched(SchedulerConfig::default());
