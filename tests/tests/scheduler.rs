@@ -4,7 +4,7 @@
 use kvrelay_core::{
     AggregatedOutput, BlockId, ConnectorCall, FinishReason, GroupKind, LoadFailurePolicy, Lookup,
     Mode, ModelOutput, RequestId, RequestSpec, RequestStatus, Scheduler, SchedulerConfig,
-    SchedulerError, ScriptedConnector, SortedSet, StepId,
+    SchedulerError, ScriptedConnector, SortedSet, StepId, fake_token,
 };
 
 fn rid(n: u32) -> RequestId {
@@ -312,6 +312,96 @@ fn a_block_filled_by_decoding_is_cached() {
         .find(|n| n.id == rid(2))
         .expect("request 2 admitted");
     assert_eq!(new.num_computed_tokens, 8, "both blocks of the prefix hit");
+}
+
+/// The hit request 2 gets on request 1's first 8 tokens (block size 4) after request 1 (a
+/// `prompt_len`-token prompt, `max_tokens` output tokens) ran `steps` steps and finished.
+fn hit_on_the_prefix_of(
+    mut s: Scheduler<ScriptedConnector>,
+    prompt_len: u32,
+    max_tokens: u32,
+    steps: usize,
+) -> u32 {
+    let first = spec(1, prompt_len, max_tokens);
+    // Its sequence: the prompt, then what `fake_sample` samples at each position.
+    let mut tokens = first.prompt.clone();
+    tokens.extend((prompt_len..8).map(|p| fake_token(rid(1), p)));
+    s.add_request(first).unwrap();
+    for _ in 0..steps {
+        step(&mut s, None);
+    }
+    assert_eq!(s.status(rid(1)), None, "request 1 finished and was freed");
+    tokens.push(7777);
+    s.add_request(RequestSpec {
+        prompt: tokens,
+        ..spec(2, 1, 4)
+    })
+    .unwrap();
+    let (out, _) = step(&mut s, None);
+    out.scheduled_new_reqs
+        .iter()
+        .find(|n| n.id == rid(2))
+        .expect("request 2 admitted")
+        .num_computed_tokens
+}
+
+/// Blocks are cached as their tokens are computed: not before (a sampled token has no KV until
+/// the next step computes it), and not later than the step that computes them.
+#[test]
+fn blocks_are_cached_when_their_last_token_is_computed() {
+    // cargo-mutants survivors: caching by the token count instead of the block count, and
+    // caching only what was computed before the step.
+    let bs4 = |budget| SchedulerConfig {
+        block_size: 4,
+        max_num_batched_tokens: budget,
+        ..SchedulerConfig::default()
+    };
+    // A 6-token prompt, 2 output tokens: the 8th token is sampled, never computed, so block 1
+    // is never full of KV and only block 0 is served.
+    assert_eq!(hit_on_the_prefix_of(sched(bs4(256)), 6, 2, 2), 4);
+    // An 8-token prompt prefilled in two chunks of 4, finishing at once (1 output token):
+    // the second chunk's block is cached in the step that computes it.
+    assert_eq!(hit_on_the_prefix_of(sched(bs4(4)), 8, 1, 2), 8);
+    // A prefill chunk of 3 tokens leaves block 0 a token short: aborted there, nothing of it
+    // is served (its tokens are all known, so only the computed count keeps it out).
+    let mut s = sched(bs4(3));
+    s.add_request(spec(1, 8, 4)).unwrap();
+    step(&mut s, None);
+    assert!(s.abort(rid(1)).unwrap());
+    let mut prompt = spec(1, 8, 4).prompt;
+    prompt.push(7777);
+    s.add_request(RequestSpec {
+        prompt,
+        ..spec(2, 1, 4)
+    })
+    .unwrap();
+    let (out, _) = step(&mut s, None);
+    assert_eq!(out.scheduled_new_reqs[0].id, rid(2));
+    assert_eq!(out.scheduled_new_reqs[0].num_computed_tokens, 0);
+}
+
+/// A running request that gets no new block carries no block list at all (vLLM's `None`);
+/// one that crosses a block boundary carries one list per group.
+#[test]
+fn a_decode_step_without_a_new_block_carries_no_block_list() {
+    // cargo-mutants survivor: `&&` → `||` made every step carry a list of empty lists.
+    let mut s = sched(SchedulerConfig {
+        block_size: 4,
+        groups: vec![GroupKind::FullAttention; 2],
+        ..SchedulerConfig::default()
+    });
+    s.add_request(spec(1, 6, 8)).unwrap();
+    step(&mut s, None);
+    // Token 7 goes into block 1, which exists: nothing new.
+    let (out, _) = step(&mut s, None);
+    assert_eq!(out.scheduled_cached_reqs.len(), 1);
+    assert!(out.scheduled_cached_reqs[0].new_block_ids.is_empty());
+    step(&mut s, None);
+    // Token 9 needs block 2 in both groups.
+    let (out, _) = step(&mut s, None);
+    let new = &out.scheduled_cached_reqs[0].new_block_ids;
+    assert_eq!(new.len(), 2);
+    assert!(new.iter().all(|g| g.len() == 1), "{new:?}");
 }
 
 #[test]
