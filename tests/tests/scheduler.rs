@@ -252,6 +252,24 @@ fn config_ranges_are_checked_at_their_edges() {
     assert_eq!(e.kind(), "invalid_config");
 }
 
+/// Admits request 2 with request 1's first 8 tokens and one more, runs a step, and returns how
+/// many tokens its lookup found computed (the local prefix-cache hit; lookups answer a miss).
+fn hit_of_request_2(s: &mut Scheduler<ScriptedConnector>, first_8: &[u32]) -> u32 {
+    let mut prompt = first_8.to_vec();
+    prompt.push(7777);
+    s.add_request(RequestSpec {
+        prompt,
+        ..spec(2, 1, 4)
+    })
+    .unwrap();
+    let (out, _) = step(s, None);
+    out.scheduled_new_reqs
+        .iter()
+        .find(|n| n.id == rid(2))
+        .expect("request 2 admitted")
+        .num_computed_tokens
+}
+
 /// vLLM's `allocate_slots`: the blocks for externally computed tokens are taken for every
 /// group first, then the blocks for the tokens to compute (so the ids interleave by group).
 #[test]
@@ -298,20 +316,7 @@ fn a_block_filled_by_decoding_is_cached() {
     }
     let tokens = s.view().request(rid(1)).unwrap().tokens().to_vec();
     assert_eq!(tokens.len(), 9);
-    let mut prompt = tokens[..8].to_vec();
-    prompt.push(7777);
-    s.add_request(RequestSpec {
-        prompt,
-        ..spec(2, 1, 4)
-    })
-    .unwrap();
-    let (out, _) = step(&mut s, None);
-    let new = out
-        .scheduled_new_reqs
-        .iter()
-        .find(|n| n.id == rid(2))
-        .expect("request 2 admitted");
-    assert_eq!(new.num_computed_tokens, 8, "both blocks of the prefix hit");
+    assert_eq!(hit_of_request_2(&mut s, &tokens[..8]), 8, "both blocks hit");
 }
 
 /// The hit request 2 gets on request 1's first 8 tokens (block size 4) after request 1 (a
@@ -331,18 +336,7 @@ fn hit_on_the_prefix_of(
         step(&mut s, None);
     }
     assert_eq!(s.status(rid(1)), None, "request 1 finished and was freed");
-    tokens.push(7777);
-    s.add_request(RequestSpec {
-        prompt: tokens,
-        ..spec(2, 1, 4)
-    })
-    .unwrap();
-    let (out, _) = step(&mut s, None);
-    out.scheduled_new_reqs
-        .iter()
-        .find(|n| n.id == rid(2))
-        .expect("request 2 admitted")
-        .num_computed_tokens
+    hit_of_request_2(&mut s, &tokens)
 }
 
 /// Blocks are cached as their tokens are computed: not before (a sampled token has no KV until
@@ -368,16 +362,7 @@ fn blocks_are_cached_when_their_last_token_is_computed() {
     s.add_request(spec(1, 8, 4)).unwrap();
     step(&mut s, None);
     assert!(s.abort(rid(1)).unwrap());
-    let mut prompt = spec(1, 8, 4).prompt;
-    prompt.push(7777);
-    s.add_request(RequestSpec {
-        prompt,
-        ..spec(2, 1, 4)
-    })
-    .unwrap();
-    let (out, _) = step(&mut s, None);
-    assert_eq!(out.scheduled_new_reqs[0].id, rid(2));
-    assert_eq!(out.scheduled_new_reqs[0].num_computed_tokens, 0);
+    assert_eq!(hit_of_request_2(&mut s, &spec(1, 8, 4).prompt), 0);
 }
 
 /// A running request that gets no new block carries no block list at all (vLLM's `None`);
