@@ -857,6 +857,39 @@ fn intents_pin_and_unpin_blocks() {
     assert_eq!(s.schedule().unwrap_err().kind(), "intent_rejected");
 }
 
+/// §7.3: a pin must name a pool block that is owned or holds cached KV; anything else is a
+/// sticky `intent_rejected`.
+#[test]
+fn pins_need_an_owned_or_cached_pool_block() {
+    // cargo-mutants survivors: the pin validation had only ever seen valid pins.
+    use kvrelay_core::Intent;
+    // Request 1 (20 tokens, block size 16) is running: block 0 is full and cached, block 1 is
+    // owned but not full (uncached); block 60 has never been used.
+    let running = || {
+        let mut s = sched(SchedulerConfig::default());
+        s.add_request(spec(1, 20, 4)).unwrap();
+        step(&mut s, None);
+        let blocks = s.view().request(rid(1)).unwrap().block_ids(0).to_vec();
+        (s, blocks)
+    };
+    let (mut s, blocks) = running();
+    s.connector_mut()
+        .push_intent(Intent::Pin(vec![blocks[0], blocks[1]]));
+    step(&mut s, None);
+    assert_eq!(
+        s.view().block_ref_cnt(blocks[1]),
+        Some(2),
+        "owned, uncached: pinned"
+    );
+    for bad in [BlockId(0), BlockId(60), BlockId(10_000)] {
+        let (mut s, _) = running();
+        s.connector_mut().push_intent(Intent::Pin(vec![bad]));
+        let e = s.schedule().unwrap_err();
+        assert_eq!(e.kind(), "intent_rejected", "pin of {bad:?}");
+        assert_eq!(s.schedule().unwrap_err(), e, "sticky");
+    }
+}
+
 /// A failed async load recomputed from scratch at the head of `kv_holding_waiting` (vLLM 0.33.0,
 /// reproduced by compat): it gives its blocks back on promotion but stays at the head; its
 /// recompute (a sliding window needs every block of a fresh prefill, fewer for a load) does not
