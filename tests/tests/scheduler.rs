@@ -867,7 +867,7 @@ fn pins_need_an_owned_or_cached_pool_block() {
     // owned but not full (uncached); block 60 has never been used.
     let running = || {
         let mut s = sched(SchedulerConfig::default());
-        s.add_request(spec(1, 20, 4)).unwrap();
+        s.add_request(spec(1, 20, 16)).unwrap();
         step(&mut s, None);
         let blocks = s.view().request(rid(1)).unwrap().block_ids(0).to_vec();
         (s, blocks)
@@ -880,6 +880,21 @@ fn pins_need_an_owned_or_cached_pool_block() {
         s.view().block_ref_cnt(blocks[1]),
         Some(2),
         "owned, uncached: pinned"
+    );
+    // Pins count: pinned twice, unpinned once, the block is still pinned once.
+    s.connector_mut().push_intent(Intent::Pin(vec![blocks[1]]));
+    step(&mut s, None);
+    s.connector_mut()
+        .push_intent(Intent::Unpin(vec![blocks[1]]));
+    step(&mut s, None);
+    assert_eq!(s.view().block_ref_cnt(blocks[1]), Some(2));
+    s.connector_mut()
+        .push_intent(Intent::Unpin(vec![blocks[1]]));
+    step(&mut s, None);
+    assert_eq!(
+        s.view().block_ref_cnt(blocks[1]),
+        Some(1),
+        "only the request owns it"
     );
     for bad in [BlockId(0), BlockId(60), BlockId(10_000)] {
         let (mut s, _) = running();
