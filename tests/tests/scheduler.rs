@@ -857,6 +857,46 @@ fn intents_pin_and_unpin_blocks() {
     assert_eq!(s.schedule().unwrap_err().kind(), "intent_rejected");
 }
 
+/// Preemption with async scheduling (PR #50297): when the connector requires KV delivery, the
+/// preempted request's in-flight output is stale and dropped; otherwise it is applied when it
+/// arrives (and the request waits for it).
+#[test]
+fn a_preempted_request_drops_its_in_flight_output_when_kv_delivery_is_required() {
+    // cargo-mutant survivor (`||` → `&&` in `preempt`): no scheduler test preempted a request
+    // with output in flight under a connector requiring KV delivery.
+    for requires in [true, false] {
+        // The scheduler asks the connector once, when it is built.
+        let mut connector = ScriptedConnector::new();
+        connector.set_requires_kv_delivery(requires);
+        let config = SchedulerConfig {
+            block_size: 4,
+            num_gpu_blocks: 5,
+            async_depth: 2,
+            ..SchedulerConfig::default()
+        };
+        let mut s = Scheduler::new(config, connector).unwrap();
+        s.add_request(spec(1, 7, 8)).unwrap();
+        s.add_request(spec(2, 7, 8)).unwrap();
+        let one = schedule(&mut s); // both prefill: all 4 blocks
+        let two = schedule(&mut s); // both decode slot 8
+        apply(&mut s, one.step, None);
+        let three = schedule(&mut s); // request 1 needs a 3rd block: request 2 is preempted
+        assert_eq!(
+            three.preempted_req_ids.iter().copied().collect::<Vec<_>>(),
+            vec![rid(2)]
+        );
+        assert_eq!(s.view().request(rid(2)).unwrap().tokens().len(), 8);
+        apply(&mut s, two.step, None);
+        let want = if requires { 8 } else { 9 };
+        assert_eq!(
+            s.view().request(rid(2)).unwrap().tokens().len(),
+            want,
+            "requires_kv_delivery = {requires}"
+        );
+        apply(&mut s, three.step, None);
+    }
+}
+
 /// §7.3: a pin must name a pool block that is owned or holds cached KV; anything else is a
 /// sticky `intent_rejected`.
 #[test]
