@@ -857,6 +857,35 @@ fn intents_pin_and_unpin_blocks() {
     assert_eq!(s.schedule().unwrap_err().kind(), "intent_rejected");
 }
 
+/// `long_prefill_token_threshold` caps a prefill chunk only when another request (running,
+/// waiting or loading) is eligible: alone, a prompt uses the whole budget.
+#[test]
+fn the_long_prefill_cap_applies_only_with_company() {
+    // cargo-mutants survivors: the eligible count's sums had only ever seen the waiting queue.
+    let config = SchedulerConfig {
+        block_size: 4,
+        long_prefill_token_threshold: 4,
+        ..SchedulerConfig::default()
+    };
+    let mut s = sched(config.clone());
+    s.add_request(spec(1, 16, 4)).unwrap();
+    assert_eq!(schedule(&mut s).num_scheduled_tokens, vec![(rid(1), 16)]);
+    // Request 1 loads asynchronously (it waits in the loading queue); request 2 is capped.
+    let mut s = sched(config);
+    s.connector_mut().set_lookup(
+        rid(1),
+        Lookup::Hit {
+            tokens: 8,
+            load_async: true,
+        },
+    );
+    s.add_request(spec(1, 16, 4)).unwrap();
+    step(&mut s, None);
+    assert_eq!(s.status(rid(1)), Some(RequestStatus::WaitingForRemoteKvs));
+    s.add_request(spec(2, 16, 4)).unwrap();
+    assert_eq!(schedule(&mut s).num_scheduled_tokens, vec![(rid(2), 4)]);
+}
+
 /// Preemption with async scheduling (PR #50297): when the connector requires KV delivery, the
 /// preempted request's in-flight output is stale and dropped; otherwise it is applied when it
 /// arrives (and the request waits for it).
