@@ -886,6 +886,31 @@ fn the_long_prefill_cap_applies_only_with_company() {
     assert_eq!(schedule(&mut s).num_scheduled_tokens, vec![(rid(2), 4)]);
 }
 
+/// `watermark_blocks`: while others run, a waiting request is admitted only if its blocks
+/// leave the watermark free.
+#[test]
+fn admission_keeps_the_watermark_free() {
+    // cargo-mutants survivors: no test set a watermark.
+    // Request 1 (8 tokens) holds 3 blocks from its first decode on; request 2 needs
+    // `cdiv(len, 4)` blocks of the `num_gpu_blocks - 1 - 3` free ones, plus 2 kept free.
+    let admitted = |num_gpu_blocks: u32, len: u32| {
+        let mut s = sched(SchedulerConfig {
+            block_size: 4,
+            num_gpu_blocks,
+            watermark_blocks: 2,
+            ..SchedulerConfig::default()
+        });
+        s.add_request(spec(1, 8, 8)).unwrap();
+        step(&mut s, None);
+        s.add_request(spec(2, len, 4)).unwrap();
+        let (out, _) = step(&mut s, None);
+        out.scheduled_new_reqs.iter().any(|n| n.id == rid(2))
+    };
+    assert!(admitted(7, 4), "1 block + 2 kept free of 3");
+    assert!(!admitted(7, 8), "2 blocks + 2 kept free > 3");
+    assert!(!admitted(6, 4), "1 block + 2 kept free > 2");
+}
+
 /// Preemption with async scheduling (PR #50297): when the connector requires KV delivery, the
 /// preempted request's in-flight output is stale and dropped; otherwise it is applied when it
 /// arrives (and the request waits for it).
