@@ -883,6 +883,10 @@ fn the_long_prefill_cap_applies_only_with_company() {
     step(&mut s, None);
     assert_eq!(s.status(rid(1)), Some(RequestStatus::WaitingForRemoteKvs));
     s.add_request(spec(2, 16, 4)).unwrap();
+    let out = schedule(&mut s);
+    assert_eq!(out.num_scheduled_tokens, vec![(rid(2), 4)]);
+    apply(&mut s, out.step, None);
+    // Running now, its next chunk is capped too.
     assert_eq!(schedule(&mut s).num_scheduled_tokens, vec![(rid(2), 4)]);
 }
 
