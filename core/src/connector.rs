@@ -192,7 +192,8 @@ pub trait SchedulerConnector: Debug {
     }
 
     /// Whether KV must be handed off at finish (P/D producers): a preempted request's in-flight
-    /// output is then dropped and recomputed (PR #50297).
+    /// output is then dropped and recomputed (PR #50297). Asked once, when the scheduler is
+    /// built (as vLLM's scheduler does in its constructor): a later change is not seen.
     fn requires_kv_delivery(&self) -> bool {
         false
     }
