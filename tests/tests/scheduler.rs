@@ -890,6 +890,39 @@ fn the_long_prefill_cap_applies_only_with_company() {
     assert_eq!(schedule(&mut s).num_scheduled_tokens, vec![(rid(2), 4)]);
 }
 
+/// vLLM clamps every step to `max_model_len - 1 - num_computed_tokens`: the last token of a
+/// full-length sequence is sampled, never computed. With async scheduling the placeholder of
+/// the step in flight would otherwise schedule one more.
+#[test]
+fn no_step_computes_past_max_model_len_minus_one() {
+    // cargo-mutants survivor: `num_computed_tokens + 1` → `* 1` in the running loop's clamp.
+    for depth in [1, 2] {
+        let mut s = sched(SchedulerConfig {
+            block_size: 4,
+            max_model_len: 12,
+            async_depth: depth,
+            ..SchedulerConfig::default()
+        });
+        s.add_request(spec(1, 8, 100)).unwrap();
+        let mut in_flight = std::collections::VecDeque::new();
+        let mut scheduled = Vec::new();
+        for _ in 0..8 {
+            let out = schedule(&mut s);
+            scheduled.push(out.total_num_scheduled_tokens);
+            in_flight.push_back(out.step);
+            if in_flight.len() as u32 == depth {
+                apply(&mut s, in_flight.pop_front().unwrap(), None);
+            }
+        }
+        // 8 prompt tokens, then one decode step each for positions 8, 9, 10: 11 computed.
+        assert_eq!(
+            scheduled,
+            vec![8, 1, 1, 1, 0, 0, 0, 0],
+            "async depth {depth}"
+        );
+    }
+}
+
 /// `watermark_blocks`: while others run, a waiting request is admitted only if its blocks
 /// leave the watermark free.
 #[test]
