@@ -2282,19 +2282,24 @@ mod tests {
     use super::*;
     use crate::ScriptedConnector;
 
+    /// Request `id` with `prompt`, 4 output tokens at most.
+    fn request(id: u32, prompt: Vec<Token>) -> RequestSpec {
+        RequestSpec {
+            id: RequestId(id),
+            prompt,
+            max_tokens: 4,
+            stop_token: None,
+            kv_transfer_params: None,
+        }
+    }
+
     /// Two requests scheduled in one step (both running, holding blocks; the step in flight).
     fn two_running() -> Scheduler<ScriptedConnector> {
         let mut s = Scheduler::new(SchedulerConfig::default(), ScriptedConnector::new())
             .expect("the default config is valid");
         for id in [1, 2] {
-            s.add_request(RequestSpec {
-                id: RequestId(id),
-                prompt: (0..20).map(|t| 100 * id + t).collect(),
-                max_tokens: 4,
-                stop_token: None,
-                kv_transfer_params: None,
-            })
-            .expect("a new request");
+            s.add_request(request(id, (0..20).map(|t| 100 * id + t).collect()))
+                .expect("a new request");
         }
         s.schedule().expect("room for both");
         s.check_invariants().expect("a healthy scheduler");
@@ -2319,14 +2324,8 @@ mod tests {
             ..SchedulerConfig::default()
         };
         let mut s = Scheduler::new(config, ScriptedConnector::new()).expect("a valid config");
-        s.add_request(RequestSpec {
-            id: RequestId(1),
-            prompt: (1..=33).collect(),
-            max_tokens: 4,
-            stop_token: None,
-            kv_transfer_params: None,
-        })
-        .expect("a new request");
+        s.add_request(request(1, (1..=33).collect()))
+            .expect("a new request");
         let r = s.state.requests[&RequestId(1)].clone();
         assert_eq!(r.block_hashes.len(), 8);
         for (group, indices) in [(0u8, full), (1, sliding)] {
@@ -2376,7 +2375,7 @@ mod tests {
     fn a_hybrid_hit_is_the_longest_length_every_group_hits() {
         // Full attention hits 6 blocks; the sliding window (a run of 2) hits 8 blocks at length
         // 32, but only 4 once the length is cut to the full group's 24: the hit converges at 16.
-        let (s, r) = cached(8, &[0, 1, 2, 3, 4, 5], &[0, 1, 2, 3, 6, 7]);
+        let (mut s, r) = cached(8, &[0, 1, 2, 3, 4, 5], &[0, 1, 2, 3, 6, 7]);
         let (hits, tokens) = s.state.local_hit(&r);
         assert_eq!(tokens, 16);
         let full: Vec<BlockId> = (0..4).map(|i| at(&s, &r, 0, i)).collect();
@@ -2388,7 +2387,6 @@ mod tests {
             alloc::vec![24, 32]
         );
         // Without prefix caching nothing is looked up.
-        let (mut s, r) = cached(8, &[0, 1, 2, 3, 4, 5], &[0, 1, 2, 3, 6, 7]);
         s.state.config.enable_prefix_caching = false;
         assert_eq!(
             s.state.local_hit(&r),
