@@ -964,8 +964,10 @@ impl State {
                 local + ext,
             );
         }
-        let available = self.pool.num_free().saturating_sub(reserved);
-        if needed + watermark > available || needed + watermark + reserved > self.pool.num_free() {
+        // vLLM: `needed + watermark > free - reserved`, in Python integers; the sum form stays
+        // exact in `u32` when in-flight reservations exceed the free blocks (then nothing is
+        // admitted, not even a request that needs no block).
+        if needed + watermark + reserved > self.pool.num_free() {
             return None;
         }
         let r = self.requests.get_mut(&id).expect("checked above");

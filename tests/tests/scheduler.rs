@@ -170,6 +170,37 @@ fn two_groups_with_sliding_window() {
     assert!(r.block_ids(0).iter().all(|b| *b != BlockId(0)));
 }
 
+/// A sliding window skips whole blocks only: a prefill chunk that ends mid-block (3 of 4 slots,
+/// 2 tokens already out of a 2-token window) keeps its block, and the next chunk gets a fresh
+/// block for its slots — no null.
+#[test]
+fn a_chunk_after_a_partly_skipped_block_gets_a_fresh_block() {
+    // cargo-mutants survivor (`/` → `%` in the null padding of `allocate_slots`' new-block
+    // pass): skipped tokens were never a non-multiple of the block size there.
+    let mut s = sched(SchedulerConfig {
+        block_size: 4,
+        groups: vec![
+            GroupKind::FullAttention,
+            GroupKind::SlidingWindow { window: 2 },
+        ],
+        max_num_batched_tokens: 3,
+        ..SchedulerConfig::default()
+    });
+    s.add_request(spec(1, 6, 2)).unwrap();
+    let (one, _) = step(&mut s, None);
+    assert_eq!(one.num_scheduled_tokens, vec![(rid(1), 3)]);
+    let free = s.block_pool().num_free();
+    let (two, _) = step(&mut s, None);
+    assert_eq!(two.num_scheduled_tokens, vec![(rid(1), 3)]);
+    let v = s.view();
+    let r = v.request(rid(1)).unwrap();
+    for g in 0..2 {
+        assert_eq!(r.block_ids(g).len(), 2, "group {g}");
+        assert!(r.block_ids(g).iter().all(|b| *b != BlockId(0)), "group {g}");
+    }
+    assert_eq!(s.block_pool().num_free(), free - 2);
+}
+
 /// Every documented range of [`SchedulerConfig`], checked at both sides of each edge.
 #[test]
 fn config_ranges_are_checked_at_their_edges() {
@@ -986,6 +1017,78 @@ fn a_preempted_request_drops_its_in_flight_output_when_kv_delivery_is_required()
         );
         apply(&mut s, three.step, None);
     }
+}
+
+/// A request whose in-flight output strict mode dropped (a load failure rolled it back under
+/// async scheduling) keeps dropping that output if it is preempted before the output arrives;
+/// once the output has drained, a later preemption delivers the in-flight output again, as any
+/// preemption without `requires_kv_delivery` does (vLLM's `_preempt_request`:
+/// `drop_stale_output or (request.drop_stale_output and request.num_stale_output_tokens > 0)`).
+#[test]
+fn a_stale_drop_outlives_a_preemption_only_while_its_output_is_in_flight() {
+    // cargo-mutants survivors (`&&` → `||` and `>` → `<`, `==`, `>=` in `preempt`): no test
+    // preempted a request whose output was marked dropped.
+    let mut s = sched(SchedulerConfig {
+        block_size: 4,
+        num_gpu_blocks: 7,
+        async_depth: 2,
+        enable_prefix_caching: false,
+        load_failure_policy: LoadFailurePolicy::Recompute,
+        mode: Mode::Strict,
+        ..SchedulerConfig::default()
+    });
+    let tokens =
+        |s: &Scheduler<ScriptedConnector>, id| s.view().request(rid(id)).unwrap().tokens().len();
+    // Request 1 runs ahead of request 2, whose first 8 tokens load synchronously.
+    s.add_request(spec(1, 7, 20)).unwrap();
+    s.connector_mut().set_lookup(
+        rid(2),
+        Lookup::Hit {
+            tokens: 8,
+            load_async: false,
+        },
+    );
+    s.add_request(spec(2, 12, 20)).unwrap();
+    let zero = schedule(&mut s); // 1: 7 tokens, 2 blocks; 2: 4 tokens, 3 blocks
+    let one = schedule(&mut s); // 1 decodes slot 7; 2 decodes slot 12 (a 4th block): pool full
+    assert_eq!(s.block_pool().num_free(), 0);
+    let loaded = s.view().request(rid(2)).unwrap().block_ids(0)[0];
+    apply(
+        &mut s,
+        zero.step,
+        Some(AggregatedOutput {
+            invalid_block_ids: SortedSet::from_vec(vec![loaded]),
+            ..agg()
+        }),
+    );
+    // Strict rolls request 2 back to 0 computed tokens and drops step 1's output for it.
+    assert_eq!(computed(&s, 2), 0);
+    assert_eq!(tokens(&s, 2), 12);
+    // Request 1 needs a 3rd block for slot 8: request 2 is preempted, step 1 still in flight.
+    let two = schedule(&mut s);
+    assert_eq!(two.preempted_req_ids.as_slice(), &[rid(2)]);
+    apply(&mut s, one.step, None);
+    assert_eq!(tokens(&s, 1), 9);
+    assert_eq!(
+        tokens(&s, 2),
+        12,
+        "step 1's output for request 2 is still dropped"
+    );
+    // Request 2 comes back (no lookup hit now) and its prefill is in flight when it needs a
+    // 4th block for slot 12 and preempts itself.
+    s.connector_mut().set_lookup(rid(2), Lookup::MISS);
+    let three = schedule(&mut s);
+    assert_eq!(three.num_scheduled_tokens, vec![(rid(1), 1), (rid(2), 12)]);
+    apply(&mut s, two.step, None);
+    let four = schedule(&mut s);
+    assert_eq!(four.preempted_req_ids.as_slice(), &[rid(2)]);
+    apply(&mut s, three.step, None);
+    assert_eq!(
+        tokens(&s, 2),
+        13,
+        "the stale drop drained with step 1: step 3's output is delivered"
+    );
+    apply(&mut s, four.step, None);
 }
 
 /// §7.3: a pin must name a pool block that is owned or holds cached KV; anything else is a
