@@ -776,6 +776,31 @@ impl Harness {
         }
         self.note_calls(&calls, &pre);
         let out = &step.output;
+        // §2.3: one token budget per step, shared by running and waiting requests; a request is
+        // scheduled at most once, for at least one token, and runs; at most `max_num_seqs` run.
+        let total: u32 = out.num_scheduled_tokens.iter().map(|(_, n)| n).sum();
+        assert_eq!(total, out.total_num_scheduled_tokens);
+        assert!(
+            total <= self.cfg.max_num_batched_tokens,
+            "{total} tokens over a budget of {}: {out:?}",
+            self.cfg.max_num_batched_tokens
+        );
+        let scheduled: BTreeSet<RequestId> =
+            out.num_scheduled_tokens.iter().map(|(id, _)| *id).collect();
+        assert_eq!(scheduled.len(), out.num_scheduled_tokens.len(), "{out:?}");
+        for (id, n) in &out.num_scheduled_tokens {
+            assert!(*n > 0, "{id:?} scheduled for no token");
+            assert_eq!(self.s.status(*id), Some(RequestStatus::Running));
+        }
+        let running = self
+            .s
+            .request_ids()
+            .filter(|id| self.s.status(*id) == Some(RequestStatus::Running))
+            .count();
+        assert!(
+            running <= self.cfg.max_num_seqs as usize,
+            "{running} running"
+        );
         if !out.preempted_req_ids.is_empty() {
             bump(|s| s.preemptions += 1);
         }
