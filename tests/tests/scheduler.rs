@@ -1091,6 +1091,52 @@ fn a_stale_drop_outlives_a_preemption_only_while_its_output_is_in_flight() {
     apply(&mut s, four.step, None);
 }
 
+/// A preempted request whose in-flight output will be delivered waits for it before it is
+/// admitted again (vLLM's "deliverable stale output still in flight"); one whose output is
+/// dropped (`requires_kv_delivery`) is admitted at once.
+#[test]
+fn a_preempted_request_waits_for_its_deliverable_output() {
+    // cargo-mutants survivors (`>` → `<` and `!` deleted in the waiting loop's stale-output
+    // check): no test tried to re-admit a request while its output was in flight.
+    for requires in [true, false] {
+        let mut connector = ScriptedConnector::new();
+        connector.set_requires_kv_delivery(requires);
+        // Three steps in flight, so that a step can be scheduled between the preemption and
+        // the arrival of the preempted request's last output.
+        let config = SchedulerConfig {
+            block_size: 4,
+            num_gpu_blocks: 5,
+            async_depth: 3,
+            enable_prefix_caching: false,
+            ..SchedulerConfig::default()
+        };
+        let mut s = Scheduler::new(config, connector).unwrap();
+        s.add_request(spec(1, 7, 8)).unwrap();
+        s.add_request(spec(2, 7, 8)).unwrap();
+        let one = schedule(&mut s); // both prefill: all 4 blocks
+        let two = schedule(&mut s); // both decode slot 7
+        let three = schedule(&mut s); // request 1 needs a 3rd block: request 2 is preempted
+        assert_eq!(three.preempted_req_ids.as_slice(), &[rid(2)]);
+        apply(&mut s, one.step, None);
+        // Request 1 goes away: request 2 would fit, but step 2's output for it is in flight.
+        assert_eq!(s.abort(rid(1)), Ok(true));
+        check(&s);
+        let four = schedule(&mut s);
+        let want: &[(RequestId, u32)] = if requires { &[(rid(2), 7)] } else { &[] };
+        assert_eq!(
+            four.num_scheduled_tokens, want,
+            "requires_kv_delivery = {requires}"
+        );
+        apply(&mut s, two.step, None);
+        if !requires {
+            assert_eq!(s.view().request(rid(2)).unwrap().tokens().len(), 9);
+            apply(&mut s, three.step, None);
+            let five = schedule(&mut s);
+            assert_eq!(five.num_scheduled_tokens, vec![(rid(2), 9)]);
+        }
+    }
+}
+
 /// §7.3: a pin must name a pool block that is owned or holds cached KV; anything else is a
 /// sticky `intent_rejected`.
 #[test]
