@@ -1433,7 +1433,6 @@ impl<C: SchedulerConnector> Scheduler<C> {
             return Err(SchedulerError::PipelineFull { depth });
         }
         let step = StepId(self.state.next_step);
-        let bs = self.state.config.block_size;
         let max_model_len = self.state.config.max_model_len;
         let mut budget = self.state.config.max_num_batched_tokens;
         let n_running = self.state.running.len();
@@ -1564,10 +1563,11 @@ impl<C: SchedulerConnector> Scheduler<C> {
                 let num_computed;
                 if r.num_computed_tokens == 0 {
                     let h = self.state.local_hit(r);
-                    let aligned = h.1 - h.1 % bs;
+                    // vLLM presents the local hit minus its sub-block tail; here the hit is
+                    // whole blocks (every group's hit is), so it is the hit itself.
                     let answer =
                         self.connector
-                            .get_num_new_matched_tokens(&self.state.view(), id, aligned);
+                            .get_num_new_matched_tokens(&self.state.view(), id, h.1);
                     self.apply_intents()?;
                     match answer {
                         Lookup::Pending => {
