@@ -465,6 +465,39 @@ fn bad_inputs_are_typed_errors() {
     let _ = (Mode::Strict, LoadFailurePolicy::Recompute);
 }
 
+/// A lookup answer the request cannot hold breaks the scheduler with a sticky, typed
+/// `connector_contract` error: a synchronous load must leave the last token to compute (vLLM
+/// asserts it), an asynchronous one may cover the whole prompt, and an asynchronous load of no
+/// token is not a load.
+#[test]
+fn lookup_answers_beyond_the_request_are_contract_errors() {
+    // cargo-mutants survivor (`-` → `+` in the lookup's bound): no test answered a lookup out
+    // of bounds.
+    let lookup = |tokens, load_async| {
+        let mut s = sched(SchedulerConfig {
+            block_size: 4,
+            ..SchedulerConfig::default()
+        });
+        s.connector_mut()
+            .set_lookup(rid(1), Lookup::Hit { tokens, load_async });
+        s.add_request(spec(1, 8, 4)).unwrap();
+        let r = s.schedule().map(|st| st.output.num_scheduled_tokens);
+        (s, r)
+    };
+    assert_eq!(lookup(7, false).1, Ok(vec![(rid(1), 1)]));
+    assert_eq!(lookup(8, true).1, Ok(vec![]));
+    for (tokens, load_async) in [(8, false), (9, true), (0, true)] {
+        let (mut s, r) = lookup(tokens, load_async);
+        let e = r.unwrap_err();
+        assert_eq!(
+            e.kind(),
+            "connector_contract",
+            "{tokens} tokens, async {load_async}"
+        );
+        assert_eq!(s.schedule().map(|_| ()), Err(e), "sticky");
+    }
+}
+
 fn spec_with(id: u32, prompt: Vec<u32>, max_tokens: u32) -> RequestSpec {
     RequestSpec {
         id: rid(id),
