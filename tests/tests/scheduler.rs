@@ -921,6 +921,59 @@ fn intents_pin_and_unpin_blocks() {
     assert_eq!(s.schedule().unwrap_err().kind(), "intent_rejected");
 }
 
+/// An async load holds its blocks for the whole transfer and cannot be preempted, so it is
+/// admitted only if it fits beside the blocks that the prefills in flight still need (vLLM's
+/// `_inflight_prefill_reserved_blocks`), including a prefill admitted earlier in the same step.
+#[test]
+fn an_async_load_leaves_room_for_the_prefills_in_flight() {
+    // cargo-mutants survivors (`<` → `==`, `>` in the waiting loop's in-flight prefill
+    // bookkeeping): no test started an async load beside a chunked prefill.
+    let admitted = |num_gpu_blocks| {
+        let mut s = sched(SchedulerConfig {
+            block_size: 4,
+            num_gpu_blocks,
+            max_num_batched_tokens: 8,
+            long_prefill_token_threshold: 4,
+            ..SchedulerConfig::default()
+        });
+        s.add_request(spec(1, 16, 1)).unwrap();
+        s.connector_mut().set_lookup(
+            rid(2),
+            Lookup::Hit {
+                tokens: 8,
+                load_async: true,
+            },
+        );
+        s.add_request(spec(2, 12, 1)).unwrap();
+        // Request 1 computes a 4-token chunk (1 block) and still needs 3 blocks; request 2's
+        // load needs 2.
+        let (out, _) = step(&mut s, None);
+        assert_eq!(out.num_scheduled_tokens, vec![(rid(1), 4)]);
+        s.status(rid(2)) == Some(RequestStatus::WaitingForRemoteKvs)
+    };
+    assert!(!admitted(6), "2 + 3 reserved > 4 free");
+    assert!(admitted(7), "2 + 3 reserved <= 5 free");
+}
+
+/// Without chunked prefill a prompt is scheduled whole or not at all: one that needs exactly
+/// the budget left is scheduled, one that needs more waits for the next step.
+#[test]
+fn without_chunked_prefill_a_prompt_takes_the_budget_whole_or_waits() {
+    // cargo-mutants survivors (`>` → `>=`, `==` in the waiting loop's no-chunking check).
+    let mut s = sched(SchedulerConfig {
+        max_num_batched_tokens: 16,
+        enable_chunked_prefill: false,
+        ..SchedulerConfig::default()
+    });
+    s.add_request(spec(1, 6, 1)).unwrap();
+    s.add_request(spec(2, 10, 1)).unwrap();
+    s.add_request(spec(3, 10, 1)).unwrap();
+    let (out, _) = step(&mut s, None);
+    assert_eq!(out.num_scheduled_tokens, vec![(rid(1), 6), (rid(2), 10)]);
+    let (out, _) = step(&mut s, None);
+    assert_eq!(out.num_scheduled_tokens, vec![(rid(3), 10)]);
+}
+
 /// `long_prefill_token_threshold` caps a prefill chunk only when another request (running,
 /// waiting or loading) is eligible: alone, a prompt uses the whole budget.
 #[test]
