@@ -1454,12 +1454,16 @@ fn run_until_drained(s: &mut Scheduler<ScriptedConnector>, max_steps: u32) -> bo
 /// to come and skips the request for good: it stays RUNNING forever and keeps its blocks.
 /// Compat reproduces this; strict drops the in-flight outputs (computed on the failed KV) and
 /// the placeholders, as a preemption does, and the request finishes.
-fn truncated_under_async_scheduling(mode: Mode) -> (Scheduler<ScriptedConnector>, RequestId) {
+fn truncated_under_async_scheduling(
+    mode: Mode,
+    max_num_batched_tokens: u32,
+) -> (Scheduler<ScriptedConnector>, RequestId) {
     let cfg = SchedulerConfig {
         block_size: 4,
         enable_prefix_caching: false,
         load_failure_policy: LoadFailurePolicy::Recompute,
         async_depth: 2,
+        max_num_batched_tokens,
         mode,
         ..SchedulerConfig::default()
     };
@@ -1504,7 +1508,7 @@ fn truncated_under_async_scheduling(mode: Mode) -> (Scheduler<ScriptedConnector>
 
 #[test]
 fn compat_invalid_blocks_under_async_scheduling_leak_a_placeholder() {
-    let (mut s, id) = truncated_under_async_scheduling(Mode::Compat);
+    let (mut s, id) = truncated_under_async_scheduling(Mode::Compat, 256);
     assert!(
         !run_until_drained(&mut s, 50),
         "compat no longer leaks the placeholder"
@@ -1522,7 +1526,7 @@ fn compat_invalid_blocks_under_async_scheduling_leak_a_placeholder() {
 /// The strict-mode counterpart of the test above: the request recomputes and finishes.
 #[test]
 fn strict_invalid_blocks_under_async_scheduling_drop_in_flight_output() {
-    let (mut s, id) = truncated_under_async_scheduling(Mode::Strict);
+    let (mut s, id) = truncated_under_async_scheduling(Mode::Strict, 256);
     // 12 prompt tokens and 3 output tokens: a handful of steps is plenty.
     assert!(
         run_until_drained(&mut s, 50),
@@ -1532,4 +1536,45 @@ fn strict_invalid_blocks_under_async_scheduling_drop_in_flight_output() {
         s.view().request(id).unwrap().tokens().len()
     );
     assert_eq!(s.block_pool().num_free(), s.config().num_gpu_blocks - 1);
+}
+
+/// Compat, the truncation above with a 12-token budget: the recompute is a prefill chunk while
+/// it ends short of `num_tokens + num_output_placeholders` (vLLM's `is_prefill_chunk` counts
+/// the placeholder it kept): 12 tokens sample nothing, then 2 reach the placeholder's position
+/// and sample, then 1 decode step, and the request is stuck as above.
+#[test]
+fn compat_a_recompute_chunk_short_of_a_kept_placeholder_samples_nothing() {
+    // cargo-mutants survivor (`+` → `-` in `is_prefill_chunk`): the recompute above was never
+    // chunked.
+    let (mut s, id) = truncated_under_async_scheduling(Mode::Compat, 12);
+    let mut in_flight: Vec<StepId> = s.steps_in_flight().collect();
+    let mut steps = Vec::new();
+    for _ in 0..4 {
+        let out = s.schedule().unwrap().output;
+        s.check_invariants().unwrap();
+        in_flight.push(out.step);
+        let sampled = s.fake_sample(out.step);
+        steps.push((out.num_scheduled_tokens, !sampled.is_empty()));
+        // Async scheduling: the oldest step's output arrives once two are in flight.
+        let oldest = in_flight.remove(0);
+        let sampled = s.fake_sample(oldest);
+        s.update_from_output(
+            oldest,
+            ModelOutput {
+                sampled,
+                kv_connector_output: None,
+            },
+        )
+        .unwrap();
+        s.check_invariants().unwrap();
+    }
+    assert_eq!(
+        steps,
+        vec![
+            (vec![(id, 12)], false),
+            (vec![(id, 2)], true),
+            (vec![(id, 1)], true),
+            (vec![], false),
+        ]
+    );
 }
