@@ -458,6 +458,31 @@ fn bad_inputs_are_typed_errors() {
         .unwrap_err();
     assert_eq!(e, SchedulerError::BlockOutOfRange(BlockId(10_000)));
     check(&s);
+    // Sampled tokens for a request the step did not schedule, or twice for one it did.
+    // (cargo-mutants survivor: no test sampled a request twice.)
+    let before = s.clone();
+    for (sampled, id) in [
+        (vec![(rid(2), vec![7])], rid(2)),
+        (vec![(rid(1), vec![7]), (rid(1), vec![8])], rid(1)),
+    ] {
+        let e = s
+            .update_from_output(
+                st.output.step,
+                ModelOutput {
+                    sampled,
+                    kv_connector_output: None,
+                },
+            )
+            .unwrap_err();
+        assert_eq!(
+            e,
+            SchedulerError::NotScheduled {
+                step: st.output.step,
+                id
+            }
+        );
+        assert!(s == before, "a rejected output changes nothing");
+    }
     // Nothing was consumed: the real output still applies.
     s.update_from_output(st.output.step, ModelOutput::default())
         .unwrap();
