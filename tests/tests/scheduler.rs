@@ -490,6 +490,41 @@ fn bad_inputs_are_typed_errors() {
     let _ = (Mode::Strict, LoadFailurePolicy::Recompute);
 }
 
+/// `failed_recving` naming a request the scheduler does not hold: vLLM ignores it (compat);
+/// strict rejects the output with `unknown_request`, and nothing of it is applied.
+#[test]
+fn an_unknown_id_in_failed_recving_is_ignored_in_compat_and_rejected_in_strict() {
+    // cargo-mutants survivor (`==` → `!=` on the mode): no test sent an unknown failed id.
+    for mode in [Mode::Compat, Mode::Strict] {
+        let mut s = sched(SchedulerConfig {
+            mode,
+            ..SchedulerConfig::default()
+        });
+        s.add_request(spec(1, 20, 3)).unwrap();
+        let st = s.schedule().unwrap();
+        let before = s.clone();
+        let output = ModelOutput {
+            sampled: s.fake_sample(st.output.step),
+            kv_connector_output: Some(AggregatedOutput {
+                failed_recving: SortedSet::from_vec(vec![rid(9)]),
+                ..agg()
+            }),
+        };
+        let r = s.update_from_output(st.output.step, output);
+        match mode {
+            Mode::Compat => {
+                r.unwrap();
+                assert_eq!(s.view().request(rid(1)).unwrap().tokens().len(), 21);
+            }
+            Mode::Strict => {
+                assert_eq!(r.unwrap_err(), SchedulerError::UnknownRequest(rid(9)));
+                assert!(s == before, "a rejected output changes nothing");
+            }
+        }
+        check(&s);
+    }
+}
+
 /// A lookup answer the request cannot hold breaks the scheduler with a sticky, typed
 /// `connector_contract` error: a synchronous load must leave the last token to compute (vLLM
 /// asserts it), an asynchronous one may cover the whole prompt, and an asynchronous load of no
