@@ -396,6 +396,109 @@ fn blocks_are_cached_when_their_last_token_is_computed() {
     assert_eq!(hit_of_request_2(&mut s, &spec(1, 8, 4).prompt), 0);
 }
 
+/// With async scheduling a block filled by decoding holds placeholders until the outputs
+/// arrive, so it is cached when the output carrying its last token is applied: here the output
+/// that finishes the request, after which no allocation would cache it.
+#[test]
+fn async_decoding_caches_a_block_when_its_last_token_arrives() {
+    // cargo-mutants survivors (`==` → `!=` on `was_running`, `>` → `==`, `<` on
+    // `had_placeholders`): no test finished a request on a block filled under async
+    // scheduling.
+    let mut s = sched(SchedulerConfig {
+        block_size: 4,
+        async_depth: 2,
+        ..SchedulerConfig::default()
+    });
+    let first = spec(1, 6, 3);
+    let mut tokens = first.prompt.clone();
+    tokens.extend((6..8).map(|p| fake_token(rid(1), p)));
+    s.add_request(first).unwrap();
+    // Prefill, decodes at 6 and 7 (the 3rd output token is sampled at 8), then an empty step;
+    // each output arrives when two steps are in flight.
+    let mut in_flight = Vec::new();
+    for _ in 0..4 {
+        in_flight.push(schedule(&mut s).step);
+        if in_flight.len() == 2 {
+            let oldest = in_flight.remove(0);
+            apply(&mut s, oldest, None);
+        }
+    }
+    for step in in_flight {
+        apply(&mut s, step, None);
+    }
+    assert_eq!(s.status(rid(1)), None, "request 1 finished and was freed");
+    assert_eq!(hit_of_request_2(&mut s, &tokens), 8, "both blocks hit");
+}
+
+/// Sampled tokens are matched to requests by id: an output listing them in another order than
+/// the step scheduled them gives each request its own tokens.
+#[test]
+fn sampled_tokens_in_any_order_go_to_their_requests() {
+    // cargo-mutants survivor (`==` → `!=` in the in-order fast path): every output came in
+    // scheduling order.
+    let mut s = sched(SchedulerConfig::default());
+    s.add_request(spec(1, 5, 4)).unwrap();
+    s.add_request(spec(2, 5, 4)).unwrap();
+    let out = schedule(&mut s);
+    let mut sampled = s.fake_sample(out.step);
+    assert_eq!(sampled.len(), 2);
+    sampled.reverse();
+    s.update_from_output(
+        out.step,
+        ModelOutput {
+            sampled,
+            kv_connector_output: None,
+        },
+    )
+    .unwrap();
+    check(&s);
+    for id in [1, 2] {
+        assert_eq!(
+            s.view().request(rid(id)).unwrap().tokens().last(),
+            Some(&fake_token(rid(id), 5))
+        );
+    }
+}
+
+/// An output may carry several tokens for a request (vLLM's speculative decoding): those after
+/// a stop are dropped, and so is their share of the computed tokens (`num_computed_tokens -=
+/// num_tokens - (i + 1)` for a stop at index `i`).
+#[test]
+fn tokens_after_a_stop_in_a_multi_token_output_are_dropped() {
+    // cargo-mutants survivors (the `!stale` guard, `-=` and `i + 1` of that adjustment): every
+    // output carried one token per request.
+    let mut s = sched(SchedulerConfig::default());
+    // Held after finishing, so that its counts stay visible.
+    s.connector_mut().set_delay_free(rid(1), true);
+    s.add_request(RequestSpec {
+        stop_token: Some(42),
+        ..spec(1, 20, 8)
+    })
+    .unwrap();
+    let out = schedule(&mut s);
+    assert_eq!(computed(&s, 1), 20);
+    let res = s
+        .update_from_output(
+            out.step,
+            ModelOutput {
+                sampled: vec![(rid(1), vec![7, 42, 8, 9])],
+                kv_connector_output: None,
+            },
+        )
+        .unwrap();
+    check(&s);
+    assert_eq!(res.outputs[0].finish, Some(FinishReason::Stopped));
+    assert_eq!(res.outputs[0].new_tokens, vec![7, 42]);
+    assert_eq!(s.status(rid(1)), Some(RequestStatus::FinishedStopped));
+    let r = s.view().request(rid(1)).unwrap();
+    assert_eq!(r.tokens().len(), 22);
+    assert_eq!(
+        r.num_computed_tokens(),
+        20 - 2,
+        "the 2 tokens after the stop"
+    );
+}
+
 /// A running request that gets no new block carries no block list at all (vLLM's `None`);
 /// one that crosses a block boundary carries one list per group.
 #[test]
