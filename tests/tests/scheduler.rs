@@ -1089,10 +1089,10 @@ fn intents_pin_and_unpin_blocks() {
 /// `_inflight_prefill_reserved_blocks`), including a prefill admitted earlier in the same step.
 #[test]
 fn an_async_load_leaves_room_for_the_prefills_in_flight() {
-    // cargo-mutants survivors (`<` → `==`, `>` in the waiting loop's in-flight prefill
-    // bookkeeping, `!` deleted where a step's prefills leave it): no test started an async load
-    // beside a chunked prefill.
-    let admitted = |num_gpu_blocks| {
+    // cargo-mutants survivors (`<` → `==`, `>`, `+` → `*` in the waiting loop's in-flight
+    // prefill bookkeeping, `!` deleted where a step's prefills leave it): no test started an
+    // async load beside a chunked prefill.
+    let admitted = |num_gpu_blocks, loaded| {
         let mut s = sched(SchedulerConfig {
             block_size: 4,
             num_gpu_blocks,
@@ -1100,6 +1100,15 @@ fn an_async_load_leaves_room_for_the_prefills_in_flight() {
             long_prefill_token_threshold: 4,
             ..SchedulerConfig::default()
         });
+        if loaded > 0 {
+            s.connector_mut().set_lookup(
+                rid(1),
+                Lookup::Hit {
+                    tokens: loaded,
+                    load_async: false,
+                },
+            );
+        }
         s.add_request(spec(1, 16, 1)).unwrap();
         s.connector_mut().set_lookup(
             rid(2),
@@ -1109,8 +1118,8 @@ fn an_async_load_leaves_room_for_the_prefills_in_flight() {
             },
         );
         s.add_request(spec(2, 12, 1)).unwrap();
-        // Request 1 computes 4-token chunks (1 block each) and still needs 3 blocks after the
-        // first, 2 after the second; request 2's load needs 2.
+        // Request 1 computes 4-token chunks (1 block each, after its `loaded` tokens); request
+        // 2's load needs 2 blocks.
         let mut loading = Vec::new();
         for _ in 0..2 {
             let (out, _) = step(&mut s, None);
@@ -1119,10 +1128,14 @@ fn an_async_load_leaves_room_for_the_prefills_in_flight() {
         }
         loading
     };
-    // 2 + 3 reserved > 4 free, then 2 + 2 reserved > 3 free.
-    assert_eq!(admitted(6), [false, false]);
+    // Request 1 still needs 3 blocks, then 2: 2 + 3 reserved > 4 free, 2 + 2 reserved > 3 free.
+    assert_eq!(admitted(6, 0), [false, false]);
     // 2 + 3 reserved <= 5 free.
-    assert_eq!(admitted(7), [true, true]);
+    assert_eq!(admitted(7, 0), [true, true]);
+    // After a synchronous load of 4 tokens, request 1 still needs 2 blocks, then 1: 2 + 2 > 3
+    // free, 2 + 1 > 2 free; and 2 + 2 <= 4 free.
+    assert_eq!(admitted(6, 4), [false, false]);
+    assert_eq!(admitted(7, 4), [true, true]);
 }
 
 /// Without chunked prefill a prompt is scheduled whole or not at all: one that needs exactly
