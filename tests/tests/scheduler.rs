@@ -831,6 +831,33 @@ fn abort_while_loading_holds_blocks_until_the_load_reports() {
     assert_eq!(s.block_pool().num_free(), free0);
 }
 
+/// A `finished_recving` for a request that the same output finishes and frees: vLLM asserts
+/// the request still exists and crashes; both modes break with a sticky `stale_completion`.
+#[test]
+fn finished_recving_for_a_request_freed_by_the_same_output_is_stale() {
+    // cargo-mutants survivor (`&&` → `||` in `apply_completion`'s guard for loads freed at
+    // abort, which the fault injection of PR #32255 turns on): no test reported a completion for
+    // a request freed earlier in the same call.
+    for mode in [Mode::Compat, Mode::Strict] {
+        let mut s = sched(SchedulerConfig {
+            mode,
+            ..SchedulerConfig::default()
+        });
+        s.add_request(spec(1, 20, 1)).unwrap();
+        let out = schedule(&mut s);
+        let r = s.update_from_output(
+            out.step,
+            ModelOutput {
+                sampled: s.fake_sample(out.step),
+                kv_connector_output: Some(recv(&[1])),
+            },
+        );
+        let e = r.unwrap_err();
+        assert_eq!(e.kind(), "stale_completion", "{mode:?}");
+        assert_eq!(s.schedule().map(|_| ()), Err(e), "sticky");
+    }
+}
+
 /// Strict mode rejects what compat (vLLM) accepts: a duplicate `finished_recving`, and a
 /// `finished_recving` for a request held only for a send.
 #[test]
