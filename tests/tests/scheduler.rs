@@ -628,6 +628,44 @@ fn an_unknown_id_in_failed_recving_is_ignored_in_compat_and_rejected_in_strict()
     }
 }
 
+/// `finished_recving` naming a request the scheduler does not hold is bad input in both modes:
+/// `unknown_request`, nothing of the output applied, and the scheduler still takes the step's
+/// output once it is corrected (only the pre-#32255 fault injection ignores such ids).
+#[test]
+fn an_unknown_id_in_finished_recving_is_rejected_and_changes_nothing() {
+    // cargo-mutants survivor (`&&` → `||` in validate_output's fault guard): only unknown ids
+    // in finished_sending were tested.
+    for mode in [Mode::Compat, Mode::Strict] {
+        let mut s = sched(SchedulerConfig {
+            mode,
+            ..SchedulerConfig::default()
+        });
+        s.add_request(spec(1, 20, 3)).unwrap();
+        let st = s.schedule().unwrap();
+        let before = s.clone();
+        let sampled = s.fake_sample(st.output.step);
+        let r = s.update_from_output(
+            st.output.step,
+            ModelOutput {
+                sampled: sampled.clone(),
+                kv_connector_output: Some(recv(&[9])),
+            },
+        );
+        assert_eq!(r.unwrap_err(), SchedulerError::UnknownRequest(rid(9)));
+        assert!(s == before, "a rejected output changes nothing");
+        s.update_from_output(
+            st.output.step,
+            ModelOutput {
+                sampled,
+                kv_connector_output: None,
+            },
+        )
+        .unwrap();
+        assert_eq!(s.view().request(rid(1)).unwrap().tokens().len(), 21);
+        check(&s);
+    }
+}
+
 /// A lookup answer the request cannot hold breaks the scheduler with a sticky, typed
 /// `connector_contract` error: a synchronous load must leave the last token to compute (vLLM
 /// asserts it), an asynchronous one may cover the whole prompt, and an asynchronous load of no
