@@ -981,11 +981,12 @@ fn the_sliding_window_lookup_needs_only_the_last_window() {
     sim.drain(10);
 }
 
-/// A sliding-window-only connector whose window (16 tokens) spans two 12-token chunks, with a
-/// 4-chunk LRU manager, and its first request's 48-token prompt offloaded (keys 0..4 stored).
-fn two_chunk_window_sim() -> (Sim, Vec<u32>) {
+/// A sliding-window-only connector whose window (`window` tokens) spans two 12-token chunks,
+/// with a 4-chunk LRU manager, and its first request's 48-token prompt offloaded (keys 0..4
+/// stored).
+fn two_chunk_window_sim(window: u32) -> (Sim, Vec<u32>) {
     let mut config = sched_config(200, false);
-    config.groups = vec![GroupKind::SlidingWindow { window: 16 }];
+    config.groups = vec![GroupKind::SlidingWindow { window }];
     let off = OffloadingConfig::new(BPC, 1, manager(4));
     let mut sim = Sim::new(config, off, &[true]);
     let p = prompt(1, 48);
@@ -997,7 +998,7 @@ fn two_chunk_window_sim() -> (Sim, Vec<u32>) {
 fn a_sliding_window_hit_only_needs_the_last_window_not_the_prefix() {
     // `_sliding_window_lookup` scans from the end: with chunk 1's key evicted, the window ending
     // at chunk 3 (chunks 2 and 3) still hits, where a prefix lookup would stop at chunk 0.
-    let (mut sim, p) = two_chunk_window_sim();
+    let (mut sim, p) = two_chunk_window_sim(16);
     // A request with the same prefix loads the last window (the LRU commits chunks 2 and 3 as
     // most recent); then one new chunk evicts the least recent key, chunk 1.
     sim.offload(2, &extended(&p, &[9]));
@@ -1016,6 +1017,108 @@ fn a_sliding_window_hit_only_needs_the_last_window_not_the_prefix() {
     assert_eq!(lj.gpu.block_indices, [8]);
     assert_eq!(lj.gpu.block_ids[0], sim.blocks(4, 0)[8..12].to_vec());
     assert_eq!(lj.chunks[0].len(), 2);
+    sim.drain(10);
+}
+
+#[test]
+fn a_hit_one_token_short_of_a_chunk_needs_only_the_window_chunks() {
+    // `load_window_size_in_chunks` at a hit end that is not chunk-aligned: a 48-token prompt
+    // hits at most 47 tokens under a sliding window, and a 24-token window ending there needs
+    // tokens 24..47, chunks 2 and 3 (`max(cdiv(24, 12), cdiv(24 - 1 + 1, 12))`), so chunk 1's
+    // missing key does not matter.
+    let (mut sim, p) = two_chunk_window_sim(24);
+    sim.offload(2, &extended(&p, &[9]));
+    sim.offload(3, &prompt(3, 13));
+    use KeyLookup::{Hit, Miss};
+    assert_eq!(sim.four_keys(&p, 0), [Hit, Miss, Hit, Hit]);
+    sim.add(spec(4, p.clone(), 1));
+    let s = sim.step();
+    let lj = s
+        .meta
+        .load_jobs
+        .values()
+        .next()
+        .expect("a load of the last window");
+    assert_eq!(lj.chunks[0].len(), 2);
+    assert_eq!(lj.gpu.block_indices, [6]);
+    assert_eq!(lj.gpu.block_ids[0], sim.blocks(4, 0)[6..12].to_vec());
+    assert_eq!(
+        sim.s.view().request(rid(4)).unwrap().num_computed_tokens(),
+        47
+    );
+    sim.drain(10);
+}
+
+#[test]
+fn a_sliding_window_hit_needs_a_whole_window_also_at_the_end_of_the_cache() {
+    // `_sliding_window_lookup` with a hole before the last stored chunk: keys [hit, hit, miss,
+    // hit] and a 16-token window (two 12-token chunks). The last chunk alone is no hit (its
+    // window reaches into the missing chunk), so the hit is the window ending at chunk 1.
+    let mut config = sched_config(25, true);
+    config.groups = vec![GroupKind::SlidingWindow { window: 16 }];
+    let off = OffloadingConfig::new(BPC, 1, manager(5));
+    let mut sim = Sim::new(config, off, &[true]);
+    use KeyLookup::{Hit, Miss};
+    let p = prompt(1, 48);
+    let p5 = extended(&p, &prompt(2, 12));
+    // Fillers too short to store a chunk take all 24 GPU blocks at once: no local hit is left.
+    let clear_gpu = |sim: &mut Sim, first: u32| {
+        for id in first..first + 8 {
+            sim.add(spec(id, prompt(id, 11), 1));
+        }
+        assert_eq!(sim.step().output.scheduled_new_reqs.len(), 8);
+        sim.drain(10);
+    };
+    // The LRU order is built by which keys each request touches; a finished request commits
+    // its keys head to tail, so its tail is the least recent (least recent first below).
+    // Chunks 0..3 stored: [2, 1, 0].
+    sim.offload(1, &extended(&p[..36], &[7]));
+    assert_eq!(sim.four_keys(&p, 0), [Hit, Hit, Hit, Miss]);
+    // A GPU hit of 36 tokens: chunk 3 stored, chunk 2 offered again: [1, 0, 3, 2].
+    sim.add(spec(2, extended(&p, &[8]), 1));
+    let s = sim.step();
+    assert!(s.meta.load_jobs.is_empty());
+    assert_eq!(s.output.scheduled_new_reqs[0].num_computed_tokens, 36);
+    sim.drain(10);
+    // A GPU hit of 48 tokens: chunk 4 stored, chunk 3 offered again: [1, 0, 2, 4, 3].
+    sim.add(spec(3, extended(&p5, &[8]), 1));
+    assert_eq!(
+        sim.step().output.scheduled_new_reqs[0].num_computed_tokens,
+        48
+    );
+    sim.drain(10);
+    // No GPU hit: chunks 0 and 1 loaded: [2, 4, 3, 1, 0].
+    clear_gpu(&mut sim, 10);
+    sim.add(spec(4, extended(&p[..24], &[9]), 1));
+    let s = sim.step();
+    let lj = s.meta.load_jobs.values().next().expect("a load");
+    assert_eq!(lj.chunks[0].len(), 2);
+    sim.drain(10);
+    // One new chunk evicts the least recent key: chunk 2.
+    sim.offload(5, &prompt(5, 13));
+    assert_eq!(sim.four_keys(&p, 0), [Hit, Hit, Miss, Hit]);
+    clear_gpu(&mut sim, 20);
+    sim.add(spec(6, extended(&p, &[9]), 1));
+    let s = sim.step();
+    let lj = s
+        .meta
+        .load_jobs
+        .values()
+        .next()
+        .expect("a load of the window ending at chunk 1");
+    assert_eq!(lj.request, rid(6));
+    assert_eq!(
+        lj.chunks[0].len(),
+        2,
+        "chunks 0 and 1, not the lone chunk 3"
+    );
+    // The 16-token window ending at token 24: blocks 2..6, in the keys of chunks 0 and 1.
+    assert_eq!(lj.gpu.block_indices, [2]);
+    assert_eq!(lj.gpu.block_ids[0], sim.blocks(6, 0)[2..6].to_vec());
+    assert_eq!(
+        sim.s.view().request(rid(6)).unwrap().num_computed_tokens(),
+        24
+    );
     sim.drain(10);
 }
 
