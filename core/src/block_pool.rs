@@ -6,10 +6,14 @@
 //!
 //! * Every block has a reference count: the number of owners (requests holding it in a block
 //!   table, plus connector pins, see [`crate::Intent`]).
-//! * A block whose count drops to 0 goes to the tail of the *free queue* but keeps its prefix-cache
-//!   hash: it is still a cache hit until it is reused. New blocks are taken from the head, so the
-//!   least recently freed cached block is evicted first (LRU). A request's blocks are freed tail
-//!   first, so that a prefix outlives its suffix.
+//! * New blocks are taken from the head of the *free queue*. A block whose count drops to 0 joins
+//!   it where vLLM 0.33.0's `free_blocks` puts it (SEMANTICS.md §1.2, "GPU `BlockPool` free
+//!   queue"): a block that carries a prefix-cache hash goes to the **tail** and keeps its hash —
+//!   it is still a cache hit until it is reused, and the least recently freed cached block is
+//!   evicted first (LRU); a block without a hash (never full, or prefix caching off) goes to the
+//!   **head**, to be reused first (LIFO). The blocks one call prepends keep their order, so when
+//!   a request's blocks are freed tail first, its last uncached block becomes the head. A
+//!   request's blocks are freed tail first so that a prefix outlives its suffix.
 //! * A cache hit on a free block ([`BlockPool::touch`]) takes it out of the free queue.
 //!
 //! The free queue is an intrusive doubly linked list over block indices, so touching, freeing and
@@ -166,12 +170,18 @@ impl BlockPool {
         Some(out)
     }
 
-    /// Drop one reference on each block, in the given order; blocks reaching 0 join the tail of
-    /// the free queue in that order. Null blocks are skipped.
+    /// Drop one reference on each block, given in eviction priority (the block to reuse first
+    /// first). Of the blocks reaching 0, those without a prefix-cache hash are put in front of
+    /// the free queue, in the given order (reused first, LIFO), and the cached ones at its tail,
+    /// in the given order (evicted last, LRU) — vLLM's `BlockPool.free_blocks`. Null blocks are
+    /// skipped.
     ///
     /// Panics if a block's count is already 0: the caller freed a block it did not own, a bug in
     /// the scheduler (owners are tracked exactly, I-15).
     pub fn free_blocks(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
+        // The uncached blocks reaching 0, linked in front of the old head once all are known:
+        // `first_head..=first_tail` is a chain through `next` in the given order.
+        let (mut first_head, mut first_tail) = (NIL, NIL);
         for b in blocks {
             if b == NULL_BLOCK {
                 continue;
@@ -180,9 +190,31 @@ impl BlockPool {
             let rc = &mut self.ref_cnt[i as usize];
             assert!(*rc > 0, "block {i} freed with no owner");
             *rc -= 1;
-            if *rc == 0 {
-                self.push_back(i);
+            if *rc > 0 {
+                continue;
             }
+            if self.hash[i as usize].is_some() {
+                self.push_back(i);
+                continue;
+            }
+            self.prev[i as usize] = first_tail;
+            self.next[i as usize] = NIL;
+            if first_tail == NIL {
+                first_head = i;
+            } else {
+                self.next[first_tail as usize] = i;
+            }
+            first_tail = i;
+            self.num_free += 1;
+        }
+        if first_head != NIL {
+            self.next[first_tail as usize] = self.head;
+            if self.head == NIL {
+                self.tail = first_tail;
+            } else {
+                self.prev[self.head as usize] = first_tail;
+            }
+            self.head = first_head;
         }
     }
 
@@ -384,6 +416,55 @@ mod tests {
         assert_eq!(pool.get_cached(BlockHash(11), 0), None);
         assert_eq!(pool.get_cached(BlockHash(10), 0), Some(BlockId(1)));
         assert!(pool.get_new_blocks(1).is_none());
+        pool.check_invariants().unwrap();
+    }
+
+    /// SEMANTICS.md §1.2 ("GPU `BlockPool` free queue"): freed blocks without a hash are reused
+    /// first, in the order one call frees them; cached ones last. vLLM 0.33.0's `free_blocks`
+    /// (the oracle issue: kvrelay appended every freed block to the tail).
+    #[test]
+    fn uncached_blocks_are_reused_first_and_cached_ones_last() {
+        let mut pool = BlockPool::new(8);
+        let a = pool.get_new_blocks(4).unwrap();
+        assert_eq!(a, [BlockId(1), BlockId(2), BlockId(3), BlockId(4)]);
+        assert_eq!(pool.free_queue(), [BlockId(5), BlockId(6), BlockId(7)]);
+        // A request's table [1, 2, 3, 4], blocks 1 and 2 full and cached, freed tail first.
+        pool.cache_block(a[0], BlockHash(10), 0);
+        pool.cache_block(a[1], BlockHash(11), 0);
+        pool.free_blocks(a.iter().rev().copied());
+        // 4 then 3 are prepended keeping that order (4 is the new head); 2 then 1 join the tail.
+        assert_eq!(
+            pool.free_queue(),
+            [4, 3, 5, 6, 7, 2, 1].map(BlockId),
+            "uncached blocks LIFO at the head, cached ones at the tail"
+        );
+        pool.check_invariants().unwrap();
+        // The next allocation reuses the last uncached block freed.
+        assert_eq!(pool.get_new_blocks(2).unwrap(), [BlockId(4), BlockId(3)]);
+        // A second free prepends in front of the blocks prepended before.
+        pool.free_blocks([BlockId(3)]);
+        pool.free_blocks([BlockId(4)]);
+        assert_eq!(pool.free_queue(), [4, 3, 5, 6, 7, 2, 1].map(BlockId));
+        // Freeing into an empty queue: every block taken, then an uncached and a cached one
+        // freed in one call.
+        let all = pool.get_new_blocks(7).unwrap();
+        assert_eq!(pool.num_free(), 0);
+        pool.cache_block(all[0], BlockHash(12), 0);
+        pool.free_blocks([all[0], all[1]]);
+        assert_eq!(pool.free_queue(), [all[1], all[0]]);
+        pool.check_invariants().unwrap();
+    }
+
+    /// A block still owned by another request is not freed: only the count drops.
+    #[test]
+    fn a_shared_block_joins_the_queue_only_at_its_last_owner() {
+        let mut pool = BlockPool::new(4);
+        let a = pool.get_new_blocks(1).unwrap();
+        pool.touch(a.iter().copied());
+        pool.free_blocks(a.iter().copied());
+        assert_eq!(pool.free_queue(), [BlockId(2), BlockId(3)]);
+        pool.free_blocks(a.iter().copied());
+        assert_eq!(pool.free_queue(), [BlockId(1), BlockId(2), BlockId(3)]);
         pool.check_invariants().unwrap();
     }
 

@@ -891,13 +891,15 @@ impl State {
         total_computed: u32,
     ) -> u32 {
         let bs = self.bs();
-        let evictable = hit
+        let skipped = num_skipped_tokens(self.config.groups[g], total_computed) / bs;
+        // Hit blocks below the window are not adopted (`adopt_hit`), so only the rest count.
+        let adopted = (skipped.saturating_sub(table_len) as usize).min(hit.len());
+        let evictable = hit[adopted..]
             .iter()
             .filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0)
             .count() as u32;
         let have = table_len + hit.len() as u32;
         let required = cdiv(need_slot, bs);
-        let skipped = num_skipped_tokens(self.config.groups[g], total_computed) / bs;
         evictable + required.saturating_sub(have.max(skipped.min(required)))
     }
 
@@ -970,39 +972,15 @@ impl State {
         if needed + watermark + reserved > self.pool.num_free() {
             return None;
         }
-        let r = self.requests.get_mut(&id).expect("checked above");
-        // Adopt the hit, then blocks for the external tokens (nulls below a window).
         if hit_tokens > 0 || ext > 0 {
-            for g in 0..ngroups {
-                let hit = hit_of(g);
-                self.pool.touch(hit.iter().copied());
-                r.blocks[g].extend_from_slice(hit);
-                r.num_cached_blocks[g] = r.blocks[g].len() as u32;
-                if ext > 0 {
-                    let target = cdiv(local + ext, bs) as usize;
-                    let skipped =
-                        (num_skipped_tokens(self.config.groups[g], total_computed) / bs) as usize;
-                    while r.blocks[g].len() < target.min(skipped) {
-                        r.blocks[g].push(NULL_BLOCK);
-                    }
-                    let missing = target.saturating_sub(r.blocks[g].len()) as u32;
-                    let fresh = self
-                        .pool
-                        .get_new_blocks(missing)
-                        .expect("counted in blocks_to_allocate");
-                    r.blocks[g].extend(fresh);
-                }
-            }
+            self.adopt_computed_blocks(id, hit.map_or(&[][..], |h| &h.0[..]), local, ext);
         }
+        let r = self.requests.get_mut(&id).expect("checked above");
         let required = cdiv(need_slot, bs) as usize;
         // vLLM's `get_block_ids(allow_none=True)`: no list at all when no group got a block
         // (most decode steps; and no allocation on the hot path).
         let mut new_blocks = Vec::new();
         for g in 0..ngroups {
-            let skipped = (num_skipped_tokens(self.config.groups[g], total_computed) / bs) as usize;
-            while r.blocks[g].len() < required.min(skipped) {
-                r.blocks[g].push(NULL_BLOCK);
-            }
             let missing = required.saturating_sub(r.blocks[g].len()) as u32;
             let fresh = self
                 .pool
@@ -1023,6 +1001,64 @@ impl State {
             self.cache_blocks(id, upto);
         }
         Some(new_blocks)
+    }
+
+    /// A first allocation's computed prefix: the local hit, then blocks for the external
+    /// tokens (vLLM's `allocate_new_computed_blocks`, the request's tables empty). In two
+    /// phases, as vLLM since issue #33775: first every group adopts its hit, then every group
+    /// takes blocks for the external tokens — so one group's new block can never evict a hit
+    /// block another group has not claimed yet (which would put one block in two tables).
+    ///
+    /// In a sliding-window group the window is that of the local *and* external tokens: the
+    /// hit blocks below it are not adopted (nulls stand for them), and external tokens below it
+    /// get no block (`add_local_computed_blocks`, `allocate_external_computed_blocks`).
+    fn adopt_computed_blocks(
+        &mut self,
+        id: RequestId,
+        hits: &[Vec<BlockId>],
+        local: u32,
+        ext: u32,
+    ) {
+        let bs = self.bs();
+        let total = local + ext;
+        let r = self
+            .requests
+            .get_mut(&id)
+            .expect("caller holds the request");
+        if r.blocks.iter().any(|t| !t.is_empty()) {
+            // Not a first allocation: a 1-token prompt whose async load covered it is looked up
+            // again holding its block (promotion leaves 0 computed tokens). vLLM's coordinator
+            // skips the request, which is already in its managers' `num_cached_block`; a prompt
+            // without a full block has no hit to adopt.
+            debug_assert!(hits.iter().all(Vec::is_empty));
+            return;
+        }
+        for (g, kind) in self.config.groups.iter().enumerate() {
+            let hit = hits.get(g).map_or(&[][..], Vec::as_slice);
+            let skipped = (num_skipped_tokens(*kind, total) / bs) as usize;
+            let adopted = &hit[skipped.min(hit.len())..];
+            self.pool.touch(adopted.iter().copied());
+            let table = &mut r.blocks[g];
+            table.resize(skipped, NULL_BLOCK);
+            table.extend_from_slice(adopted);
+            r.num_cached_blocks[g] = table.len() as u32;
+        }
+        if ext == 0 {
+            return;
+        }
+        for (g, kind) in self.config.groups.iter().enumerate() {
+            if num_skipped_tokens(*kind, total) >= total {
+                // Every external token lies below the window (a window of 1 token).
+                continue;
+            }
+            let table = &mut r.blocks[g];
+            let missing = (cdiv(total, bs) as usize).saturating_sub(table.len()) as u32;
+            let fresh = self
+                .pool
+                .get_new_blocks(missing)
+                .expect("counted in blocks_to_allocate");
+            table.extend(fresh);
+        }
     }
 
     /// Offer the request's full blocks up to `num_tokens` to the prefix cache.
@@ -1333,7 +1369,7 @@ impl<C: SchedulerConnector> Scheduler<C> {
     }
 
     /// vLLM's `finish_requests`: remove from the queues, then finish each (delaying the free of
-    /// a request whose load is in flight, I-17).
+    /// a request whose load is in flight, I-17). The outputs carry no `kv_transfer_params`.
     fn finish_requests(
         &mut self,
         ids: &[RequestId],
@@ -1360,12 +1396,15 @@ impl<C: SchedulerConnector> Scheduler<C> {
                 st.failed_recving_kv_req_ids.remove(&id);
             }
             r.status = reason.status();
-            let params = self.free_request(id, delay)?;
+            // vLLM's `finish_requests` drops what `_free_request` returns, and its error outputs
+            // are built without `kv_transfer_params` (`update_from_output`): a request errored
+            // by a load failure reports none, whatever `request_finished` answered.
+            self.free_request(id, delay)?;
             outs.push(RequestOutput {
                 id,
                 new_tokens: Vec::new(),
                 finish: Some(reason),
-                kv_transfer_params: params,
+                kv_transfer_params: None,
             });
         }
         Ok(outs)

@@ -4,7 +4,10 @@
 //! folds into the step's connector output.
 //!
 //! The simulated DMA performs every `Start` a hook asks for and completes a transfer
-//! * when a hook returns `Wait` for it (at once, in the order asked: the hook blocks on it),
+//! * when a hook returns `Wait` for it (at once, in the order asked: the hook blocks on it) —
+//!   and with it every earlier transfer of its queue (stores, async loads, sync loads), because
+//!   vLLM's worker runs the transfers of one queue serially (`cpu/gpu_worker.py`: each waits for
+//!   the previous one's end event), so waiting for one waits for those before it,
 //! * at the end of the rank's worker step, every transfer still in flight in submission order,
 //!   unless the rank is *held* (`hold`),
 //! * when the case says so (`complete`).
@@ -134,6 +137,14 @@ pub struct RankState {
     held: bool,
 }
 
+/// vLLM's three DMA queues under one rank; the transfers of one queue run serially.
+#[derive(Clone, Copy, Debug, Eq, PartialEq)]
+enum DmaQueue {
+    Store,
+    Load,
+    SyncLoad,
+}
+
 /// The scheduler, its offloading connector, and the simulated ranks.
 #[derive(Debug)]
 pub struct OffloadEngine {
@@ -142,6 +153,8 @@ pub struct OffloadEngine {
     /// Per rank: transfers started whose completion has not been fed back, in submission order.
     pending: Vec<Vec<JobId>>,
     held: Vec<bool>,
+    /// The DMA queue of every job started (the same on every rank).
+    queues: BTreeMap<JobId, DmaQueue>,
     agg: Aggregator<Meta>,
     /// Steps scheduled and not executed yet, oldest first.
     to_execute: VecDeque<ScheduledStep<OffloadingConnectorMeta>>,
@@ -204,6 +217,7 @@ impl OffloadEngine {
             s,
             workers,
             pending: vec![Vec::new(); w],
+            queues: BTreeMap::new(),
             held: vec![false; w],
             agg,
             to_execute: VecDeque::new(),
@@ -398,6 +412,29 @@ impl OffloadEngine {
         self.workers[rank].handle_transfer_done(TransferDone { job, ok: true });
     }
 
+    /// The DMA queue a job's transfers run in: stores, async loads or sync (expedited) loads.
+    fn queue_of(&self, job: JobId) -> DmaQueue {
+        self.queues.get(&job).copied().unwrap_or(DmaQueue::Store)
+    }
+
+    /// A hook blocks on `job`: it completes, and every transfer started before it in its queue
+    /// completes first (the queue runs serially).
+    fn wait_for(&mut self, rank: usize, job: JobId) {
+        let Some(pos) = self.pending[rank].iter().position(|&j| j == job) else {
+            return;
+        };
+        let queue = self.queue_of(job);
+        let ahead: Vec<JobId> = self.pending[rank][..pos]
+            .iter()
+            .copied()
+            .filter(|&j| self.queue_of(j) == queue)
+            .collect();
+        for j in ahead {
+            self.feed(rank, j);
+        }
+        self.feed(rank, job);
+    }
+
     fn run_cmds(
         &mut self,
         rank: usize,
@@ -409,6 +446,16 @@ impl OffloadEngine {
             match c {
                 TransferCommand::Start(t) => {
                     self.pending[rank].push(t.job);
+                    let queue = match t.direction {
+                        TransferDirection::Store => DmaQueue::Store,
+                        TransferDirection::Load
+                            if self.jobs.get(&t.job).is_some_and(|r| r.job.sync) =>
+                        {
+                            DmaQueue::SyncLoad
+                        }
+                        TransferDirection::Load => DmaQueue::Load,
+                    };
+                    self.queues.insert(t.job, queue);
                     let indexes = self
                         .jobs
                         .get(&t.job)
@@ -432,9 +479,7 @@ impl OffloadEngine {
                         } else {
                             out.sync_waited.push(j);
                         }
-                        if self.pending[rank].contains(&j) {
-                            self.feed(rank, j);
-                        }
+                        self.wait_for(rank, j);
                     }
                 }
             }
