@@ -1547,182 +1547,199 @@ impl<C: SchedulerConnector> Scheduler<C> {
         if !preempted_any {
             let mut skipped_holding: VecDeque<RequestId> = VecDeque::new();
             let mut skipped_waiting: VecDeque<RequestId> = VecDeque::new();
-            while budget > 0 {
-                let from_holding = !self.state.kv_holding_waiting.is_empty();
-                let queue_front = if from_holding {
-                    self.state.kv_holding_waiting.front()
-                } else {
-                    self.state.waiting.front()
-                };
-                let Some(&id) = queue_front else { break };
-                if self.state.running.len() as u32 >= self.state.config.max_num_seqs {
-                    break;
-                }
-                let mut skip = |st: &mut State| {
+            // A connector breaking its contract stops the pass with a sticky error; the
+            // requests skipped so far (pending lookups, loads started this pass) still go back
+            // to their queues, so the stopped scheduler's state stays consistent (I-16, I-18).
+            let waiting: Result<(), SchedulerError> = 'waiting: {
+                while budget > 0 {
+                    let from_holding = !self.state.kv_holding_waiting.is_empty();
+                    let queue_front = if from_holding {
+                        self.state.kv_holding_waiting.front()
+                    } else {
+                        self.state.waiting.front()
+                    };
+                    let Some(&id) = queue_front else { break };
+                    if self.state.running.len() as u32 >= self.state.config.max_num_seqs {
+                        break;
+                    }
+                    let mut skip = |st: &mut State| {
+                        if from_holding {
+                            st.kv_holding_waiting.pop_front();
+                        } else {
+                            st.waiting.pop_front();
+                        }
+                        if st.requests[&id].holds_kv_blocks() {
+                            skipped_holding.push_front(id);
+                        } else {
+                            skipped_waiting.push_front(id);
+                        }
+                    };
+                    // a. Blocked on an async load.
+                    if self.state.requests[&id].status == RequestStatus::WaitingForRemoteKvs {
+                        if !self.state.finished_recving_kv_req_ids.contains(&id) {
+                            skip(&mut self.state);
+                            continue;
+                        }
+                        self.update_waiting_for_remote_kv(id);
+                        // A failed load recomputed from scratch gave its blocks back but is still
+                        // at the head of `kv_holding_waiting`. vLLM (compat) admits it from there:
+                        // if it cannot allocate, the loop stops, and the finished loads behind it
+                        // are never promoted and keep their blocks, possibly forever. Strict moves
+                        // it to the waiting queue (tried from the next step on).
+                        if self.state.config.mode == Mode::Strict
+                            && from_holding
+                            && self.state.requests[&id].blocks.iter().all(Vec::is_empty)
+                        {
+                            skip(&mut self.state);
+                            continue;
+                        }
+                    }
+                    let r = &self.state.requests[&id];
+                    if r.num_stale_output_tokens > 0 && !r.drop_stale_output {
+                        skip(&mut self.state);
+                        continue;
+                    }
+                    // b. Lookups.
+                    let mut hit = None;
+                    let mut ext = 0;
+                    let mut load_async = false;
+                    let num_computed;
+                    if r.num_computed_tokens == 0 {
+                        let h = self.state.local_hit(r);
+                        // vLLM presents the local hit minus its sub-block tail; here the hit is
+                        // whole blocks (every group's hit is), so it is the hit itself.
+                        let answer =
+                            self.connector
+                                .get_num_new_matched_tokens(&self.state.view(), id, h.1);
+                        if let Err(e) = self.apply_intents() {
+                            break 'waiting Err(e);
+                        }
+                        match answer {
+                            Lookup::Pending => {
+                                skip(&mut self.state);
+                                continue;
+                            }
+                            Lookup::Hit {
+                                tokens,
+                                load_async: la,
+                            } => {
+                                let r = &self.state.requests[&id];
+                                if la && tokens == 0 {
+                                    break 'waiting Err(self.fail(
+                                        SchedulerError::ConnectorContract(format!(
+                                            "lookup for {id:?} answered an async load of 0 tokens"
+                                        )),
+                                    ));
+                                }
+                                // A sync load must leave a token to compute (vLLM asserts it).
+                                let limit = u64::from(r.num_tokens()) - u64::from(!la);
+                                if u64::from(h.1) + u64::from(tokens) > limit {
+                                    break 'waiting Err(self.fail(SchedulerError::ConnectorContract(format!(
+                                        "lookup for {id:?} answered {tokens} tokens beyond a local \
+                                         hit of {} for a request of {} tokens",
+                                        h.1,
+                                        r.num_tokens()
+                                    ))));
+                                }
+                                ext = tokens;
+                                load_async = la;
+                            }
+                        }
+                        num_computed = h.1 + ext;
+                        hit = Some(h);
+                    } else {
+                        num_computed = r.num_computed_tokens;
+                    }
+                    let r = &self.state.requests[&id];
+                    let num_new = if load_async {
+                        0
+                    } else {
+                        let mut n = r.num_tokens() - num_computed;
+                        if threshold > 0 && threshold < n {
+                            n = threshold;
+                        }
+                        if !self.state.config.enable_chunked_prefill && n > budget {
+                            break;
+                        }
+                        n.min(budget)
+                    };
+                    let reserved = if load_async {
+                        let ids: Vec<RequestId> =
+                            self.state.inflight_prefills.iter().copied().collect();
+                        ids.iter().map(|&p| self.state.remaining_blocks(p)).sum()
+                    } else {
+                        0
+                    };
+                    // c. Allocation.
+                    let Some(_) = self.state.allocate_slots(
+                        id,
+                        num_new,
+                        hit.as_ref(),
+                        ext,
+                        load_async,
+                        reserved,
+                    ) else {
+                        break;
+                    };
+                    // d. The connector learns about every admission (I-8).
+                    let blocks = self.state.requests[&id].blocks.clone();
+                    self.connector
+                        .update_state_after_alloc(&self.state.view(), id, &blocks, ext);
+                    if let Err(e) = self.apply_intents() {
+                        break 'waiting Err(e);
+                    }
+                    // e. Async load: wait in WAITING_FOR_REMOTE_KVS.
+                    let st = &mut self.state;
+                    if load_async {
+                        let r = st.requests.get_mut(&id).expect("held");
+                        r.status = RequestStatus::WaitingForRemoteKvs;
+                        r.num_computed_tokens = num_computed;
+                        st.inflight_prefills.insert(id);
+                        skip(st);
+                        continue;
+                    }
                     if from_holding {
                         st.kv_holding_waiting.pop_front();
                     } else {
                         st.waiting.pop_front();
                     }
-                    if st.requests[&id].holds_kv_blocks() {
-                        skipped_holding.push_front(id);
-                    } else {
-                        skipped_waiting.push_front(id);
+                    st.running.push(id);
+                    if ext > 0 {
+                        has_sync_kv_loads = true;
                     }
-                };
-                // a. Blocked on an async load.
-                if self.state.requests[&id].status == RequestStatus::WaitingForRemoteKvs {
-                    if !self.state.finished_recving_kv_req_ids.contains(&id) {
-                        skip(&mut self.state);
-                        continue;
-                    }
-                    self.update_waiting_for_remote_kv(id);
-                    // A failed load recomputed from scratch gave its blocks back but is still
-                    // at the head of `kv_holding_waiting`. vLLM (compat) admits it from there:
-                    // if it cannot allocate, the loop stops, and the finished loads behind it
-                    // are never promoted and keep their blocks, possibly forever. Strict moves
-                    // it to the waiting queue (tried from the next step on).
-                    if self.state.config.mode == Mode::Strict
-                        && from_holding
-                        && self.state.requests[&id].blocks.iter().all(Vec::is_empty)
-                    {
-                        skip(&mut self.state);
-                        continue;
-                    }
-                }
-                let r = &self.state.requests[&id];
-                if r.num_stale_output_tokens > 0 && !r.drop_stale_output {
-                    skip(&mut self.state);
-                    continue;
-                }
-                // b. Lookups.
-                let mut hit = None;
-                let mut ext = 0;
-                let mut load_async = false;
-                let num_computed;
-                if r.num_computed_tokens == 0 {
-                    let h = self.state.local_hit(r);
-                    // vLLM presents the local hit minus its sub-block tail; here the hit is
-                    // whole blocks (every group's hit is), so it is the hit itself.
-                    let answer =
-                        self.connector
-                            .get_num_new_matched_tokens(&self.state.view(), id, h.1);
-                    self.apply_intents()?;
-                    match answer {
-                        Lookup::Pending => {
-                            skip(&mut self.state);
-                            continue;
-                        }
-                        Lookup::Hit {
-                            tokens,
-                            load_async: la,
-                        } => {
-                            let r = &self.state.requests[&id];
-                            if la && tokens == 0 {
-                                return Err(self.fail(SchedulerError::ConnectorContract(format!(
-                                    "lookup for {id:?} answered an async load of 0 tokens"
-                                ))));
-                            }
-                            // A sync load must leave a token to compute (vLLM asserts it).
-                            let limit = u64::from(r.num_tokens()) - u64::from(!la);
-                            if u64::from(h.1) + u64::from(tokens) > limit {
-                                return Err(self.fail(SchedulerError::ConnectorContract(format!(
-                                    "lookup for {id:?} answered {tokens} tokens beyond a local \
-                                     hit of {} for a request of {} tokens",
-                                    h.1,
-                                    r.num_tokens()
-                                ))));
-                            }
-                            ext = tokens;
-                            load_async = la;
-                        }
-                    }
-                    num_computed = h.1 + ext;
-                    hit = Some(h);
-                } else {
-                    num_computed = r.num_computed_tokens;
-                }
-                let r = &self.state.requests[&id];
-                let num_new = if load_async {
-                    0
-                } else {
-                    let mut n = r.num_tokens() - num_computed;
-                    if threshold > 0 && threshold < n {
-                        n = threshold;
-                    }
-                    if !self.state.config.enable_chunked_prefill && n > budget {
-                        break;
-                    }
-                    n.min(budget)
-                };
-                let reserved = if load_async {
-                    let ids: Vec<RequestId> =
-                        self.state.inflight_prefills.iter().copied().collect();
-                    ids.iter().map(|&p| self.state.remaining_blocks(p)).sum()
-                } else {
-                    0
-                };
-                // c. Allocation.
-                let Some(_) =
-                    self.state
-                        .allocate_slots(id, num_new, hit.as_ref(), ext, load_async, reserved)
-                else {
-                    break;
-                };
-                // d. The connector learns about every admission (I-8).
-                let blocks = self.state.requests[&id].blocks.clone();
-                self.connector
-                    .update_state_after_alloc(&self.state.view(), id, &blocks, ext);
-                self.apply_intents()?;
-                // e. Async load: wait in WAITING_FOR_REMOTE_KVS.
-                let st = &mut self.state;
-                if load_async {
                     let r = st.requests.get_mut(&id).expect("held");
-                    r.status = RequestStatus::WaitingForRemoteKvs;
+                    let resumed = r.status == RequestStatus::Preempted;
+                    r.status = RequestStatus::Running;
                     r.num_computed_tokens = num_computed;
-                    st.inflight_prefills.insert(id);
-                    skip(st);
-                    continue;
+                    if resumed {
+                        cached_reqs.push(CachedRequestData {
+                            id,
+                            resumed: true,
+                            new_block_ids: r.blocks.clone(),
+                            num_computed_tokens: num_computed,
+                        });
+                    } else {
+                        new_reqs.push(NewRequestData {
+                            id,
+                            block_ids: r.blocks.clone(),
+                            num_computed_tokens: num_computed,
+                        });
+                    }
+                    if num_computed + num_new < r.num_tokens() {
+                        st.inflight_prefills.insert(id);
+                    }
+                    scheduled.push((id, num_new));
+                    budget -= num_new;
                 }
-                if from_holding {
-                    st.kv_holding_waiting.pop_front();
-                } else {
-                    st.waiting.pop_front();
-                }
-                st.running.push(id);
-                if ext > 0 {
-                    has_sync_kv_loads = true;
-                }
-                let r = st.requests.get_mut(&id).expect("held");
-                let resumed = r.status == RequestStatus::Preempted;
-                r.status = RequestStatus::Running;
-                r.num_computed_tokens = num_computed;
-                if resumed {
-                    cached_reqs.push(CachedRequestData {
-                        id,
-                        resumed: true,
-                        new_block_ids: r.blocks.clone(),
-                        num_computed_tokens: num_computed,
-                    });
-                } else {
-                    new_reqs.push(NewRequestData {
-                        id,
-                        block_ids: r.blocks.clone(),
-                        num_computed_tokens: num_computed,
-                    });
-                }
-                if num_computed + num_new < r.num_tokens() {
-                    st.inflight_prefills.insert(id);
-                }
-                scheduled.push((id, num_new));
-                budget -= num_new;
-            }
+                Ok(())
+            };
             for id in skipped_holding {
                 self.state.kv_holding_waiting.push_front(id);
             }
             for id in skipped_waiting {
                 self.state.waiting.push_front(id);
             }
+            waiting?;
         }
 
         // 3. The output, 4. the metadata.

@@ -699,6 +699,49 @@ fn lookup_answers_beyond_the_request_are_contract_errors() {
     }
 }
 
+/// The oracle issue: a sticky `connector_contract` error stops the scheduler, but must not
+/// leave it corrupt. In one pass r1's lookup is pending (skipped) and r2 starts an async load
+/// (moved to loading) before r3's lookup breaks the contract; both go back to their queues, so
+/// every invariant still holds (before the fix: I-16 for r1, I-18 for r2), in both modes.
+#[test]
+fn a_contract_error_mid_pass_leaves_the_skipped_requests_queued() {
+    for mode in [Mode::Compat, Mode::Strict] {
+        let mut s = sched(SchedulerConfig {
+            block_size: 4,
+            mode,
+            ..SchedulerConfig::default()
+        });
+        s.connector_mut().set_lookup(rid(1), Lookup::Pending);
+        s.connector_mut().set_lookup(
+            rid(2),
+            Lookup::Hit {
+                tokens: 8,
+                load_async: true,
+            },
+        );
+        s.connector_mut().set_lookup(
+            rid(3),
+            Lookup::Hit {
+                tokens: 0,
+                load_async: true,
+            },
+        );
+        for id in 1..=3 {
+            s.add_request(spec(id, 8, 4)).unwrap();
+        }
+        let e = s.schedule().map(|_| ()).unwrap_err();
+        assert_eq!(e.kind(), "connector_contract", "{mode:?}");
+        s.check_invariants()
+            .unwrap_or_else(|v| panic!("{mode:?}: the stopped scheduler is corrupt: {v:?}"));
+        assert_eq!(s.status(rid(1)), Some(RequestStatus::Waiting));
+        assert_eq!(s.status(rid(2)), Some(RequestStatus::WaitingForRemoteKvs));
+        assert_eq!(s.status(rid(3)), Some(RequestStatus::Waiting));
+        let waiting: Vec<RequestId> = s.view().waiting().collect();
+        assert_eq!(waiting, [rid(2), rid(1), rid(3)], "{mode:?}");
+        assert_eq!(s.schedule().map(|_| ()), Err(e), "sticky");
+    }
+}
+
 fn spec_with(id: u32, prompt: Vec<u32>, max_tokens: u32) -> RequestSpec {
     RequestSpec {
         id: rid(id),
