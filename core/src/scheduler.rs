@@ -675,9 +675,27 @@ pub enum SchedulerFault {
     /// at once, while its async load may still be writing them (I-17); its `finished_recving`
     /// arriving later is ignored, as that scheduler ignored unknown ids there.
     FreeAbortedWhileLoading,
+    /// Before vLLM issue #33775: a first allocation with a local hit and external tokens
+    /// claims and allocates group by group, so one group's blocks for the external tokens can
+    /// evict (take from the free queue) a hit block of a later group before that group claims
+    /// it; both groups then hold the block (I-20).
+    ClaimHitsGroupByGroup,
 }
 
 impl State {
+    /// Whether [`SchedulerFault::ClaimHitsGroupByGroup`] was injected (always `false` without
+    /// the `fault-injection` feature).
+    fn claims_hits_group_by_group(&self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        {
+            self.fault == Some(SchedulerFault::ClaimHitsGroupByGroup)
+        }
+        #[cfg(not(feature = "fault-injection"))]
+        {
+            false
+        }
+    }
+
     /// Whether [`SchedulerFault::FreeAbortedWhileLoading`] was injected: the one place the
     /// fault's three effects ask (always `false` without the `fault-injection` feature).
     fn frees_aborted_loads_at_once(&self) -> bool {
@@ -1019,12 +1037,7 @@ impl State {
         local: u32,
         ext: u32,
     ) {
-        let bs = self.bs();
-        let total = local + ext;
-        let r = self
-            .requests
-            .get_mut(&id)
-            .expect("caller holds the request");
+        let r = &self.requests[&id];
         if r.blocks.iter().any(|t| !t.is_empty()) {
             // Not a first allocation: a 1-token prompt whose async load covered it is looked up
             // again holding its block (promotion leaves 0 computed tokens). vLLM's coordinator
@@ -1033,32 +1046,58 @@ impl State {
             debug_assert!(hits.iter().all(Vec::is_empty));
             return;
         }
-        for (g, kind) in self.config.groups.iter().enumerate() {
-            let hit = hits.get(g).map_or(&[][..], Vec::as_slice);
-            let skipped = (num_skipped_tokens(*kind, total) / bs) as usize;
-            let adopted = &hit[skipped.min(hit.len())..];
-            self.pool.touch(adopted.iter().copied());
-            let table = &mut r.blocks[g];
-            table.resize(skipped, NULL_BLOCK);
-            table.extend_from_slice(adopted);
-            r.num_cached_blocks[g] = table.len() as u32;
-        }
-        if ext == 0 {
+        let hit = |g: usize| hits.get(g).map_or(&[][..], Vec::as_slice);
+        let groups = self.config.groups.len();
+        if self.claims_hits_group_by_group() {
+            for g in 0..groups {
+                self.adopt_hit(id, g, hit(g), local + ext);
+                self.take_external_blocks(id, g, local, ext);
+            }
             return;
         }
-        for (g, kind) in self.config.groups.iter().enumerate() {
-            if num_skipped_tokens(*kind, total) >= total {
-                // Every external token lies below the window (a window of 1 token).
-                continue;
-            }
-            let table = &mut r.blocks[g];
-            let missing = (cdiv(total, bs) as usize).saturating_sub(table.len()) as u32;
-            let fresh = self
-                .pool
-                .get_new_blocks(missing)
-                .expect("counted in blocks_to_allocate");
-            table.extend(fresh);
+        for g in 0..groups {
+            self.adopt_hit(id, g, hit(g), local + ext);
         }
+        for g in 0..groups {
+            self.take_external_blocks(id, g, local, ext);
+        }
+    }
+
+    /// Group `g` claims the blocks of its hit inside the window of `total` computed tokens and
+    /// puts nulls below it (`add_local_computed_blocks`).
+    fn adopt_hit(&mut self, id: RequestId, g: usize, hit: &[BlockId], total: u32) {
+        let skipped = (num_skipped_tokens(self.config.groups[g], total) / self.bs()) as usize;
+        let adopted = &hit[skipped.min(hit.len())..];
+        self.pool.touch(adopted.iter().copied());
+        let r = self
+            .requests
+            .get_mut(&id)
+            .expect("caller holds the request");
+        let table = &mut r.blocks[g];
+        table.resize(skipped, NULL_BLOCK);
+        table.extend_from_slice(adopted);
+        r.num_cached_blocks[g] = table.len() as u32;
+    }
+
+    /// Group `g` takes blocks for the external tokens inside its window
+    /// (`allocate_external_computed_blocks`).
+    fn take_external_blocks(&mut self, id: RequestId, g: usize, local: u32, ext: u32) {
+        let total = local + ext;
+        if ext == 0 || num_skipped_tokens(self.config.groups[g], total) >= total {
+            // No external token, or every one lies below the window (a window of 1 token).
+            return;
+        }
+        let r = self
+            .requests
+            .get_mut(&id)
+            .expect("caller holds the request");
+        let table = &mut r.blocks[g];
+        let missing = (cdiv(total, self.config.block_size) as usize).saturating_sub(table.len());
+        let fresh = self
+            .pool
+            .get_new_blocks(missing as u32)
+            .expect("counted in blocks_to_allocate");
+        table.extend(fresh);
     }
 
     /// Offer the request's full blocks up to `num_tokens` to the prefix cache.
@@ -2216,13 +2255,30 @@ impl<C: SchedulerConnector> Scheduler<C> {
         st.pool.check_invariants()?;
         // Owners per block: requests' tables plus connector pins must equal the ref counts
         // (I-20: a block is shared only through the prefix cache, i.e. as a counted owner).
+        // A shared block is a prefix-cache hit, so every table holds it in the same group at
+        // the same position (the position its hash chains to): a block in two groups, or twice
+        // in one request, is owned twice by mistake even when the counts agree (the oracle
+        // issue's two-group hit adoption, vLLM issue #33775).
         let mut owners: BTreeMap<BlockId, u32> = BTreeMap::new();
+        let mut slot: BTreeMap<BlockId, (usize, usize)> = BTreeMap::new();
         for r in st.requests.values() {
-            for table in &r.blocks {
-                for &b in table {
-                    if b != NULL_BLOCK {
-                        *owners.entry(b).or_default() += 1;
+            for (g, table) in r.blocks.iter().enumerate() {
+                for (i, &b) in table.iter().enumerate() {
+                    if b == NULL_BLOCK {
+                        continue;
                     }
+                    *owners.entry(b).or_default() += 1;
+                    let first = *slot.entry(b).or_insert((g, i));
+                    ensure_invariant!(
+                        first == (g, i),
+                        "I-20",
+                        "block {} is in group {} at position {} and in group {g} at position {i} \
+                         (request {:?})",
+                        b.0,
+                        first.0,
+                        first.1,
+                        r.id
+                    );
                 }
             }
             // I-14/I-15: a finished request is held only for the connector.

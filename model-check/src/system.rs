@@ -569,6 +569,10 @@ pub enum CoreFault {
     /// Before vLLM PR #32255: a request aborted while its async load is in flight has its
     /// blocks freed at once (I-17).
     FreeAbortedWhileLoading,
+    /// Before vLLM issue #33775: a first allocation with a local hit and external tokens
+    /// claims and allocates group by group, so one group's new block can be another group's
+    /// hit block, which then sits in two groups (I-20). Needs two groups (`sliding_window`).
+    ClaimHitsGroupByGroup,
 }
 
 /// What the system model explores. Start from a preset ([`SystemConfig::ci`],
@@ -1068,6 +1072,9 @@ impl<P: Connectors> SystemModel<P> {
             scheduler.inject_fault(match f {
                 CoreFault::FreeAbortedWhileLoading => {
                     kvrelay_core::SchedulerFault::FreeAbortedWhileLoading
+                }
+                CoreFault::ClaimHitsGroupByGroup => {
+                    kvrelay_core::SchedulerFault::ClaimHitsGroupByGroup
                 }
             });
         }

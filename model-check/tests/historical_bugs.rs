@@ -176,6 +176,47 @@ fn pr_32255_abort_while_loading_frees_blocks() {
     found(&r, p::OWNED_WRITES, 20, "which request 0 holds");
 }
 
+/// Two KV groups with a local prefix hit plus external tokens: the P/D connector loads every
+/// prompt beyond its GPU hit, and with a sliding-window group beside full attention the
+/// second request hits the shared prefix in both groups. Claimed and allocated group by group
+/// (vLLM before issue #33775, kvrelay before the oracle issue), group 0's block for the
+/// external tokens is group 1's free hit block, which group 1 then claims too: one block in
+/// two groups. The owner counts still agree, so only the invariant that a shared block sits
+/// in one group at one position (I-20) sees it; no exhaustive configuration had two groups
+/// before, so the checker never reached it. Without the fault the same configuration holds
+/// (tests/pd.rs, `pd_two_groups_with_hits_and_loads_hold`).
+#[cfg(feature = "scheduler-faults")]
+#[test]
+fn issue_33775_hits_claimed_group_by_group() {
+    use kvrelay_model_check::{CoreFault, PdPair, PdRole};
+    // Several groups: load failures are reported per request (I-36), as `kvrelay check` does.
+    let pair = PdPair {
+        role: PdRole {
+            failures_as_blocks: false,
+            ..PdPair::default().role
+        },
+        fault: None,
+    };
+    let r = run(
+        pair,
+        SystemConfig {
+            load_failures: 1,
+            sliding_window: Some(3),
+            gpu_blocks: 7,
+            ..with(EnvFaults {
+                scheduler: Some(CoreFault::ClaimHitsGroupByGroup),
+                ..EnvFaults::default()
+            })
+        },
+    );
+    found(
+        &r,
+        p::CORE,
+        31,
+        "is in group 0 at position 1 and in group 1",
+    );
+}
+
 /// Without the `scheduler-faults` feature a scheduler fault is a clear configuration error,
 /// never silently ignored.
 #[cfg(not(feature = "scheduler-faults"))]

@@ -55,6 +55,39 @@ fn pd_ci_explores_exhaustively_and_every_property_holds() {
     assert_eq!(report.unique_states, 69_652);
 }
 
+/// The P/D pair with several KV groups: load failures are reported per request (vLLM rejects
+/// invalid block ids there, I-36), as `kvrelay check --sliding-window` does.
+fn two_group_pd() -> PdPair {
+    PdPair {
+        role: PdRole {
+            failures_as_blocks: false,
+            ..PdPair::default().role
+        },
+        fault: None,
+    }
+}
+
+/// Two KV groups (full attention and a 3-token sliding window), a tight pool: the second
+/// request hits the shared prefix in both groups and loads the rest (a local hit plus external
+/// tokens in one admission, the oracle issue's two-group case). Every property holds; with the
+/// group-by-group claiming of vLLM before issue #33775 the checker finds a block in two groups
+/// (tests/historical_bugs.rs, `issue_33775_hits_claimed_group_by_group`).
+#[test]
+fn pd_two_groups_with_hits_and_loads_hold() {
+    let report = run(
+        two_group_pd(),
+        SystemConfig {
+            sliding_window: Some(3),
+            gpu_blocks: 7,
+            ..ci()
+        },
+    );
+    assert_eq!(report.stop, Stop::Exhaustive);
+    assert!(report.passed());
+    // Pinned: `kvrelay check --connector pd --sliding-window 3 --gpu-blocks 7`.
+    assert_eq!(report.unique_states, 68_558);
+}
+
 #[test]
 fn pd_request_level_failures_hold_too() {
     let pair = PdPair {

@@ -92,9 +92,10 @@ When to use what:
                                      --connector multi --prompt-tokens 3 --max-tokens 1
                                      --gpu-blocks 5), lookup-ignores-jobs (offloading, multi);
                                      swallow-load-failures (pd); strip-extra-saves
-                                     (multi-senders); free-aborted-while-loading (pd, multi;
-                                     a core scheduler bug: only in a build with --features
-                                     scheduler-faults).
+                                     (multi-senders); free-aborted-while-loading (pd, multi)
+                                     and claim-hits-group-by-group (any connector, with
+                                     --sliding-window): core scheduler bugs, only in a build
+                                     with --features scheduler-faults.
   --faulty-double-report / --faulty-bind-first
                                      the same for the completion model.
   --trace-out FILE                   also write the first counterexample as a Mermaid sequence
@@ -341,6 +342,10 @@ enum FaultArg {
     /// vLLM PR #32255 (in the core scheduler; needs a build with --features scheduler-faults):
     /// a request aborted while loading has its blocks freed at once.
     FreeAbortedWhileLoading,
+    /// vLLM issue #33775 (in the core scheduler; needs a build with --features
+    /// scheduler-faults and two groups, --sliding-window): a first allocation claims its hit
+    /// and allocates group by group, so one group's new block can be another's hit block.
+    ClaimHitsGroupByGroup,
 }
 
 impl FaultArg {
@@ -352,7 +357,8 @@ impl FaultArg {
             Self::BindFirst
             | Self::SkipHandlePreemptions
             | Self::OneRankOutput
-            | Self::FreeAbortedWhileLoading => &[C::Offloading, C::Pd, C::Multi, C::MultiSenders],
+            | Self::FreeAbortedWhileLoading
+            | Self::ClaimHitsGroupByGroup => &[C::Offloading, C::Pd, C::Multi, C::MultiSenders],
             Self::DropZeroExternalAlloc | Self::LookupIgnoresJobs => &[C::Offloading, C::Multi],
             Self::SwallowLoadFailures => &[C::Pd],
             Self::StripExtraSaves => &[C::MultiSenders],
@@ -776,6 +782,9 @@ fn check_system_model(a: &CheckArgs) -> Result<ExitCode, CheckError> {
             FaultArg::OneRankOutput => c.faults.one_rank_output = true,
             FaultArg::FreeAbortedWhileLoading => {
                 c.faults.scheduler = Some(CoreFault::FreeAbortedWhileLoading);
+            }
+            FaultArg::ClaimHitsGroupByGroup => {
+                c.faults.scheduler = Some(CoreFault::ClaimHitsGroupByGroup);
             }
             FaultArg::DropZeroExternalAlloc | FaultArg::LookupIgnoresJobs => {
                 let s = if f == FaultArg::DropZeroExternalAlloc {
