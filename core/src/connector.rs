@@ -191,6 +191,22 @@ pub trait SchedulerConnector: Debug {
         None
     }
 
+    /// Whether `meta` asks the workers for nothing (no load, store or flush, nothing to bind).
+    /// An engine step that schedules nothing and carries such metadata is quiet
+    /// ([`crate::EngineCore`]), so an engine loop may wait for input instead of stepping. The
+    /// default, `false`, never calls a step quiet (safe, but an idle engine then spins).
+    fn meta_is_empty(&self, _meta: &Self::Meta) -> bool {
+        false
+    }
+
+    /// Whether the connector still keeps state for `request` (jobs in flight, a send pending):
+    /// the engine releases a finished request's id only once this is `false`
+    /// ([`crate::EngineCore::take_released`]), so the id cannot be reused while the connector
+    /// could still confuse two requests. The default, `true`, never releases an id.
+    fn tracks_request(&self, _request: RequestId) -> bool {
+        true
+    }
+
     /// Whether KV must be handed off at finish (P/D producers): a preempted request's in-flight
     /// output is then dropped and recomputed (PR #50297). Asked once, when the scheduler is
     /// built (as vLLM's scheduler does in its constructor): a later change is not seen.
@@ -228,6 +244,14 @@ impl SchedulerConnector for NoopConnector {
     }
 
     fn build_connector_meta(&mut self, _view: &SchedulerView<'_>, _output: &SchedulerOutput) {}
+
+    fn meta_is_empty(&self, _meta: &()) -> bool {
+        true
+    }
+
+    fn tracks_request(&self, _request: RequestId) -> bool {
+        false
+    }
 
     fn request_finished(
         &mut self,
@@ -279,6 +303,36 @@ pub enum TransferCommand {
     /// caller proceeds: `handle_preemptions` fencing stores before the forward writes (I-4),
     /// `wait_for_layer_load`, `wait_for_save`.
     Wait(SortedSet<JobId>),
+}
+
+/// Why a worker connector stopped: a completion or a job it cannot take, where vLLM's worker
+/// asserts. Sticky: once a worker reports one, its results can no longer be trusted, and the rank
+/// driver ([`crate::RankDriver`]) stops the rank with it.
+#[derive(
+    Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize, thiserror::Error,
+)]
+#[non_exhaustive]
+pub enum WorkerError {
+    /// A transfer reported failure, and the connector cannot absorb failed transfers.
+    #[error("transfer of job {0:?} failed")]
+    TransferFailed(JobId),
+    /// A completion for a job that is not in flight on this rank.
+    #[error("completion for job {0:?}, which is not in flight")]
+    UnknownJob(JobId),
+    /// A job the connector cannot perform (e.g. host chunks that do not cover its GPU blocks).
+    #[error("job {0:?} is malformed: its host chunks do not cover its GPU blocks")]
+    MalformedJob(JobId),
+}
+
+impl WorkerError {
+    /// The snake_case error kind used by conformance cases.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::TransferFailed(_) => "transfer_failed",
+            Self::UnknownJob(_) => "unknown_job",
+            Self::MalformedJob(_) => "malformed_job",
+        }
+    }
 }
 
 /// A transfer's completion, fed back to the worker connector.
@@ -361,6 +415,11 @@ pub trait WorkerConnector: Debug {
     }
     /// Unbind the step's metadata (last call of the step).
     fn clear(&mut self);
+    /// The error this connector stopped with, if any (sticky). Asked after every call by the
+    /// rank driver, which then stops the rank: the typed error channel of the worker side.
+    fn error(&self) -> Option<WorkerError> {
+        None
+    }
 }
 
 /// A [`WorkerConnector`] behind the step protocol guard: every hook is first admitted by a
@@ -384,6 +443,12 @@ impl<C: WorkerConnector> GuardedWorker<C> {
     /// The guarded connector (read-only).
     pub fn inner(&self) -> &C {
         &self.inner
+    }
+
+    /// The guarded connector, mutable: for inputs that are not step hooks (a test double's
+    /// script). Hooks go through the guard's methods.
+    pub fn inner_mut(&mut self) -> &mut C {
+        &mut self.inner
     }
 
     /// The protocol state.

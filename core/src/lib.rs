@@ -52,6 +52,7 @@ extern crate alloc;
 mod aggregator;
 mod block_pool;
 mod connector;
+mod engine;
 mod events;
 mod ids;
 mod meta;
@@ -70,7 +71,14 @@ pub use block_pool::{BlockHash, BlockPool, NULL_BLOCK, Token, hash_block};
 pub use connector::{
     FinishDecision, GuardedWorker, Intent, Lookup, NoopConnector, Params, SchedulerConnector,
     Transfer, TransferCommand, TransferDirection, TransferDone, TransferResults, WorkerConnector,
+    WorkerError,
 };
+pub use engine::{
+    Applied, BlockAccess, EngineCore, EngineError, ForwardPass, RankAction, RankConfig, RankDriver,
+    RankError, Scheduled, StepPoint,
+};
+#[cfg(feature = "fault-injection")]
+pub use engine::{EngineFault, RankFault};
 pub use events::{EventAccumulator, KvEvent, KvEvents};
 pub use ids::{BlockId, Interner, JobId, Rank, RequestId, StepId};
 pub use meta::{Meta, MetaMismatch, OffloadMeta, WorkerMeta, build_multi, merge};
@@ -86,7 +94,7 @@ pub use offloading::{
     GpuSpec, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta, OffloadingError,
     TransferJob,
 };
-pub use offloading_worker::{OffloadingWorker, OffloadingWorkerConfig, OffloadingWorkerError};
+pub use offloading_worker::{OffloadingWorker, OffloadingWorkerConfig};
 pub use output::{AggregatedOutput, SortedSet, WorkerOutput};
 pub use protocol::{ProtocolViolation, StepShape, WorkerCall, WorkerPhase, WorkerProtocol};
 #[cfg(feature = "fault-injection")]

@@ -36,7 +36,7 @@ use alloc::vec::Vec;
 
 use crate::connector::{
     FinishDecision, Intent, Lookup, SchedulerConnector, TransferCommand, TransferDone,
-    TransferResults, WorkerConnector,
+    TransferResults, WorkerConnector, WorkerError,
 };
 use crate::events::KvEvent;
 use crate::ids::{BlockId, JobId, RequestId};
@@ -459,6 +459,22 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> SchedulerConnector for MultiConne
     fn requires_kv_delivery(&self) -> bool {
         self.children.iter().any(C::requires_kv_delivery)
     }
+
+    fn meta_is_empty(&self, meta: &Self::Meta) -> bool {
+        meta.extra_async_saves.is_none()
+            && self
+                .children
+                .iter()
+                .zip(&meta.metadata)
+                .all(|(c, m)| c.meta_is_empty(m))
+    }
+
+    /// A child still tracks it, or a loader choice or an extra async save names it.
+    fn tracks_request(&self, request: RequestId) -> bool {
+        self.loaders.contains_key(&request)
+            || self.extra_async_saves.contains_key(&request)
+            || self.children.iter().any(|c| c.tracks_request(request))
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -698,6 +714,12 @@ impl<W: WorkerConnector<WorkerMeta = Meta>> WorkerConnector for MultiWorker<W> {
             c.clear();
         }
     }
+
+    /// The first child's error, in child order (vLLM: the first assertion ends the worker);
+    /// a job id in it is the child's own numbering.
+    fn error(&self) -> Option<WorkerError> {
+        self.children.iter().find_map(W::error)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -773,6 +795,12 @@ impl<T: SchedulerConnector + ?Sized> SchedulerConnector for alloc::boxed::Box<T>
     fn requires_kv_delivery(&self) -> bool {
         (**self).requires_kv_delivery()
     }
+    fn meta_is_empty(&self, meta: &Self::Meta) -> bool {
+        (**self).meta_is_empty(meta)
+    }
+    fn tracks_request(&self, request: RequestId) -> bool {
+        (**self).tracks_request(request)
+    }
 }
 
 impl<T: WorkerConnector + ?Sized> WorkerConnector for alloc::boxed::Box<T> {
@@ -811,6 +839,9 @@ impl<T: WorkerConnector + ?Sized> WorkerConnector for alloc::boxed::Box<T> {
     }
     fn clear(&mut self) {
         (**self).clear();
+    }
+    fn error(&self) -> Option<WorkerError> {
+        (**self).error()
     }
 }
 

@@ -1351,6 +1351,14 @@ impl SchedulerConnector for OffloadingConnector {
         !self.jobs.is_empty() || !self.reset_fence.is_empty() || self.manager.has_pending_work()
     }
 
+    fn meta_is_empty(&self, meta: &OffloadingConnectorMeta) -> bool {
+        meta.load_jobs.is_empty() && meta.store_jobs.is_empty() && meta.jobs_to_flush.is_empty()
+    }
+
+    fn tracks_request(&self, request: RequestId) -> bool {
+        self.tracks(request)
+    }
+
     /// `reset_cache`. vLLM asserts that no step is half-built; the one case reachable between
     /// steps — a second reset before the first one's flush was delivered — answers `Some(false)`
     /// here and changes nothing.

@@ -25,33 +25,20 @@
 //!
 //! vLLM asserts that transfers never fail and that specs are well formed. Here a failed or
 //! unknown completion, or a job whose host chunks do not cover its GPU blocks, is kept as a
-//! sticky [`OffloadingWorkerError`] ([`OffloadingWorker::error`]); the job is not acknowledged.
+//! sticky [`WorkerError`] ([`OffloadingWorker::error`]); the job is not acknowledged.
 
 use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
 use alloc::vec::Vec;
 
 use crate::connector::{
     Transfer, TransferCommand, TransferDirection, TransferDone, TransferResults, WorkerConnector,
+    WorkerError,
 };
 use crate::ids::{BlockId, JobId, RequestId};
 use crate::meta::{Meta, OffloadMeta};
 use crate::offloading::{OffloadingConnectorMeta, TransferJob};
 use crate::output::SortedSet;
 use crate::{InvariantViolation, ensure_invariant};
-
-/// What went wrong on a worker (vLLM asserts in each case).
-#[derive(Clone, Debug, Eq, Hash, PartialEq, thiserror::Error)]
-pub enum OffloadingWorkerError {
-    /// A transfer reported failure; offloading does not support failed transfers.
-    #[error("transfer of job {0:?} failed")]
-    TransferFailed(JobId),
-    /// A completion for a job that is not in flight on this rank.
-    #[error("completion for job {0:?}, which is not in flight")]
-    UnknownJob(JobId),
-    /// A job whose host chunks do not cover its GPU blocks.
-    #[error("job {0:?} is malformed: its host chunks do not cover its GPU blocks")]
-    MalformedJob(JobId),
-}
 
 /// Configuration of one rank's offloading worker.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -91,7 +78,7 @@ pub struct OffloadingWorker {
     done: BTreeSet<JobId>,
     /// Acknowledgements since the last `build_connector_worker_meta`.
     completed: OffloadMeta,
-    error: Option<OffloadingWorkerError>,
+    error: Option<WorkerError>,
 }
 
 impl OffloadingWorker {
@@ -115,11 +102,6 @@ impl OffloadingWorker {
         &self.config
     }
 
-    /// The sticky error, if any.
-    pub fn error(&self) -> Option<&OffloadingWorkerError> {
-        self.error.as_ref()
-    }
-
     /// Submitted transfers not yet reported, in queue order (stores, loads, expedited loads).
     pub fn in_flight(&self) -> impl Iterator<Item = JobId> + '_ {
         self.queues.iter().flatten().map(|&(j, _)| j)
@@ -135,7 +117,7 @@ impl OffloadingWorker {
         self.unsubmitted.iter().map(|(j, _)| *j)
     }
 
-    fn fail(&mut self, e: OffloadingWorkerError) {
+    fn fail(&mut self, e: WorkerError) {
         if self.error.is_none() {
             self.error = Some(e);
         }
@@ -185,7 +167,7 @@ impl OffloadingWorker {
             Queue::Load | Queue::Expedited => TransferDirection::Load,
         };
         let Some(t) = self.transfer(id, job, dir) else {
-            self.fail(OffloadingWorkerError::MalformedJob(id));
+            self.fail(WorkerError::MalformedJob(id));
             return;
         };
         self.queues[queue as usize].push_back((id, t.gpu_blocks.len() as u64));
@@ -330,11 +312,11 @@ impl WorkerConnector for OffloadingWorker {
 
     fn handle_transfer_done(&mut self, done: TransferDone) {
         if !self.is_in_flight(done.job) || self.done.contains(&done.job) {
-            self.fail(OffloadingWorkerError::UnknownJob(done.job));
+            self.fail(WorkerError::UnknownJob(done.job));
             return;
         }
         if !done.ok {
-            self.fail(OffloadingWorkerError::TransferFailed(done.job));
+            self.fail(WorkerError::TransferFailed(done.job));
             return;
         }
         self.done.insert(done.job);
@@ -380,6 +362,10 @@ impl WorkerConnector for OffloadingWorker {
     fn clear(&mut self) {
         self.bound = None;
         self.flushed.clear();
+    }
+
+    fn error(&self) -> Option<WorkerError> {
+        self.error.clone()
     }
 }
 

@@ -311,4 +311,13 @@ impl SchedulerConnector for ScriptedConnector {
     fn requires_kv_delivery(&self) -> bool {
         self.requires_kv_delivery
     }
+
+    fn meta_is_empty(&self, meta: &ScriptedMeta) -> bool {
+        meta.loads.is_empty() && meta.finished.is_empty() && meta.preempted.is_empty()
+    }
+
+    /// A scripted connector keeps only its script, which outlives requests by design.
+    fn tracks_request(&self, _request: RequestId) -> bool {
+        false
+    }
 }

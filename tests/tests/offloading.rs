@@ -1295,7 +1295,7 @@ fn worker_reports_head_of_line_and_errors_on_unknown_completions() {
     });
     assert_eq!(
         w.error(),
-        Some(&kvrelay_core::OffloadingWorkerError::UnknownJob(JobId(7)))
+        Some(kvrelay_core::WorkerError::UnknownJob(JobId(7)))
     );
 }
 

@@ -1,7 +1,7 @@
 //! The `engine` machine with the offloading connector (SEMANTICS.md §5.5–§5.7, §6.4, §9.5):
-//! the real [`Scheduler`] with an [`OffloadingConnector`], and W simulated ranks, each an
-//! [`OffloadingWorker`] run through its per-step hooks, whose outputs the real [`Aggregator`]
-//! folds into the step's connector output.
+//! the core's engine step — an [`EngineCore`] (the real scheduler with an
+//! [`OffloadingConnector`], and the real aggregator) and W [`RankDriver`]s, each over an
+//! [`OffloadingWorker`] behind the step protocol guard — with a simulated DMA under each rank.
 //!
 //! The simulated DMA performs every `Start` a hook asks for and completes a transfer
 //! * when a hook returns `Wait` for it (at once, in the order asked: the hook blocks on it) —
@@ -18,12 +18,12 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use kvrelay_core::{
-    AggregatedOutput, Aggregator, BlockId, ChunkId, Interner, JobId, KeyLookup, ManagerConfig,
-    Meta, Mode, ModelOutput, NULL_BLOCK, OffloadKey, OffloadingConfig, OffloadingConnector,
-    OffloadingConnectorMeta, OffloadingWorker, OffloadingWorkerConfig, PolicyKind, Rank, RequestId,
-    RequestSpec, ScheduledStep, Scheduler, SchedulerConfig, SchedulerConnector, SchedulerError,
-    StepId, StepResult, Token, Transfer, TransferCommand, TransferDirection, TransferDone,
-    TransferJob, WorkerConnector, WorkerOutput, hash_block,
+    AggregatedOutput, BlockId, ChunkId, EngineCore, Interner, JobId, KeyLookup, ManagerConfig,
+    Meta, Mode, NULL_BLOCK, OffloadKey, OffloadingConfig, OffloadingConnector,
+    OffloadingConnectorMeta, OffloadingWorker, OffloadingWorkerConfig, PolicyKind, Rank,
+    RankAction, RankConfig, RankDriver, RequestId, RequestSpec, ScheduledStep, SchedulerConfig,
+    SchedulerConnector, SchedulerError, StepId, StepPoint, StepResult, Token, Transfer,
+    TransferDirection, TransferDone, TransferJob, WorkerOutput, hash_block,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -148,18 +148,15 @@ enum DmaQueue {
 /// The scheduler, its offloading connector, and the simulated ranks.
 #[derive(Debug)]
 pub struct OffloadEngine {
-    s: Scheduler<OffloadingConnector>,
-    workers: Vec<OffloadingWorker>,
+    engine: EngineCore<OffloadingConnector>,
+    ranks: Vec<RankDriver<OffloadingWorker>>,
     /// Per rank: transfers started whose completion has not been fed back, in submission order.
     pending: Vec<Vec<JobId>>,
     held: Vec<bool>,
     /// The DMA queue of every job started (the same on every rank).
     queues: BTreeMap<JobId, DmaQueue>,
-    agg: Aggregator<Meta>,
     /// Steps scheduled and not executed yet, oldest first.
     to_execute: VecDeque<ScheduledStep<OffloadingConnectorMeta>>,
-    /// Steps executed, not applied yet: their aggregated connector output.
-    executed: BTreeMap<StepId, Option<AggregatedOutput<Meta>>>,
     /// Every job created so far.
     jobs: BTreeMap<JobId, JobRecord>,
     /// Per request, its block table as last shown by the scheduler, keeping blocks it has since
@@ -201,27 +198,32 @@ impl OffloadEngine {
         off.sync_load_budget_tokens = c.sync_load_budget_tokens;
         off.offload_prompt_only = c.offload_prompt_only;
         let conn = OffloadingConnector::new(off, &sc).map_err(|e| CaseError(e.to_string()))?;
-        let s = Scheduler::new(sc, conn).map_err(|e| CaseError(e.to_string()))?;
-        let agg = Aggregator::for_connector(s.connector(), c.ranks, mode);
-        let w = c.ranks as usize;
-        let workers = (0..c.ranks)
+        debug_assert_eq!(sc.mode, mode);
+        let rank_config = |r: u32| RankConfig {
+            rank: Rank(r),
+            layers: 1,
+            block_size: sc.block_size,
+            groups: sc.groups.clone(),
+        };
+        let ranks = (0..c.ranks)
             .map(|r| {
-                OffloadingWorker::new(OffloadingWorkerConfig {
+                let worker = OffloadingWorker::new(OffloadingWorkerConfig {
                     blocks_per_chunk: c.blocks_per_chunk,
                     is_store_writer: !c.non_writers.contains(&r),
                     bytes_per_block: c.bytes_per_block,
-                })
+                });
+                RankDriver::new(rank_config(r), worker)
             })
             .collect();
+        let engine = EngineCore::new(sc, conn, c.ranks).map_err(|e| CaseError(e.to_string()))?;
+        let w = c.ranks as usize;
         Ok(Self {
-            s,
-            workers,
+            engine,
+            ranks,
             pending: vec![Vec::new(); w],
             queues: BTreeMap::new(),
             held: vec![false; w],
-            agg,
             to_execute: VecDeque::new(),
-            executed: BTreeMap::new(),
             jobs: BTreeMap::new(),
             tables: BTreeMap::new(),
             prompts: BTreeMap::new(),
@@ -229,17 +231,20 @@ impl OffloadEngine {
         })
     }
 
-    /// The scheduler's, the connector's and every rank's invariants.
+    /// The engine's (scheduler, aggregator), the connector's and every rank's invariants.
     pub fn check_invariants(&self) -> Result<(), String> {
-        self.s.check_invariants().map_err(|e| e.to_string())?;
-        self.s
+        self.engine.check_invariants().map_err(|e| e.to_string())?;
+        self.engine
+            .scheduler()
             .connector()
             .check_invariants()
             .map_err(|e| e.to_string())?;
-        for (r, w) in self.workers.iter().enumerate() {
-            w.check_invariants().map_err(|e| format!("rank {r}: {e}"))?;
-            if let Some(e) = w.error() {
-                return Err(format!("rank {r}: {e}"));
+        for (r, d) in self.ranks.iter().enumerate() {
+            d.check_invariants()
+                .and_then(|()| d.worker().inner().check_invariants())
+                .map_err(|e| format!("rank {r}: {e}"))?;
+            if let Some(e) = d.error() {
+                return Err(e.to_string());
             }
         }
         Ok(())
@@ -267,7 +272,11 @@ impl OffloadEngine {
             | EngineOp::SetPendingBlockFrees(_)
             | EngineOp::SetPushWork(_)
             | EngineOp::ConnectorCalls => Err(WRONG),
-            EngineOp::Abort(id) => self.s.abort(*id).map(EngineOut::Bool).map_err(kind),
+            EngineOp::Abort(id) => self
+                .engine
+                .abort(*id)
+                .map(EngineOut::Bool)
+                .map_err(|e| e.kind()),
             EngineOp::Schedule => self
                 .schedule()
                 .map(|x| EngineOut::OffloadScheduled(Box::new(x))),
@@ -310,18 +319,18 @@ impl OffloadEngine {
             }
             EngineOp::OffloadState => Ok(EngineOut::OffloadState(Box::new(self.state()))),
             EngineOp::ResetCache => self
-                .s
+                .engine
                 .reset_connector_cache()
                 .map(EngineOut::Reset)
-                .map_err(kind),
-            EngineOp::Request(id) => Ok(request_of(&self.s, *id)),
-            EngineOp::State => Ok(state_of(&self.s)),
+                .map_err(|e| e.kind()),
+            EngineOp::Request(id) => Ok(request_of(self.engine.scheduler(), *id)),
+            EngineOp::State => Ok(state_of(self.engine.scheduler())),
         }
     }
 
     fn add(&mut self, spec: RequestSpec) -> Result<(), SchedulerError> {
         let (id, prompt) = (spec.id, spec.prompt.clone());
-        self.s.add_request(spec)?;
+        self.engine.scheduler_mut().add_request(spec)?;
         self.prompts.insert(id, prompt);
         self.added.push(id);
         Ok(())
@@ -329,10 +338,11 @@ impl OffloadEngine {
 
     /// `schedule()`, then the tables and job records.
     fn schedule(&mut self) -> Result<OffloadScheduled, &'static str> {
-        let st = self.s.schedule().map_err(|e| e.kind())?;
-        let groups = self.s.config().groups.len();
+        let st = self.engine.schedule().map_err(|e| e.kind())?.step;
+        let s = self.engine.scheduler();
+        let groups = s.config().groups.len();
         // Tables: replaced for (re-)admissions, merged (nulls keep the old block) otherwise.
-        let view = self.s.view();
+        let view = s.view();
         let replaced: Vec<RequestId> = st
             .output
             .scheduled_requests()
@@ -407,9 +417,12 @@ impl OffloadEngine {
         })
     }
 
-    fn feed(&mut self, rank: usize, job: JobId) {
+    /// A transfer completes on `rank`: the DMA's bookkeeping, then the rank's driver.
+    fn feed(&mut self, rank: usize, job: JobId) -> Result<(), &'static str> {
         self.pending[rank].retain(|&j| j != job);
-        self.workers[rank].handle_transfer_done(TransferDone { job, ok: true });
+        self.ranks[rank]
+            .transfer_done(TransferDone { job, ok: true })
+            .map_err(|e| e.kind())
     }
 
     /// The DMA queue a job's transfers run in: stores, async loads or sync (expedited) loads.
@@ -419,9 +432,9 @@ impl OffloadEngine {
 
     /// A hook blocks on `job`: it completes, and every transfer started before it in its queue
     /// completes first (the queue runs serially).
-    fn wait_for(&mut self, rank: usize, job: JobId) {
+    fn wait_for(&mut self, rank: usize, job: JobId) -> Result<(), &'static str> {
         let Some(pos) = self.pending[rank].iter().position(|&j| j == job) else {
-            return;
+            return Ok(());
         };
         let queue = self.queue_of(job);
         let ahead: Vec<JobId> = self.pending[rank][..pos]
@@ -430,47 +443,54 @@ impl OffloadEngine {
             .filter(|&j| self.queue_of(j) == queue)
             .collect();
         for j in ahead {
-            self.feed(rank, j);
+            self.feed(rank, j)?;
         }
-        self.feed(rank, job);
+        self.feed(rank, job)
     }
 
-    fn run_cmds(
+    /// A transfer the rank's driver asks to start.
+    fn start(&mut self, rank: usize, t: Transfer, out: &mut RankStep) {
+        self.pending[rank].push(t.job);
+        let queue = match t.direction {
+            TransferDirection::Store => DmaQueue::Store,
+            TransferDirection::Load if self.jobs.get(&t.job).is_some_and(|r| r.job.sync) => {
+                DmaQueue::SyncLoad
+            }
+            TransferDirection::Load => DmaQueue::Load,
+        };
+        self.queues.insert(t.job, queue);
+        let indexes = self
+            .jobs
+            .get(&t.job)
+            .map(|r| r.indexes.iter().flatten().copied().collect())
+            .unwrap_or_default();
+        let v = TransferView {
+            transfer: t,
+            indexes,
+        };
+        match v.transfer.direction {
+            TransferDirection::Store => out.stored.push(v),
+            TransferDirection::Load => out.loaded.push(v),
+        }
+    }
+
+    /// One rank's worker step for `step`, through its driver, with the simulated DMA.
+    fn run_rank(
         &mut self,
         rank: usize,
-        cmds: Vec<TransferCommand>,
-        out: &mut RankStep,
-        flush: bool,
-    ) {
-        for c in cmds {
-            match c {
-                TransferCommand::Start(t) => {
-                    self.pending[rank].push(t.job);
-                    let queue = match t.direction {
-                        TransferDirection::Store => DmaQueue::Store,
-                        TransferDirection::Load
-                            if self.jobs.get(&t.job).is_some_and(|r| r.job.sync) =>
-                        {
-                            DmaQueue::SyncLoad
-                        }
-                        TransferDirection::Load => DmaQueue::Load,
-                    };
-                    self.queues.insert(t.job, queue);
-                    let indexes = self
-                        .jobs
-                        .get(&t.job)
-                        .map(|r| r.indexes.iter().flatten().copied().collect())
-                        .unwrap_or_default();
-                    let v = TransferView {
-                        transfer: t,
-                        indexes,
-                    };
-                    match v.transfer.direction {
-                        TransferDirection::Store => out.stored.push(v),
-                        TransferDirection::Load => out.loaded.push(v),
-                    }
-                }
-                TransferCommand::Wait(jobs) => {
+        step: &ScheduledStep<OffloadingConnectorMeta>,
+    ) -> Result<RankStep, &'static str> {
+        let mut out = RankStep::default();
+        self.ranks[rank].begin(step.clone()).map_err(|e| e.kind())?;
+        loop {
+            let action = self.ranks[rank].poll().map_err(|e| e.kind())?;
+            match action {
+                RankAction::Start(t) => self.start(rank, t, &mut out),
+                RankAction::Forward(_) => {}
+                RankAction::Wait(jobs) => {
+                    // Blocked in handle_preemptions (the flush) or in start_load_kv (sync
+                    // loads): the driver has moved to the hook after it.
+                    let flush = self.ranks[rank].point() == Some(StepPoint::Bind);
                     for &j in jobs.iter() {
                         if flush {
                             if let Some(r) = self.jobs.get(&j) {
@@ -479,9 +499,21 @@ impl OffloadEngine {
                         } else {
                             out.sync_waited.push(j);
                         }
-                        self.wait_for(rank, j);
+                        self.wait_for(rank, j)?;
                     }
                 }
+                RankAction::Collect => {
+                    if !self.held[rank] {
+                        for j in self.pending[rank].clone() {
+                            self.feed(rank, j)?;
+                        }
+                    }
+                }
+                RankAction::Done(o) => {
+                    out.output = Some(o);
+                    return Ok(out);
+                }
+                RankAction::Idle => return Err("not_scheduled"),
             }
         }
     }
@@ -495,39 +527,18 @@ impl OffloadEngine {
             return Err("step_out_of_order");
         }
         let st = self.to_execute.pop_front().expect("checked above");
-        let meta = &st.meta;
-        let mut ranks = Vec::with_capacity(self.workers.len());
-        let mut outputs = Vec::with_capacity(self.workers.len());
-        for r in 0..self.workers.len() {
-            let mut rs = RankStep::default();
-            let cmds = self.workers[r].handle_preemptions(meta);
-            self.run_cmds(r, cmds, &mut rs, true);
-            self.workers[r].bind(meta);
-            let cmds = self.workers[r].start_load_kv();
-            self.run_cmds(r, cmds, &mut rs, false);
-            let cmds = self.workers[r].wait_for_save();
-            self.run_cmds(r, cmds, &mut rs, false);
-            if !self.held[r] {
-                for j in self.pending[r].clone() {
-                    self.feed(r, j);
-                }
-            }
-            let res = self.workers[r].get_transfer_results(&st.output.finished_req_ids);
-            let invalid = self.workers[r].get_block_ids_with_load_errors();
-            let wm = self.workers[r].build_connector_worker_meta();
-            self.workers[r].clear();
-            let out = res.into_output(invalid, wm);
-            rs.output = Some(out.clone());
-            outputs.push(Some(out));
+        let id = st.output.step;
+        let mut ranks = Vec::with_capacity(self.ranks.len());
+        for r in 0..self.ranks.len() {
+            let rs = self.run_rank(r, &st)?;
+            self.engine
+                .rank_output(id, Rank(r as u32), rs.output.clone())
+                .map_err(|e| e.kind())?;
             ranks.push(rs);
         }
-        let aggregated = self
-            .agg
-            .aggregate(&outputs, Rank(0))
-            .map_err(|e| e.kind())?;
-        self.executed.insert(st.output.step, aggregated.clone());
+        let aggregated = self.engine.aggregated(id).cloned().ok_or("not_executed")?;
         Ok(Executed {
-            step: st.output.step,
+            step: id,
             ranks,
             aggregated,
         })
@@ -538,39 +549,29 @@ impl OffloadEngine {
         step: Option<StepId>,
         sampled: &[(RequestId, Vec<Token>)],
     ) -> Result<StepResult, &'static str> {
-        let step = step
-            .or_else(|| self.s.steps_in_flight().next())
-            .unwrap_or(StepId(u64::MAX));
-        let oldest = self.s.steps_in_flight().next();
+        let oldest = self.engine.steps_in_flight().next();
+        let step = step.or(oldest).unwrap_or(StepId(u64::MAX));
         if oldest != Some(step) {
             return Err("step_out_of_order");
         }
-        let Some(kv) = self.executed.get(&step).cloned() else {
+        if self.engine.aggregated(step).is_none() {
             return Err("not_executed");
-        };
-        let mut tokens = self.s.fake_sample(step);
+        }
+        let mut tokens = self.engine.scheduler().fake_sample(step);
         for (id, t) in sampled {
             match tokens.iter_mut().find(|(x, _)| x == id) {
                 Some(slot) => slot.1.clone_from(t),
                 None => tokens.push((*id, t.clone())),
             }
         }
-        let r = self
-            .s
-            .update_from_output(
-                step,
-                ModelOutput {
-                    sampled: tokens,
-                    kv_connector_output: kv,
-                },
-            )
-            .map_err(|e| e.kind())?;
-        self.executed.remove(&step);
-        Ok(r)
+        self.engine
+            .apply(Some(tokens))
+            .map(|a| a.result)
+            .map_err(|e| e.kind())
     }
 
     fn run_step(&mut self) -> Result<(OffloadScheduled, Executed, StepResult), &'static str> {
-        if self.s.steps_in_flight().next().is_some() {
+        if self.engine.steps_in_flight().next().is_some() {
             return Err("step_out_of_order");
         }
         let a = self.schedule()?;
@@ -580,11 +581,11 @@ impl OffloadEngine {
     }
 
     fn drain(&mut self, max: u32) -> Result<u32, &'static str> {
-        if self.s.steps_in_flight().next().is_some() {
+        if self.engine.steps_in_flight().next().is_some() {
             return Err("step_out_of_order");
         }
         let mut n = 0;
-        while self.s.has_requests() {
+        while self.engine.scheduler().has_requests() {
             if n == max {
                 return Err("not_drained");
             }
@@ -614,16 +615,21 @@ impl OffloadEngine {
             }
         };
         for &j in &jobs {
-            self.feed(rank, j);
+            self.feed(rank, j)?;
         }
         Ok(jobs)
     }
 
     /// The manager's answer for every complete chunk of `tokens`, per group.
     fn lookup(&self, tokens: &[Token]) -> Vec<Vec<KeyLookup>> {
-        let c = self.s.config();
+        let c = self.engine.scheduler().config();
         let bs = c.block_size as usize;
-        let bpc = self.s.connector().config().blocks_per_chunk as usize;
+        let bpc = self
+            .engine
+            .scheduler()
+            .connector()
+            .config()
+            .blocks_per_chunk as usize;
         let mut hashes = Vec::new();
         let mut parent = None;
         for b in 0..tokens.len() / bs {
@@ -632,7 +638,7 @@ impl OffloadEngine {
             hashes.push(h);
         }
         let chunks = hashes.len() / bpc;
-        let m = self.s.connector().manager();
+        let m = self.engine.scheduler().connector().manager();
         (0..c.groups.len())
             .map(|g| {
                 (0..chunks)
@@ -648,7 +654,7 @@ impl OffloadEngine {
     }
 
     fn state(&self) -> OffloadState {
-        let c = self.s.connector();
+        let c = self.engine.scheduler().connector();
         OffloadState {
             jobs: c
                 .jobs_in_flight()
@@ -667,8 +673,9 @@ impl OffloadEngine {
             next_job: c.next_job_id().0,
             push_work: c.has_pending_push_work(),
             ranks: self
-                .workers
+                .ranks
                 .iter()
+                .map(|d| d.worker().inner())
                 .zip(&self.held)
                 .map(|(w, &held)| RankState {
                     in_flight: w.in_flight().collect(),
