@@ -78,7 +78,7 @@ pub use runner::{
     check, check_completions, check_with_symmetry, explorer_address, explorer_url, serve_explorer,
 };
 pub use system::{
-    Connectors, CoreFault, Counted, EnvFaults, Faulty, Hook, InFlight, OffloadingPair, PendingStep,
+    Connectors, CoreFault, Counted, EnvFaults, Faulty, InFlight, OffloadingPair, PendingStep,
     RankState as SystemRank, SchedFault, SystemAction, SystemConfig, SystemModel, SystemState,
     WMeta, property_names as system_properties,
 };

@@ -55,13 +55,13 @@ use core::fmt;
 use std::collections::{BTreeMap, VecDeque};
 
 use kvrelay_core::{
-    Aggregator, BlockId, FinishDecision, GroupKind, GuardedWorker, InvariantViolation, JobId,
-    KeyLookup, LoadFailurePolicy, Lookup, ManagerConfig, Mode, ModelOutput, OffloadKey,
-    OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta, OffloadingWorker,
-    OffloadingWorkerConfig, PolicyKind, Rank, RequestId, RequestSpec, RequestStatus, Scheduler,
-    SchedulerConfig, SchedulerConnector, SchedulerOutput, SchedulerView, SortedSet, StepShape,
-    Transfer, TransferCommand, TransferDirection, TransferDone, TransferJob, WorkerConnector,
-    WorkerOutput,
+    BlockId, EngineCore, FinishDecision, ForwardPass, GroupKind, GuardedWorker, InvariantViolation,
+    JobId, KeyLookup, LoadFailurePolicy, Lookup, ManagerConfig, Mode, OffloadKey, OffloadingConfig,
+    OffloadingConnector, OffloadingConnectorMeta, OffloadingWorker, OffloadingWorkerConfig,
+    PolicyKind, Rank, RankAction, RankConfig, RankDriver, RankError, RequestId, RequestSpec,
+    RequestStatus, ScheduledStep, Scheduler, SchedulerConfig, SchedulerConnector, SchedulerOutput,
+    SchedulerView, SortedSet, StepPoint, Transfer, TransferDirection, TransferDone, TransferJob,
+    WorkerConnector, WorkerOutput,
 };
 use stateright::{Expectation, Model, Property};
 
@@ -546,8 +546,11 @@ pub type WMeta<P> = <<P as Connectors>::Sched as SchedulerConnector>::WorkerMeta
 // ---------------------------------------------------------------------------------------------
 // Configuration.
 
-/// Faults of the environment (the executor and the model runner), each reproducing a
-/// historical bug. `None` everywhere is kvrelay's runtime as shipped.
+/// Faults of the executor and the model runner, each reproducing a historical bug. `None`
+/// everywhere is kvrelay's runtime as shipped. The step's sequencing lives in kvrelay-core
+/// (its rank driver and engine core), so these faults are re-introduced there, behind its
+/// `fault-injection` feature: every fault needs this crate's `scheduler-faults` feature
+/// ([`SystemModel::new`] refuses one otherwise).
 #[derive(Clone, Copy, Debug, Default, Eq, Hash, PartialEq)]
 pub struct EnvFaults {
     /// vLLM PR #42676: the runner binds the step's metadata before `handle_preemptions`.
@@ -773,25 +776,6 @@ const PARTIAL: u64 = 1;
 const CORRUPT: u64 = 2;
 const GENERATED: u64 = 1 << 63;
 
-/// Where a rank is inside a step.
-#[derive(Clone, Copy, Debug, Eq, Hash, Ord, PartialEq, PartialOrd)]
-pub enum Hook {
-    /// `begin_step` + `handle_preemptions`.
-    HandlePreemptions,
-    /// `bind_connector_metadata`.
-    Bind,
-    /// `start_load_kv`.
-    StartLoad,
-    /// `wait_for_layer_load`.
-    LayerLoad,
-    /// The forward pass's KV writes, then `save_kv_layer`.
-    LayerSave,
-    /// `wait_for_save`.
-    WaitForSave,
-    /// `get_finished` … `clear`: the step's output.
-    Finish,
-}
-
 /// A transfer a rank started and that has not completed.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 pub struct InFlight {
@@ -801,33 +785,31 @@ pub struct InFlight {
     pub dirty: bool,
 }
 
-/// One rank: its guarded worker connector, its view of the block tables, its transfers and the
-/// ghost contents of its memory.
+/// One rank: the core's rank driver (its guarded worker connector, block tables and step
+/// progress), the transfers the environment has in flight for it and the ghost contents of its
+/// memory.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
-pub struct RankState<W, M> {
-    worker: GuardedWorker<W>,
-    /// Steps this rank has finished.
-    executed: u64,
-    /// Mid-step: the next hook to run and the jobs it waits for first.
-    at: Option<(Hook, Vec<JobId>)>,
+pub struct RankState<P: Connectors> {
+    driver: RankDriver<P::Worker>,
     /// Transfers in flight, in submission order.
     in_flight: Vec<InFlight>,
-    /// The rank's block tables (the model runner's input batch), per request, per group.
-    tables: BTreeMap<RequestId, Vec<Vec<BlockId>>>,
     /// Ghost: the content of every GPU block.
     gpu: Vec<u64>,
     /// Ghost: the content of every external slot written so far.
     external: BTreeMap<u64, u64>,
-    /// Outputs of executed steps not yet delivered, oldest first.
-    outputs: VecDeque<Option<WorkerOutput<M>>>,
     /// This rank is interchangeable with the others (see the `Representative` impl).
     symmetric: bool,
 }
 
-impl<W: WorkerConnector, M> RankState<W, M> {
+impl<P: Connectors> RankState<P> {
+    /// The rank's driver.
+    pub fn driver(&self) -> &RankDriver<P::Worker> {
+        &self.driver
+    }
+
     /// The guarded worker connector.
-    pub fn worker(&self) -> &GuardedWorker<W> {
-        &self.worker
+    pub fn worker(&self) -> &GuardedWorker<P::Worker> {
+        self.driver.worker()
     }
 
     /// Transfers in flight on this rank.
@@ -888,13 +870,12 @@ impl Ghost {
 /// A state of the system model.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 pub struct SystemState<P: Connectors> {
-    /// The real scheduler with the real scheduler-side connector.
-    pub scheduler: Scheduler<Counted<P::Sched>>,
+    /// The core's engine side: the real scheduler with the real scheduler-side connector, the
+    /// ranks' outputs per step and the executor's aggregator.
+    pub engine: EngineCore<Counted<P::Sched>>,
     /// The ranks.
-    pub ranks: Vec<RankState<P::Worker, WMeta<P>>>,
-    /// The executor's aggregator.
-    pub aggregator: Aggregator<<P::Sched as SchedulerConnector>::WorkerMeta>,
-    /// Steps scheduled, not yet applied, oldest first.
+    pub ranks: Vec<RankState<P>>,
+    /// Steps scheduled, not yet applied, oldest first (what the ranks begin).
     pub steps: VecDeque<PendingStep<<P::Sched as SchedulerConnector>::Meta>>,
     /// Requests that arrived so far (ids `0..arrived`).
     pub arrived: u32,
@@ -917,9 +898,16 @@ pub struct SystemState<P: Connectors> {
 /// environment fault singling out rank 0, every rank reading its own external store, and every
 /// rank's connector built alike. Otherwise the state is its own representative. Any
 /// permutation is a valid representative, so a fingerprint collision only costs reduction.
+impl<P: Connectors> SystemState<P> {
+    /// The scheduler.
+    pub fn scheduler(&self) -> &Scheduler<Counted<P::Sched>> {
+        self.engine.scheduler()
+    }
+}
+
 impl<P: Connectors> stateright::Representative for SystemState<P> {
     fn representative(&self) -> Self {
-        let symmetric = self.aggregator.mode() == Mode::Compat
+        let symmetric = self.engine.aggregator().mode() == Mode::Compat
             && !self.ranks.is_empty()
             && self.ranks.iter().all(|r| r.symmetric);
         if !symmetric || self.ranks.len() < 2 {
@@ -931,9 +919,13 @@ impl<P: Connectors> stateright::Representative for SystemState<P> {
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                // SipHash with fixed zero keys: deterministic across runs.
+                // SipHash with fixed zero keys: deterministic across runs. The rank's outputs
+                // waiting in the engine are part of its state.
                 let mut h = std::hash::DefaultHasher::new();
                 r.hash(&mut h);
+                for o in self.engine.rank_outputs(Rank(i as u32)) {
+                    o.hash(&mut h);
+                }
                 (h.finish(), i)
             })
             .collect();
@@ -946,6 +938,8 @@ impl<P: Connectors> stateright::Representative for SystemState<P> {
             .iter()
             .map(|&(_, old)| self.ranks[old].clone())
             .collect();
+        let olds: Vec<usize> = order.iter().map(|&(_, old)| old).collect();
+        s.engine.permute_ranks(&olds);
         let permute = |mask: u32| {
             order
                 .iter()
@@ -1025,12 +1019,23 @@ impl<P: Connectors> SystemModel<P> {
     /// A model of `pair` under `config`.
     pub fn new(pair: P, config: SystemConfig) -> Result<Self, String> {
         config.validate()?;
-        if let Some(f) = config.faults.scheduler
+        let f = config.faults;
+        let core_fault = f
+            .scheduler
+            .map(|c| format!("{c:?}"))
+            .or_else(|| f.bind_first.then(|| "bind_first".to_owned()))
+            .or_else(|| {
+                f.skip_handle_preemptions
+                    .then(|| "skip_handle_preemptions".to_owned())
+            })
+            .or_else(|| f.one_rank_output.then(|| "one_rank_output".to_owned()));
+        if let Some(fault) = core_fault
             && cfg!(not(feature = "scheduler-faults"))
         {
             return Err(format!(
-                "the scheduler fault {f:?} needs kvrelay-model-check's `scheduler-faults` \
-                 feature (kvrelay: build with --features scheduler-faults)"
+                "the fault {fault} is re-introduced inside kvrelay-core (the step runs there) and \
+                 needs kvrelay-model-check's `scheduler-faults` feature (kvrelay: build with \
+                 --features scheduler-faults)"
             ));
         }
         let sched_config = config.scheduler_config();
@@ -1065,42 +1070,56 @@ impl<P: Connectors> SystemModel<P> {
             finished_calls: vec![0; c.requests as usize],
         };
         #[allow(unused_mut)] // mutated only with the `scheduler-faults` feature
-        let mut scheduler =
-            Scheduler::new(self.sched_config.clone(), connector).expect("validated in new()");
-        #[cfg(feature = "scheduler-faults")]
-        if let Some(f) = c.faults.scheduler {
-            scheduler.inject_fault(match f {
-                CoreFault::FreeAbortedWhileLoading => {
-                    kvrelay_core::SchedulerFault::FreeAbortedWhileLoading
-                }
-                CoreFault::ClaimHitsGroupByGroup => {
-                    kvrelay_core::SchedulerFault::ClaimHitsGroupByGroup
-                }
-            });
-        }
+        let mut engine = EngineCore::new(self.sched_config.clone(), connector, c.ranks)
+            .expect("validated in new()");
         let faults = c.faults;
+        #[cfg(feature = "scheduler-faults")]
+        {
+            if let Some(f) = faults.scheduler {
+                engine.scheduler_mut().inject_fault(match f {
+                    CoreFault::FreeAbortedWhileLoading => {
+                        kvrelay_core::SchedulerFault::FreeAbortedWhileLoading
+                    }
+                    CoreFault::ClaimHitsGroupByGroup => {
+                        kvrelay_core::SchedulerFault::ClaimHitsGroupByGroup
+                    }
+                });
+            }
+            if faults.one_rank_output {
+                engine.inject_fault(kvrelay_core::EngineFault::OneRankOutput);
+            }
+        }
         let symmetric = !self.pair.shared_external()
             && !faults.one_rank_output
             && (0..c.ranks).all(|r| self.pair.worker(r, c) == self.pair.worker(0, c));
+        let rank_config = RankConfig {
+            layers: 1,
+            block_size: self.sched_config.block_size,
+            groups: self.sched_config.groups.clone(),
+        };
         let ranks = (0..c.ranks)
-            .map(|r| RankState {
-                worker: GuardedWorker::new(self.pair.worker(r, c)),
-                executed: 0,
-                at: None,
-                in_flight: Vec::new(),
-                tables: BTreeMap::new(),
-                gpu: vec![EMPTY; c.gpu_blocks as usize],
-                external: BTreeMap::new(),
-                outputs: VecDeque::new(),
-                symmetric,
+            .map(|r| {
+                #[allow(unused_mut)] // mutated only with the `scheduler-faults` feature
+                let mut driver = RankDriver::new(rank_config.clone(), self.pair.worker(r, c));
+                #[cfg(feature = "scheduler-faults")]
+                if faults.bind_first {
+                    driver.inject_fault(kvrelay_core::RankFault::BindFirst);
+                } else if faults.skip_handle_preemptions {
+                    driver.inject_fault(kvrelay_core::RankFault::SkipPreemptionWaits);
+                }
+                RankState {
+                    driver,
+                    in_flight: Vec::new(),
+                    gpu: vec![EMPTY; c.gpu_blocks as usize],
+                    external: BTreeMap::new(),
+                    symmetric,
+                }
             })
             .collect();
-        let aggregator = Aggregator::for_connector(scheduler.connector(), c.ranks, c.mode);
         let n = c.requests as usize;
         SystemState {
-            scheduler,
+            engine,
             ranks,
-            aggregator,
             steps: VecDeque::new(),
             arrived: 0,
             aborts_left: c.aborts,
@@ -1128,13 +1147,13 @@ impl<P: Connectors> SystemModel<P> {
     ) -> Option<&'s PendingStep<<P::Sched as SchedulerConnector>::Meta>> {
         let r = &state.ranks[rank];
         let first = state.steps.front()?.output.step.0;
-        let idx = r.executed.checked_sub(first)?;
+        let idx = r.driver.steps_done().checked_sub(first)?;
         state.steps.get(usize::try_from(idx).ok()?)
     }
 
     fn quiescent(&self, s: &SystemState<P>) -> bool {
         s.arrived == self.config.requests
-            && !s.scheduler.has_requests()
+            && !s.scheduler().has_requests()
             && s.steps.is_empty()
             && s.ranks.iter().all(|r| r.in_flight.is_empty())
     }
@@ -1143,9 +1162,9 @@ impl<P: Connectors> SystemModel<P> {
     // Actions.
 
     fn schedule(&self, s: &mut SystemState<P>) {
-        let before = s.scheduler.connector().clone();
-        let st = match s.scheduler.schedule() {
-            Ok(st) => st,
+        let before = s.scheduler().connector().clone();
+        let st = match s.engine.schedule() {
+            Ok(st) => st.step,
             Err(e) => {
                 s.ghost
                     .violate(property_names::CORE, format!("schedule failed: {e}"));
@@ -1156,7 +1175,7 @@ impl<P: Connectors> SystemModel<P> {
         // only spins. (A step that only preempts frees blocks: the next one may admit.)
         if st.output.num_scheduled_tokens.is_empty()
             && st.output.preempted_req_ids.is_empty()
-            && *s.scheduler.connector() == before
+            && *s.scheduler().connector() == before
         {
             s.ghost.idle += 1;
         } else {
@@ -1175,142 +1194,78 @@ impl<P: Connectors> SystemModel<P> {
         });
     }
 
-    /// Runs `rank`'s hooks from where it stands until a wait on a transfer in flight or the end
-    /// of its step.
+    /// Runs `rank`'s driver from where it stands until it waits on a transfer in flight or ends
+    /// its step: the transfers it starts go in flight, its forward pass reads and writes the
+    /// ghost contents, its output goes to the engine.
     fn run(&self, s: &mut SystemState<P>, rank: usize) {
+        if s.ranks[rank].driver.current_step().is_none() {
+            let Some(step) = self.next_step_of(s, rank) else {
+                return;
+            };
+            let step = ScheduledStep {
+                output: step.output.clone(),
+                meta: step.meta.clone(),
+            };
+            if let Err(e) = s.ranks[rank].driver.begin(step) {
+                self.rank_failed(s, rank, &e);
+                return;
+            }
+        }
         let Some(step) = self.next_step_of(s, rank).cloned() else {
             return;
         };
-        let faults = self.config.faults;
-        let out = &step.output;
-        let shape = StepShape {
-            sync_loads: out.has_sync_kv_loads,
-            forward: out.total_num_scheduled_tokens > 0,
-            defer_finalize: false,
-        };
-        let (mut hook, _) = s.ranks[rank]
-            .at
-            .take()
-            .unwrap_or((Hook::HandlePreemptions, Vec::new()));
         loop {
-            let r = &mut s.ranks[rank];
-            let res: Result<Vec<TransferCommand>, String> = match hook {
-                Hook::HandlePreemptions => {
-                    update_tables(&mut r.tables, out);
-                    let begun = r.worker.begin_step(shape).map_err(|e| e.to_string());
-                    match begun {
-                        Err(e) => Err(e),
-                        Ok(()) if faults.bind_first => r
-                            .worker
-                            .bind(&step.meta)
-                            .and_then(|()| r.worker.handle_preemptions(&step.meta))
-                            .map_err(|e| e.to_string()),
-                        Ok(()) if faults.skip_handle_preemptions => {
-                            // A connector without the hook (Mooncake before PR #52470): its
-                            // transfers start, but nothing is waited for before the step's
-                            // writes. (The guard admits bind only after the hook, so it runs.)
-                            r.worker
-                                .handle_preemptions(&step.meta)
-                                .map(|cmds| {
-                                    cmds.into_iter()
-                                        .filter(|c| matches!(c, TransferCommand::Start(_)))
-                                        .collect()
-                                })
-                                .map_err(|e| e.to_string())
-                        }
-                        Ok(()) => r
-                            .worker
-                            .handle_preemptions(&step.meta)
-                            .map_err(|e| e.to_string()),
-                    }
-                }
-                Hook::Bind if faults.bind_first => Ok(Vec::new()),
-                Hook::Bind => r
-                    .worker
-                    .bind(&step.meta)
-                    .map(|()| Vec::new())
-                    .map_err(|e| e.to_string()),
-                Hook::StartLoad => r.worker.start_load_kv().map_err(|e| e.to_string()),
-                Hook::LayerLoad if !shape.forward => Ok(Vec::new()),
-                Hook::LayerLoad => r.worker.wait_for_layer_load(0).map_err(|e| e.to_string()),
-                Hook::LayerSave if !shape.forward => Ok(Vec::new()),
-                Hook::LayerSave => {
-                    self.forward(s, rank, out, &step.contents);
-                    s.ranks[rank]
-                        .worker
-                        .save_kv_layer(0)
-                        .map_err(|e| e.to_string())
-                }
-                Hook::WaitForSave => r.worker.wait_for_save().map_err(|e| e.to_string()),
-                Hook::Finish => {
-                    let output = self.finish(s, rank, out);
-                    let r = &mut s.ranks[rank];
-                    match output {
-                        Ok(o) => {
-                            r.outputs.push_back(o);
-                            r.executed += 1;
-                        }
-                        Err(e) => s.ghost.violate(property_names::PROTOCOL, e),
-                    }
-                    return;
-                }
-            };
-            let cmds = match res {
-                Ok(c) => c,
+            let action = match s.ranks[rank].driver.poll() {
+                Ok(a) => a,
                 Err(e) => {
-                    s.ghost.violate(property_names::PROTOCOL, e);
+                    self.rank_failed(s, rank, &e);
                     return;
                 }
             };
-            let mut waits = Vec::new();
-            for c in cmds {
-                match c {
-                    TransferCommand::Start(t) => {
-                        s.ghost.idle = 0;
-                        s.ranks[rank].in_flight.push(InFlight {
-                            transfer: t,
-                            dirty: false,
-                        });
-                    }
-                    TransferCommand::Wait(jobs) => {
-                        for &j in jobs.iter() {
-                            if s.ranks[rank].in_flight.iter().any(|t| t.transfer.job == j) {
-                                waits.push(j);
-                            }
-                        }
-                    }
+            match action {
+                RankAction::Start(t) => {
+                    s.ghost.idle = 0;
+                    s.ranks[rank].in_flight.push(InFlight {
+                        transfer: t,
+                        dirty: false,
+                    });
                 }
+                RankAction::Forward(pass) => self.forward(s, rank, &step, &pass),
+                RankAction::Wait(_) => {
+                    if s.ranks[rank].driver.point() == Some(StepPoint::Bind) {
+                        s.ghost.flushed = true;
+                    }
+                    return;
+                }
+                RankAction::Collect => {}
+                RankAction::Done(output) => {
+                    self.finish(s, rank, &output);
+                    if let Err(e) =
+                        s.engine
+                            .rank_output(step.output.step, Rank(rank as u32), Some(output))
+                    {
+                        s.ghost
+                            .violate(property_names::CORE, format!("rank {rank}'s output: {e}"));
+                    }
+                    return;
+                }
+                RankAction::Idle => return,
             }
-            if hook == Hook::HandlePreemptions && !waits.is_empty() {
-                s.ghost.flushed = true;
-            }
-            // Sync loads run before the forward, which reads them; async loads are issued after
-            // the forward launch (the protocol admits no layer hook after them).
-            let next = match (hook, shape.sync_loads) {
-                (Hook::HandlePreemptions, _) => Hook::Bind,
-                (Hook::Bind, true) => Hook::StartLoad,
-                (Hook::Bind, false) => Hook::LayerLoad,
-                (Hook::StartLoad, true) => Hook::LayerLoad,
-                (Hook::StartLoad, false) => Hook::WaitForSave,
-                (Hook::LayerLoad, _) => Hook::LayerSave,
-                (Hook::LayerSave, true) => Hook::WaitForSave,
-                (Hook::LayerSave, false) => Hook::StartLoad,
-                (Hook::WaitForSave, _) => Hook::Finish,
-                (Hook::Finish, _) => unreachable!("returns above"),
-            };
-            if !waits.is_empty() {
-                waits.sort_unstable();
-                waits.dedup();
-                s.ranks[rank].at = Some((next, waits));
-                return;
-            }
-            hook = next;
         }
     }
 
-    /// The remote prefill instance's copy of `id`'s prompt blocks, on every rank.
+    /// A rank's driver stopped: a hook out of order breaks the protocol property, anything
+    /// else the core's.
+    fn rank_failed(&self, s: &mut SystemState<P>, rank: usize, e: &RankError) {
+        let property = match e {
+            RankError::Protocol(_) => property_names::PROTOCOL,
+            _ => property_names::CORE,
+        };
+        s.ghost.violate(property, format!("rank {rank}: {e}"));
+    }
+
     fn seed_remote(&self, s: &mut SystemState<P>, id: RequestId) {
-        let Some(req) = s.scheduler.view().request(id) else {
+        let Some(req) = s.scheduler().view().request(id) else {
             return;
         };
         let prompt_blocks = req.num_prompt_tokens() / self.config.block_size;
@@ -1332,7 +1287,7 @@ impl<P: Connectors> SystemModel<P> {
         s: &SystemState<P>,
         out: &SchedulerOutput,
     ) -> BTreeMap<RequestId, Vec<u64>> {
-        let view = s.scheduler.view();
+        let view = s.scheduler().view();
         let bs = self.config.block_size;
         let mut m = BTreeMap::new();
         for &(id, _) in &out.num_scheduled_tokens {
@@ -1358,25 +1313,20 @@ impl<P: Connectors> SystemModel<P> {
         m
     }
 
-    /// The forward pass of `rank`: checks every computed block, then writes the new tokens'
-    /// blocks.
+    /// The forward pass of `rank` for one layer, as its driver lays it out: the new tokens'
+    /// blocks are written (a block the pass does not fill holds a partial block), then every
+    /// block the attention reads must hold its tokens' content (DATA). Writes come first, as in
+    /// a layer of vLLM's forward: a request may read a block another request of the same step
+    /// writes (its prefix-cache hit on a block cached when the step was scheduled).
     fn forward(
         &self,
         s: &mut SystemState<P>,
         rank: usize,
-        out: &SchedulerOutput,
-        expected: &BTreeMap<RequestId, Vec<u64>>,
+        step: &PendingStep<<P::Sched as SchedulerConnector>::Meta>,
+        pass: &ForwardPass,
     ) {
         let bs = self.config.block_size;
-        let computed: BTreeMap<RequestId, u32> = out
-            .scheduled_requests()
-            .map(|r| (r.id, r.num_computed_tokens))
-            .collect();
-        for &(id, n) in &out.num_scheduled_tokens {
-            let Some(want) = expected.get(&id) else {
-                continue;
-            };
-            let c = computed.get(&id).copied().unwrap_or(0);
+        for &(id, _) in &step.output.num_scheduled_tokens {
             if s.ghost
                 .load_failed
                 .get(id.index())
@@ -1385,54 +1335,45 @@ impl<P: Connectors> SystemModel<P> {
             {
                 s.ghost.recomputed_after_failure = true;
             }
-            let Some(table) = s.ranks[rank].tables.get(&id).cloned() else {
+        }
+        for w in &pass.writes {
+            let Some(want) = step.contents.get(&w.request) else {
+                continue;
+            };
+            let full = w.tokens.end == (w.index + 1) * bs;
+            let content = if full {
+                want[w.index as usize]
+            } else {
+                PARTIAL
+            };
+            self.write_block(
+                s,
+                rank,
+                w.block,
+                content,
+                &format!("forward of request {}", w.request.0),
+            );
+        }
+        for r in &pass.reads {
+            let Some(want) = step.contents.get(&r.request) else {
+                continue;
+            };
+            let got = s.ranks[rank].gpu[r.block.0 as usize];
+            let expected = want[r.index as usize];
+            if got != expected {
                 s.ghost.violate(
-                    property_names::CORE,
+                    property_names::DATA,
                     format!(
-                        "rank {rank} has no block table for scheduled request {}",
-                        id.0
+                        "rank {rank}: request {} reads block {} (index {}, group {}) holding {} \
+                         instead of {}",
+                        r.request.0,
+                        r.block.0,
+                        r.index,
+                        r.group,
+                        content_text(got),
+                        content_text(expected)
                     ),
                 );
-                return;
-            };
-            // Reads: the computed prefix, in the full-attention group.
-            for i in 0..c / bs {
-                let Some(&b) = table[0].get(i as usize) else {
-                    s.ghost.violate(
-                        property_names::CORE,
-                        format!("request {} has no block {i} on rank {rank}", id.0),
-                    );
-                    return;
-                };
-                let got = s.ranks[rank].gpu[b.0 as usize];
-                if got != want[i as usize] {
-                    s.ghost.violate(
-                        property_names::DATA,
-                        format!(
-                            "rank {rank}: request {} reads block {} (index {i}) holding {} instead of {}",
-                            id.0,
-                            b.0,
-                            content_text(got),
-                            content_text(want[i as usize])
-                        ),
-                    );
-                }
-            }
-            // Writes: positions c..c+n, every group.
-            let first = c / bs;
-            let last = (c + n).div_ceil(bs);
-            for i in first..last {
-                let full = (i + 1) * bs <= c + n;
-                let content = if full { want[i as usize] } else { PARTIAL };
-                for g in &table {
-                    let Some(&b) = g.get(i as usize) else {
-                        continue;
-                    };
-                    if b.0 == 0 {
-                        continue;
-                    }
-                    self.write_block(s, rank, b, content, &format!("forward of request {}", id.0));
-                }
             }
         }
     }
@@ -1463,23 +1404,9 @@ impl<P: Connectors> SystemModel<P> {
         }
     }
 
-    /// `get_finished` … `clear`: the rank's output of the step.
-    fn finish(
-        &self,
-        s: &mut SystemState<P>,
-        rank: usize,
-        out: &SchedulerOutput,
-    ) -> Result<Option<WorkerOutput<<P::Sched as SchedulerConnector>::WorkerMeta>>, String> {
-        let w = &mut s.ranks[rank].worker;
-        let res = w
-            .get_transfer_results(&out.finished_req_ids)
-            .map_err(|e| e.to_string())?;
-        let errs = w
-            .get_block_ids_with_load_errors()
-            .map_err(|e| e.to_string())?;
-        let meta = w.build_connector_worker_meta().map_err(|e| e.to_string())?;
-        w.clear().map_err(|e| e.to_string())?;
-        for id in res.finished_recving.iter().flat_map(|s| s.iter()) {
+    /// The rank's output of a step: who reported which load (for the quorum properties).
+    fn finish(&self, s: &mut SystemState<P>, rank: usize, out: &WorkerOutput<WMeta<P>>) {
+        for id in out.finished_recving.iter().flat_map(|s| s.iter()) {
             let Some(m) = s.ghost.recv_reports.get_mut(id.index()) else {
                 continue;
             };
@@ -1492,12 +1419,11 @@ impl<P: Connectors> SystemModel<P> {
                 );
             }
         }
-        for id in res.failed_recving.iter() {
+        for id in out.failed_recving.iter() {
             if let Some(m) = s.ghost.recv_failed.get_mut(id.index()) {
                 *m |= 1 << rank;
             }
         }
-        Ok(Some(res.into_output(errs, meta)))
     }
 
     fn complete(&self, s: &mut SystemState<P>, rank: usize, job: JobId, ok: bool) {
@@ -1519,7 +1445,7 @@ impl<P: Connectors> SystemModel<P> {
             // The environment fails loads only (`load_may_fail`).
             (TransferDirection::Store, false) => {}
             (TransferDirection::Store, true) => {
-                if s.scheduler
+                if s.scheduler()
                     .status(req)
                     .is_some_and(RequestStatus::is_finished)
                 {
@@ -1560,9 +1486,9 @@ impl<P: Connectors> SystemModel<P> {
                 }
             }
         }
-        s.ranks[rank]
-            .worker
-            .handle_transfer_done(TransferDone { job, ok });
+        if let Err(e) = s.ranks[rank].driver.transfer_done(TransferDone { job, ok }) {
+            self.rank_failed(s, rank, &e);
+        }
     }
 
     /// OWNED_WRITES for a load finishing (or failing) on `rank`: the rank's own view of
@@ -1574,12 +1500,13 @@ impl<P: Connectors> SystemModel<P> {
     /// stays in the worker's table, unread.
     fn check_owned(&self, s: &mut SystemState<P>, rank: usize, t: &Transfer) {
         let full = |table: &Vec<Vec<BlockId>>| table.first().cloned().unwrap_or_default();
-        let owner = s.ranks[rank].tables.iter().find_map(|(id, table)| {
+        let tables = s.ranks[rank].driver.tables();
+        let owner = tables.iter().find_map(|(id, table)| {
             (*id != t.request && full(table).iter().any(|b| t.gpu_blocks.contains(b)))
                 .then_some(*id)
         });
         if let Some(other) = owner {
-            let b = full(&s.ranks[rank].tables[&other])
+            let b = full(&tables[&other])
                 .into_iter()
                 .find(|b| t.gpu_blocks.contains(b))
                 .map_or(0, |b| b.0);
@@ -1594,26 +1521,11 @@ impl<P: Connectors> SystemModel<P> {
     }
 
     fn deliver(&self, s: &mut SystemState<P>) {
-        let Some(step) = s.steps.pop_front() else {
+        let Some(step) = s.steps.front().map(|st| st.output.step) else {
             return;
         };
-        let mut outputs: Vec<_> = s
-            .ranks
-            .iter_mut()
-            .map(|r| r.outputs.pop_front().flatten())
-            .collect();
-        if self.config.faults.one_rank_output {
-            for o in outputs.iter_mut().skip(1) {
-                *o = None;
-            }
-        }
-        let kv = match s.aggregator.aggregate(&outputs, Rank(0)) {
-            Ok(kv) => kv,
-            Err(e) => {
-                s.ghost
-                    .violate(property_names::CORE, format!("aggregate failed: {e}"));
-                return;
-            }
+        let Some(kv) = s.engine.aggregated(step).cloned() else {
+            return;
         };
         if let Some(kv) = &kv {
             let all = self.all_ranks();
@@ -1661,18 +1573,14 @@ impl<P: Connectors> SystemModel<P> {
                 s.ghost.idle = 0;
             }
         }
-        let sampled = s.scheduler.fake_sample(step.output.step);
-        match s.scheduler.update_from_output(
-            step.output.step,
-            ModelOutput {
-                sampled,
-                kv_connector_output: kv,
-            },
-        ) {
-            Ok(res) => {
-                if !res.outputs.is_empty() {
+        s.steps.pop_front();
+        match s.engine.apply(None) {
+            Ok(applied) => {
+                if !applied.result.outputs.is_empty() {
                     s.ghost.idle = 0;
                 }
+                // Released ids are forgotten by the engine; nothing in the model reuses them.
+                s.engine.take_released();
             }
             Err(e) => s.ghost.violate(
                 property_names::CORE,
@@ -1684,23 +1592,27 @@ impl<P: Connectors> SystemModel<P> {
     /// I-10 and the machines' own invariants, after every action.
     fn check(&self, s: &mut SystemState<P>) {
         let mut broken = Vec::new();
-        if let Err(e) = s.scheduler.check_invariants() {
+        if let Err(e) = s.engine.check_invariants() {
             broken.push(format!("scheduler: {e}"));
         }
-        if let Some(e) = s.scheduler.broken() {
+        if let Some(e) = s.scheduler().broken() {
             broken.push(format!("scheduler stopped: {e}"));
         }
-        if let Err(e) = self.pair.check_sched(&s.scheduler.connector().inner) {
+        if let Some(e) = s.engine.broken() {
+            broken.push(format!("engine stopped: {e}"));
+        }
+        if let Err(e) = self.pair.check_sched(&s.scheduler().connector().inner) {
             broken.push(format!("connector: {e}"));
         }
-        if let Err(e) = s.aggregator.check_invariants() {
-            broken.push(format!("aggregator: {e}"));
-        }
         for (i, r) in s.ranks.iter().enumerate() {
-            if let Err(e) = self.pair.check_worker(r.worker.inner()) {
+            if let Err(e) = r
+                .driver
+                .check_invariants()
+                .and_then(|()| self.pair.check_worker(r.driver.worker().inner()))
+            {
                 broken.push(format!("rank {i}: {e}"));
             }
-            if let Some(v) = r.worker.protocol().violation() {
+            if let Some(v) = r.driver.worker().protocol().violation() {
                 s.ghost
                     .violate(property_names::PROTOCOL, format!("rank {i}: {v}"));
             }
@@ -1711,7 +1623,7 @@ impl<P: Connectors> SystemModel<P> {
         // The first request whose count disagrees with its state (violations are sticky, so
         // the first is enough); found before `s.ghost` is borrowed mutably.
         let wrong = s
-            .scheduler
+            .scheduler()
             .connector()
             .finished_calls
             .iter()
@@ -1719,7 +1631,7 @@ impl<P: Connectors> SystemModel<P> {
             .find_map(|(i, &n)| {
                 let arrived = (i as u32) < s.arrived;
                 let finished = arrived
-                    && s.scheduler
+                    && s.scheduler()
                         .status(RequestId(i as u32))
                         .is_none_or(RequestStatus::is_finished);
                 (n != u8::from(finished)).then_some((i, n, finished))
@@ -1729,26 +1641,6 @@ impl<P: Connectors> SystemModel<P> {
                 property_names::FINISHED_ONCE,
                 format!("request {i}: request_finished called {n} times, finished: {finished}"),
             );
-        }
-    }
-}
-
-/// The worker's `_update_states`: drop finished and preempted requests, add new ones, append
-/// (or, for resumed ones, replace) block tables.
-fn update_tables(tables: &mut BTreeMap<RequestId, Vec<Vec<BlockId>>>, out: &SchedulerOutput) {
-    for id in out.finished_req_ids.iter() {
-        tables.remove(id);
-    }
-    for id in out.preempted_req_ids.iter() {
-        tables.remove(id);
-    }
-    for r in out.scheduled_requests() {
-        if r.full_table {
-            tables.insert(r.id, r.block_ids.to_vec());
-        } else if let Some(t) = tables.get_mut(&r.id) {
-            for (list, new) in t.iter_mut().zip(r.block_ids) {
-                list.extend_from_slice(new);
-            }
         }
     }
 }
@@ -1846,10 +1738,13 @@ impl<P: Connectors> Explain for SystemModel<P> {
                 if !started.is_empty() {
                     line += &format!(" → starts {}", started.join(", "));
                 }
-                match &after.at {
-                    Some((hook, jobs)) => line += &format!(" → waits at {hook:?} for {jobs:?}"),
-                    None => {
-                        if let Some(k) = after.executed.checked_sub(1) {
+                let waits: Vec<u64> = after.driver.waiting().map(|j| j.0).collect();
+                match after.driver.point() {
+                    Some(point) if !waits.is_empty() => {
+                        line += &format!(" → waits before {point:?} for jobs {waits:?}");
+                    }
+                    _ => {
+                        if let Some(k) = after.driver.steps_done().checked_sub(1) {
                             line += &format!(" → step {k} done");
                         }
                     }
@@ -1921,18 +1816,15 @@ impl<P: Connectors> Model for SystemModel<P> {
         if s.arrived < c.requests {
             actions.push(SystemAction::Arrive(RequestId(s.arrived)));
         }
-        if s.scheduler.has_requests()
+        if s.scheduler().has_requests()
             && (s.steps.len() as u32) < c.async_depth
             && s.ghost.idle < c.idle_steps
         {
             actions.push(SystemAction::Schedule);
         }
         for (i, r) in s.ranks.iter().enumerate() {
-            let blocked = r.at.as_ref().is_some_and(|(_, jobs)| {
-                jobs.iter()
-                    .any(|j| r.in_flight.iter().any(|t| t.transfer.job == *j))
-            });
-            if !blocked && self.next_step_of(s, i).is_some() {
+            let blocked = r.driver.waiting().next().is_some();
+            if !blocked && r.driver.error().is_none() && self.next_step_of(s, i).is_some() {
                 actions.push(SystemAction::Run(Rank(i as u32)));
             }
         }
@@ -1961,16 +1853,13 @@ impl<P: Connectors> Model for SystemModel<P> {
                 }
             }
         }
-        if let Some(front) = s.steps.front() {
-            let step = front.output.step.0;
-            if s.ranks.iter().all(|r| r.executed > step) {
-                actions.push(SystemAction::Deliver);
-            }
+        if s.engine.ready() {
+            actions.push(SystemAction::Deliver);
         }
         if s.aborts_left > 0 {
             for i in 0..s.arrived {
                 let id = RequestId(i);
-                if s.scheduler.status(id).is_some_and(|st| !st.is_finished()) {
+                if s.scheduler().status(id).is_some_and(|st| !st.is_finished()) {
                     actions.push(SystemAction::Abort(id));
                 }
             }
@@ -1991,7 +1880,7 @@ impl<P: Connectors> Model for SystemModel<P> {
                     stop_token: None,
                     kv_transfer_params: None,
                 };
-                if let Err(e) = s.scheduler.add_request(spec) {
+                if let Err(e) = s.engine.add_request(spec) {
                     s.ghost
                         .violate(property_names::CORE, format!("add_request failed: {e}"));
                 }
@@ -2010,7 +1899,7 @@ impl<P: Connectors> Model for SystemModel<P> {
             SystemAction::Abort(id) => {
                 s.aborts_left -= 1;
                 s.ghost.idle = 0;
-                if let Err(e) = s.scheduler.abort(id) {
+                if let Err(e) = s.engine.abort(id) {
                     s.ghost
                         .violate(property_names::CORE, format!("abort failed: {e}"));
                 }
@@ -2018,7 +1907,7 @@ impl<P: Connectors> Model for SystemModel<P> {
             SystemAction::Reset => {
                 s.resets_left -= 1;
                 s.ghost.idle = 0;
-                if let Err(e) = s.scheduler.reset_connector_cache() {
+                if let Err(e) = s.engine.reset_connector_cache() {
                     s.ghost
                         .violate(property_names::CORE, format!("reset failed: {e}"));
                 }

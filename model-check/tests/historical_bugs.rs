@@ -52,6 +52,7 @@ fn kvrelay_ci_config_has_no_counterexample() {
 }
 
 /// vLLM PR #42676: model runner V2 bound the step's metadata before `handle_preemptions`.
+#[cfg(feature = "scheduler-faults")]
 #[test]
 fn pr_42676_bind_before_handle_preemptions() {
     let r = run(
@@ -66,6 +67,7 @@ fn pr_42676_bind_before_handle_preemptions() {
 
 /// Mooncake PR #52470: a connector without `handle_preemptions` — its stores are not waited
 /// for before the step's writes, so a reallocated block is rewritten under a store.
+#[cfg(feature = "scheduler-faults")]
 #[test]
 fn mooncake_pr_52470_no_handle_preemptions() {
     let r = run(
@@ -80,6 +82,7 @@ fn mooncake_pr_52470_no_handle_preemptions() {
 
 /// vLLM issue #21070: the executor fed the aggregator a single rank's output, so no quorum was
 /// ever reached and the engine could only spin.
+#[cfg(feature = "scheduler-faults")]
 #[test]
 fn issue_21070_aggregator_fed_one_rank() {
     let r = run(

@@ -87,7 +87,9 @@ When to use what:
   --fault NAME                       (system model) inject a known historical bug and see the
                                      counterexample the checker finds (expect exit 1 where the
                                      configuration can reach the bug): bind-first,
-                                     skip-handle-preemptions, one-rank-output (any connector);
+                                     skip-handle-preemptions, one-rank-output (any connector;
+                                     runner and executor bugs, re-introduced in the core's
+                                     step: only in a build with --features scheduler-faults);
                                      drop-zero-external-alloc (offloading, multi: e.g.
                                      --connector multi --prompt-tokens 3 --max-tokens 1
                                      --gpu-blocks 5), lookup-ignores-jobs (offloading, multi);
@@ -322,11 +324,14 @@ enum PolicyArg {
 /// `--fault`: a historical bug injected into the system model.
 #[derive(Clone, Copy, Debug, Eq, PartialEq, ValueEnum)]
 enum FaultArg {
-    /// vLLM PR #42676: the runner binds the step's metadata before handle_preemptions.
+    /// vLLM PR #42676 (in the core's rank driver; needs --features scheduler-faults): the
+    /// runner binds the step's metadata before handle_preemptions.
     BindFirst,
-    /// Mooncake PR #52470: the runner skips handle_preemptions' waits and transfers.
+    /// Mooncake PR #52470 (in the core's rank driver; needs --features scheduler-faults): the
+    /// runner skips handle_preemptions' waits.
     SkipHandlePreemptions,
-    /// vLLM issue #21070: the executor hands the aggregator only rank 0's output.
+    /// vLLM issue #21070 (in the core's engine; needs --features scheduler-faults): the
+    /// executor hands the aggregator only rank 0's output.
     OneRankOutput,
     /// vLLM issue #46951 (scheduler side): update_state_after_alloc with zero external tokens
     /// is not passed on to the connector.

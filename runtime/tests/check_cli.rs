@@ -260,11 +260,13 @@ fn the_default_check_is_the_system_model_ci_and_every_property_passes() {
 #[test]
 fn a_system_fault_exits_1_and_writes_its_counterexample_diagram() {
     use kvrelay_model_check::system_properties as n;
-    let out_file = temp_file("bind-first.mmd");
+    let out_file = temp_file("swallow-load-failures.mmd");
     let out = kvrelay_check(
         &[
+            "--connector",
+            "pd",
             "--fault",
-            "bind-first",
+            "swallow-load-failures",
             "--threads",
             "1",
             "--trace-out",
@@ -275,16 +277,11 @@ fn a_system_fault_exits_1_and_writes_its_counterexample_diagram() {
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
     assert!(
-        stdout.contains(&format!(
-            "{:<10} {:<10} {}",
-            "VIOLATED",
-            "always",
-            n::PROTOCOL
-        )),
+        stdout.contains(&format!("{:<10} {:<10} {}", "VIOLATED", "always", n::DATA)),
         "{stdout}"
     );
     assert!(
-        stdout.contains(&format!("counterexample for \"{}\"", n::PROTOCOL)),
+        stdout.contains(&format!("counterexample for \"{}\"", n::DATA)),
         "{stdout}"
     );
     assert!(stdout.contains("    1. request 0 arrives"), "{stdout}");
@@ -300,7 +297,7 @@ fn a_system_fault_exits_1_and_writes_its_counterexample_diagram() {
     }
     assert!(diagram.contains("->>"), "{diagram}");
     assert!(
-        diagram.contains(&format!("counterexample to always \"{}\"", n::PROTOCOL)),
+        diagram.contains(&format!("counterexample to always \"{}\"", n::DATA)),
         "{diagram}"
     );
 }
@@ -349,8 +346,6 @@ fn system_flags_override_the_preset() {
             "2",
             "--unordered-completions",
             "--fault",
-            "one-rank-output",
-            "--fault",
             "lookup-ignores-jobs",
             "--max-depth",
             "4",
@@ -382,7 +377,7 @@ fn system_flags_override_the_preset() {
         "resets: 0,",
         "ordered_completions: false,",
         "idle_steps: 1,",
-        "bind_first: false, skip_handle_preemptions: false, one_rank_output: true",
+        "bind_first: false, skip_handle_preemptions: false, one_rank_output: false",
         "max depth 4",
     ] {
         assert!(stderr.contains(field), "{field:?} in {stderr}");
@@ -438,17 +433,26 @@ fn connectors_run_and_their_faults_are_found_or_refused() {
     }
 }
 
-/// A scheduler fault needs a build with the `scheduler-faults` feature: without it, a clear
-/// error, never a silently fault-free run.
+/// A fault re-introduced inside kvrelay-core (the scheduler's, and the runner's and executor's,
+/// whose step runs in the core) needs a build with the `scheduler-faults` feature: without it, a
+/// clear error, never a silently fault-free run.
 #[cfg(not(feature = "scheduler-faults"))]
 #[test]
-fn a_scheduler_fault_without_the_feature_is_refused() {
-    let out = kvrelay_check(
-        &["--connector", "pd", "--fault", "free-aborted-while-loading"],
-        LIMIT,
-    );
-    assert_eq!(out.status.code(), Some(2));
-    assert!(text(&out.stderr).contains("--features scheduler-faults"));
+fn a_core_fault_without_the_feature_is_refused() {
+    for args in [
+        &["--connector", "pd", "--fault", "free-aborted-while-loading"][..],
+        &["--fault", "bind-first"][..],
+        &["--fault", "skip-handle-preemptions"][..],
+        &["--fault", "one-rank-output"][..],
+    ] {
+        let out = kvrelay_check(args, LIMIT);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(
+            text(&out.stderr).contains("--features scheduler-faults"),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
 }
 
 /// vLLM issue #46014 from the command line: the faulty lookup with the GPU prefix cache off

@@ -395,6 +395,28 @@ impl<C: SchedulerConnector> EngineCore<C> {
         Ok(Applied { step, result, idle })
     }
 
+    /// Rank `rank`'s output slot of every step in flight, oldest first: `None` until it
+    /// reported, then its output (`Some(None)`: no connector output).
+    pub fn rank_outputs(
+        &self,
+        rank: Rank,
+    ) -> impl Iterator<Item = Option<&Option<WorkerOutput<C::WorkerMeta>>>> + '_ {
+        self.in_flight
+            .iter()
+            .map(move |s| s.outputs.get(rank.0 as usize).and_then(Option::as_ref))
+    }
+
+    /// Renumbers the ranks: rank `new` gets the outputs rank `order[new]` reported. For the
+    /// model checker's symmetry reduction over interchangeable ranks (compat mode, where the
+    /// aggregator keeps no per-rank state); `order` must be a permutation of `0..W`.
+    #[doc(hidden)]
+    pub fn permute_ranks(&mut self, order: &[usize]) {
+        debug_assert_eq!(order.len(), self.world as usize);
+        for s in &mut self.in_flight {
+            s.outputs = order.iter().map(|&old| s.outputs[old].clone()).collect();
+        }
+    }
+
     /// Request ids that nothing refers to any more (see the module docs); each is returned
     /// once.
     pub fn take_released(&mut self) -> Vec<RequestId> {

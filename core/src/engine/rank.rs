@@ -50,18 +50,18 @@ use crate::connector::{
     GuardedWorker, Transfer, TransferCommand, TransferDone, TransferResults, WorkerConnector,
     WorkerError,
 };
-use crate::ids::{BlockId, JobId, Rank, RequestId, StepId};
+use crate::ids::{BlockId, JobId, RequestId, StepId};
 use crate::output::{SortedSet, WorkerOutput};
 use crate::protocol::{ProtocolViolation, StepShape};
 use crate::scheduler::{GroupKind, ScheduledStep, SchedulerOutput};
 use crate::{InvariantViolation, NULL_BLOCK, ensure_invariant};
 
-/// What a rank's driver needs to know of the engine: who it is, the model's layers and the KV
-/// cache groups (as the scheduler has them).
+/// What a rank's driver needs to know of the engine: the model's layers and the KV cache groups
+/// (as the scheduler has them). Nothing in it names the rank: ranks in the same state are
+/// interchangeable (the model checker's symmetry reduction relies on it), and the caller, who
+/// knows which rank it drives, adds that to errors it reports.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RankConfig {
-    /// This rank.
-    pub rank: Rank,
     /// Layers of the model (≥ 1): each runs `wait_for_layer_load` and `save_kv_layer`.
     pub layers: u32,
     /// Tokens per GPU block.
@@ -75,26 +75,14 @@ pub struct RankConfig {
 #[non_exhaustive]
 pub enum RankError {
     /// A hook out of order (the runner's bug, or a fault injected to test the checker).
-    #[error("rank {rank:?}: {violation}")]
-    Protocol {
-        /// The rank.
-        rank: Rank,
-        /// The call that broke the protocol.
-        violation: ProtocolViolation,
-    },
+    #[error(transparent)]
+    Protocol(ProtocolViolation),
     /// The worker connector stopped.
-    #[error("rank {rank:?}: worker connector failed: {error}")]
-    Worker {
-        /// The rank.
-        rank: Rank,
-        /// Why.
-        error: WorkerError,
-    },
+    #[error("worker connector failed: {0}")]
+    Worker(WorkerError),
     /// `begin` with a step other than the next one, or while a step is running.
-    #[error("rank {rank:?}: step {got:?} begun, expected {expected:?}")]
+    #[error("step {got:?} begun, expected {expected:?}")]
     StepOutOfOrder {
-        /// The rank.
-        rank: Rank,
         /// The step the rank can begin now (`None`: a step is running).
         expected: Option<StepId>,
         /// The step given.
@@ -106,8 +94,8 @@ impl RankError {
     /// The snake_case error kind used by conformance cases.
     pub fn kind(&self) -> &'static str {
         match self {
-            Self::Protocol { .. } => "protocol_violation",
-            Self::Worker { error, .. } => error.kind(),
+            Self::Protocol(_) => "protocol_violation",
+            Self::Worker(error) => error.kind(),
             Self::StepOutOfOrder { .. } => "step_out_of_order",
         }
     }
@@ -129,7 +117,10 @@ pub struct BlockAccess {
     pub tokens: Range<u32>,
 }
 
-/// The KV accesses of one layer of a forward pass.
+/// The KV accesses of one layer of a forward pass. The writes land before the reads, as in a
+/// layer of vLLM's forward (the new tokens' KV is cached, then attention reads it with the
+/// prefix): a request may read a block another request of the same step writes, its prefix-cache
+/// hit on a block cached when the step was scheduled.
 #[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ForwardPass {
     /// The layer.
@@ -292,6 +283,11 @@ where
         self.running.as_ref().map(|r| r.next)
     }
 
+    /// The jobs the running step is blocked on (empty when it is not blocked).
+    pub fn waiting(&self) -> impl Iterator<Item = JobId> + '_ {
+        self.running.iter().flat_map(|r| r.waiting.iter().copied())
+    }
+
     /// The error the rank stopped with.
     pub fn error(&self) -> Option<&RankError> {
         self.error.as_ref()
@@ -305,7 +301,6 @@ where
         let id = step.output.step;
         if self.running.is_some() || id.0 != self.steps_done {
             return Err(RankError::StepOutOfOrder {
-                rank: self.config.rank,
                 expected: self.running.is_none().then_some(StepId(self.steps_done)),
                 got: id,
             });
@@ -564,20 +559,14 @@ where
                 self.check_worker()?;
                 Ok(v)
             }
-            Err(violation) => Err(self.stop(RankError::Protocol {
-                rank: self.config.rank,
-                violation,
-            })),
+            Err(violation) => Err(self.stop(RankError::Protocol(violation))),
         }
     }
 
     fn check_worker(&mut self) -> Result<(), RankError> {
         match self.worker.inner().error() {
             None => Ok(()),
-            Some(error) => Err(self.stop(RankError::Worker {
-                rank: self.config.rank,
-                error,
-            })),
+            Some(error) => Err(self.stop(RankError::Worker(error))),
         }
     }
 
@@ -601,16 +590,14 @@ where
             ensure_invariant!(
                 r.step.output.step.0 == self.steps_done,
                 "I-5",
-                "rank {:?} runs step {:?} after {} steps",
-                self.config.rank,
+                "a rank runs step {:?} after {} steps",
                 r.step.output.step,
                 self.steps_done
             );
             ensure_invariant!(
                 r.waiting.is_subset(&self.in_flight),
                 "I-4",
-                "rank {:?} waits for jobs not in flight",
-                self.config.rank
+                "a rank waits for jobs not in flight"
             );
             let layered = matches!(
                 r.next,
@@ -619,8 +606,7 @@ where
             ensure_invariant!(
                 !layered || r.shape.forward,
                 "I-6",
-                "rank {:?} in a layer of a step without a forward",
-                self.config.rank
+                "a rank is in a layer of a step without a forward"
             );
         }
         Ok(())

@@ -199,8 +199,7 @@ impl OffloadEngine {
         off.offload_prompt_only = c.offload_prompt_only;
         let conn = OffloadingConnector::new(off, &sc).map_err(|e| CaseError(e.to_string()))?;
         debug_assert_eq!(sc.mode, mode);
-        let rank_config = |r: u32| RankConfig {
-            rank: Rank(r),
+        let rank_config = RankConfig {
             layers: 1,
             block_size: sc.block_size,
             groups: sc.groups.clone(),
@@ -212,7 +211,7 @@ impl OffloadEngine {
                     is_store_writer: !c.non_writers.contains(&r),
                     bytes_per_block: c.bytes_per_block,
                 });
-                RankDriver::new(rank_config(r), worker)
+                RankDriver::new(rank_config.clone(), worker)
             })
             .collect();
         let engine = EngineCore::new(sc, conn, c.ranks).map_err(|e| CaseError(e.to_string()))?;
@@ -244,7 +243,7 @@ impl OffloadEngine {
                 .and_then(|()| d.worker().inner().check_invariants())
                 .map_err(|e| format!("rank {r}: {e}"))?;
             if let Some(e) = d.error() {
-                return Err(e.to_string());
+                return Err(format!("rank {r}: {e}"));
             }
         }
         Ok(())

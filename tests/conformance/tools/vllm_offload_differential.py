@@ -40,6 +40,11 @@ REPO = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 ORACLE = os.environ.get("VLLM_ORACLE") or os.path.abspath(os.path.join(REPO, "..", "shared", "tools", "vllm-oracle"))
 DEFAULT_KVRELAY = os.path.join(REPO, "target", "release", "kvrelay")
 GEN_HASHSEED = "0"
+# --avoid: input shapes of known failure classes the generator can leave out (env VLLM_OFFLOAD_DIFF_AVOID
+# carries them to the worker processes)
+AVOIDABLE = {"sampled_not_scheduled": "apply_output with `sampled` naming a request the step did not schedule",
+             "swa_window1": "a sliding window of 1 token"}
+AVOID = set(filter(None, os.environ.get("VLLM_OFFLOAD_DIFF_AVOID", "").split(",")))
 
 STICKY = {"completion_for_live_request", "stale_completion", "duplicate_completion", "connector_contract",
           "intent_rejected", "internal_assert"}
@@ -147,7 +152,7 @@ class Gen:
             off["bytes_per_block"] = rng.choice([1, 2, 16, 4096])
         groups = ["full"]
         if rng.random() < 0.3:
-            groups = ["full", {"sliding_window": rng.randint(1, 32)}]
+            groups = ["full", {"sliding_window": rng.randint(2 if "swa_window1" in AVOID else 1, 32)}]
         cfg = {"block_size": bs, "connector": {"offloading": off}}
         if groups != ["full"]:
             cfg["groups"] = groups
@@ -379,7 +384,8 @@ class Gen:
             # reused id whose old request still has jobs in flight crashes it, KeyError in
             # offloading/scheduler.py; vLLM's front end makes request ids unique)
             gone = [x for x in self.eng.prompts
-                    if x not in self.eng.s.requests and x not in self.eng.osched._req_status]
+                    if x not in self.eng.s.requests and x not in self.eng.osched._req_status
+                    and x not in self.eng.s.finished_req_ids]
             if gone and rng.random() < 0.08:
                 rid = rng.choice(gone)
                 self.stats["id_reuse"] += 1
@@ -543,7 +549,7 @@ class Gen:
             else:
                 sched = {e[0] for e in inf[0][2]}
                 others = [x for x in eng.prompts if x not in sched]
-                if others:
+                if others and "sampled_not_scheduled" not in AVOID:
                     ch.append(lambda: self.do("apply_output", {"sampled": {rng.choice(others): [7]}}))  # not_scheduled
         else:
             ch.append(lambda: self.do("apply_output"))                                            # step_out_of_order
@@ -698,7 +704,11 @@ def splits(n, k):
     return [(n * i // k, n * (i + 1) // k) for i in range(k)]
 
 
-def generate(n, outdir, seed, jobs, hash_seeds, replay_same=True):
+def generate(n, outdir, seed, jobs, hash_seeds, replay_same=False, avoid=""):
+    bad = set(filter(None, avoid.split(","))) - set(AVOIDABLE)
+    if bad:
+        sys.exit("unknown --avoid %s" % sorted(bad))
+    os.environ["VLLM_OFFLOAD_DIFF_AVOID"] = avoid
     os.makedirs(outdir, exist_ok=True)
     for f in os.listdir(outdir):
         if f.startswith("od-s") and f.endswith(".json"):
@@ -740,6 +750,7 @@ def generate(n, outdir, seed, jobs, hash_seeds, replay_same=True):
         trunc["cases_truncated"] += 1
         trunc["calls_cut"] += len(case["calls"]) - cut
         trunc["by_call"][case["calls"][cut]["call"]] += 1
+        trunc.setdefault("files", []).append("%s@%d" % (os.path.basename(f), cut))
         case["calls"] = case["calls"][:cut]
         if not case["calls"]:
             os.remove(f)
@@ -751,6 +762,7 @@ def generate(n, outdir, seed, jobs, hash_seeds, replay_same=True):
     print("hash-seed check (seeds %s) in %.1fs: %d cases truncated" % (seeds, tchk, trunc["cases_truncated"]), flush=True)
 
     mix = summarize_mix(infos, trunc, n, tgen, tchk)
+    mix.update(seed=seed, hash_seeds=seeds, avoid=avoid)
     json.dump(mix, open(os.path.join(outdir, "MIX.json"), "w"), indent=1, sort_keys=True)
     print_mix(mix)
     return mix
@@ -825,7 +837,7 @@ def run_kvrelay(kvrelay, path):
 
 
 def cmd_run(a):
-    generate(a.n, a.dir, a.seed, a.jobs, a.hash_seeds)
+    generate(a.n, a.dir, a.seed, a.jobs, a.hash_seeds, a.replay_same, a.avoid)
     t0 = time.time()
     out = run_kvrelay(a.kvrelay, a.dir)
     tk = time.time() - t0
@@ -967,8 +979,14 @@ def main():
     def common(p):
         p.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
         p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: CPUs)")
-        p.add_argument("--hash-seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
-                       help="PYTHONHASHSEED values to re-check every case under (default 1,2)")
+        p.add_argument("--hash-seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3, 4],
+                       help="PYTHONHASHSEED values to re-check every case under (default 1,2,3,4: an order "
+                            "that depends on a 2-element set escapes k seeds with probability 2^-k)")
+        p.add_argument("--replay-same", action="store_true",
+                       help="also replay every case under the generation seed (0) in fresh processes: "
+                            "checks that no state leaks between the cases of one generator process")
+        p.add_argument("--avoid", default="", help="comma list of known failure shapes to leave out: " +
+                       "; ".join("%s = %s" % kv for kv in AVOIDABLE.items()))
     g = sub.add_parser("generate", help="generate N cases with vLLM's results into DIR (+ DIR/MIX.json)")
     g.add_argument("n", type=int)
     g.add_argument("dir")
@@ -988,7 +1006,7 @@ def main():
     rg.add_argument("dir")
     a = ap.parse_args()
     if a.cmd == "generate":
-        generate(a.n, a.dir, a.seed, a.jobs, a.hash_seeds)
+        generate(a.n, a.dir, a.seed, a.jobs, a.hash_seeds, a.replay_same, a.avoid)
         return 0
     if a.cmd == "run":
         return cmd_run(a)
