@@ -1115,7 +1115,15 @@ impl State {
                 .min(r.blocks[g].len())
                 .min(r.block_hashes.len());
             let from = r.num_cached_blocks[g] as usize;
-            for i in from..full {
+            // vLLM caches only the blocks a later hit can reach (`reachable_block_mask`): a
+            // sliding-window hit needs `cdiv(window - 1, block_size)` contiguous blocks, so a
+            // window of one token needs none, reaches no block, and its group caches nothing
+            // (its blocks are freed uncached, to the head of the free queue).
+            let reachable = !matches!(
+                self.config.groups[g],
+                GroupKind::SlidingWindow { window } if window <= 1
+            );
+            for i in (from..full).filter(|_| reachable) {
                 self.pool
                     .cache_block(r.blocks[g][i], r.block_hashes[i], g as u8);
             }

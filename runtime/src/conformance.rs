@@ -1010,8 +1010,10 @@ pub enum EngineOp {
     },
     /// `lookup` (offloading): the manager's answer for the chunks of a prompt.
     Lookup {
-        /// A request whose prompt to use.
-        id: Option<RequestId>,
+        /// A request whose prompt to use (`Some(None)`: a name never seen, which `lookup` does
+        /// not intern, as the oracle does not: interning order decides the fake sampler's
+        /// tokens).
+        id: Option<Option<RequestId>>,
         /// Or explicit tokens.
         prompt: Option<Vec<Token>>,
     },
@@ -1657,10 +1659,13 @@ impl Harness for EngineHarness {
                 match (args.contains_key("id"), args.contains_key("prompt")) {
                     (true, true) => err("give either `id` or `prompt`, not both"),
                     (false, false) => err("missing argument `id` (or `prompt`)"),
-                    (true, false) => Ok(EngineOp::Lookup {
-                        id: Some(id_arg(args, ids)?),
-                        prompt: None,
-                    }),
+                    (true, false) => {
+                        let name: String = arg(args, "id", None)?;
+                        Ok(EngineOp::Lookup {
+                            id: Some(ids.get(&name)),
+                            prompt: None,
+                        })
+                    }
                     (false, true) => Ok(EngineOp::Lookup {
                         id: None,
                         prompt: Some(arg(args, "prompt", None)?),

@@ -5,12 +5,13 @@
 //! children's `finished_sending` reports yield every request exactly once, after its last saver.
 
 use kvrelay_core::{
-    AggregatedOutput, Aggregator, BlockId, ConnectorCall, FinishDecision, Intent, JobId, KvEvent,
-    Lookup, Meta, Mode, ModelOutput, MultiConnector, MultiError, MultiMeta, MultiWorker,
-    NoopConnector, OffloadMeta, Params, Rank, RequestId, RequestSpec, RequestStatus, Scheduler,
-    SchedulerConfig, SchedulerConnector, SchedulerError, SchedulerOutput, SchedulerView,
-    ScriptedConnector, ScriptedMeta, ScriptedWorker, SortedSet, Transfer, TransferCommand,
-    TransferDirection, TransferDone, WorkerConnector, combine_finished_counts, route_worker_meta,
+    AggregatedOutput, BlockId, ConnectorCall, EngineCore, FinishDecision, Intent, JobId, KvEvent,
+    Lookup, Meta, MultiConnector, MultiError, MultiMeta, MultiWorker, NoopConnector, OffloadMeta,
+    Params, Rank, RankAction, RankConfig, RankDriver, RequestId, RequestSpec, RequestStatus,
+    ScheduledStep, Scheduler, SchedulerConfig, SchedulerConnector, SchedulerError, SchedulerOutput,
+    SchedulerView, ScriptedConnector, ScriptedMeta, ScriptedWorker, SortedSet, Transfer,
+    TransferCommand, TransferDirection, TransferDone, WorkerConnector, WorkerOutput,
+    combine_finished_counts, route_worker_meta,
 };
 use proptest::prelude::*;
 
@@ -732,38 +733,59 @@ fn spec(id: u32, len: u32, max_tokens: u32) -> RequestSpec {
     }
 }
 
-/// One rank: the worker side of the step, as the model runner drives it, then the aggregator.
+/// One rank: the worker side of the step, driven by the core's rank driver.
 struct Rank0 {
-    worker: MultiWorker<ScriptedWorker>,
-    agg: Aggregator,
+    driver: RankDriver<MultiWorker<ScriptedWorker>>,
 }
 
 impl Rank0 {
-    fn run(
-        &mut self,
-        meta: &MultiMeta<ScriptedMeta>,
-        finished: &SortedSet<RequestId>,
-    ) -> Option<AggregatedOutput> {
-        let w = &mut self.worker;
-        w.handle_preemptions(meta);
-        w.bind(meta);
-        w.start_load_kv();
-        w.wait_for_save();
-        let r = w.get_transfer_results(finished);
-        let invalid = w.get_block_ids_with_load_errors();
-        let out = r.into_output(invalid, w.build_connector_worker_meta());
-        w.clear();
-        w.check_invariants().unwrap();
-        self.agg.aggregate(&[Some(out)], Rank(0)).unwrap()
+    fn new(children: usize) -> Self {
+        let config = RankConfig {
+            layers: 1,
+            block_size: SchedulerConfig::default().block_size,
+            groups: SchedulerConfig::default().groups,
+        };
+        Self {
+            driver: RankDriver::new(config, worker(children)),
+        }
+    }
+
+    /// The worker, to script what it reports next.
+    fn worker(&mut self) -> &mut MultiWorker<ScriptedWorker> {
+        self.driver.worker_mut()
+    }
+
+    /// The rank's step; the scripted children start no transfer that is waited for.
+    fn run(&mut self, step: ScheduledStep<MultiMeta<ScriptedMeta>>) -> WorkerOutput<Meta> {
+        self.driver.begin(step).unwrap();
+        loop {
+            match self.driver.poll().unwrap() {
+                RankAction::Done(out) => {
+                    self.driver.check_invariants().unwrap();
+                    self.driver.worker().inner().check_invariants().unwrap();
+                    return out;
+                }
+                RankAction::Wait(jobs) => panic!("scripted children wait for nothing: {jobs:?}"),
+                RankAction::Idle => panic!("a step was begun"),
+                RankAction::Start(_) | RankAction::Forward(_) | RankAction::Collect => {}
+            }
+        }
     }
 }
 
-type MultiScheduler = Scheduler<MultiConnector<ScriptedConnector>>;
+type MultiEngine = EngineCore<MultiConnector<ScriptedConnector>>;
 
-/// schedule → worker step → update_from_output; returns the scheduled output, the aggregated
-/// connector output the scheduler got, and the step result.
+fn engine() -> MultiEngine {
+    let multi =
+        MultiConnector::new(vec![ScriptedConnector::new(), ScriptedConnector::new()]).unwrap();
+    EngineCore::new(SchedulerConfig::default(), multi, 1).unwrap()
+}
+
+/// schedule → the rank's step → aggregation → update_from_output, through the core's engine
+/// step; returns the scheduled output, the aggregated connector output the scheduler got, and
+/// the step result.
 fn step(
-    s: &mut MultiScheduler,
+    s: &mut MultiEngine,
     rank: &mut Rank0,
 ) -> (
     SchedulerOutput,
@@ -771,35 +793,24 @@ fn step(
     Option<AggregatedOutput>,
     kvrelay_core::StepResult,
 ) {
-    let st = s.schedule().unwrap();
+    let st = s.schedule().unwrap().step;
     s.check_invariants().unwrap();
-    s.connector().check_invariants().unwrap();
-    let kv = rank.run(&st.meta, &st.output.finished_req_ids);
-    let sampled = s.fake_sample(st.output.step);
-    let res = s
-        .update_from_output(
-            st.output.step,
-            ModelOutput {
-                sampled,
-                kv_connector_output: kv.clone(),
-            },
-        )
-        .unwrap();
+    s.scheduler().connector().check_invariants().unwrap();
+    let id = st.output.step;
+    let out = rank.run(st.clone());
+    s.rank_output(id, Rank(0), Some(out)).unwrap();
+    let kv = s.aggregated(id).cloned().expect("the only rank reported");
+    let res = s.apply(None).unwrap().result;
     s.check_invariants().unwrap();
-    s.connector().check_invariants().unwrap();
+    s.scheduler().connector().check_invariants().unwrap();
     (st.output, st.meta, kv, res)
 }
 
 #[test]
 fn scheduler_loads_through_child_1_and_reports_a_doubly_saved_request_once() {
-    let multi =
-        MultiConnector::new(vec![ScriptedConnector::new(), ScriptedConnector::new()]).unwrap();
-    let mut s = Scheduler::new(SchedulerConfig::default(), multi).unwrap();
-    let mut rank = Rank0 {
-        worker: worker(2),
-        agg: Aggregator::new(1, Mode::Compat),
-    };
-    let c = s.connector_mut();
+    let mut s = engine();
+    let mut rank = Rank0::new(2);
+    let c = s.scheduler_mut().connector_mut();
     c.child_mut(1).unwrap().set_lookup(rid(1), hit(16, true));
     for i in 0..2 {
         c.child_mut(i).unwrap().set_delay_free(rid(1), true);
@@ -814,15 +825,18 @@ fn scheduler_loads_through_child_1_and_reports_a_doubly_saved_request_once() {
 
     // Admission: child 1 is the loader (I-29).
     let (_, meta, _, _) = step(&mut s, &mut rank);
-    assert_eq!(s.status(rid(1)), Some(RequestStatus::WaitingForRemoteKvs));
-    assert_eq!(s.connector().loader(rid(1)), Some(1));
+    assert_eq!(
+        s.scheduler().status(rid(1)),
+        Some(RequestStatus::WaitingForRemoteKvs)
+    );
+    assert_eq!(s.scheduler().connector().loader(rid(1)), Some(1));
     assert_eq!(meta.metadata[0].loads, vec![]);
     assert_eq!(meta.metadata[1].loads.len(), 1);
     assert_eq!(meta.metadata[1].loads[0].tokens, 16);
     for i in 0..2 {
         let n = if i == 1 { 16 } else { 0 };
         assert!(
-            s.connector_mut().child_mut(i).unwrap().take_calls().iter().any(|c| matches!(
+            s.scheduler_mut().connector_mut().child_mut(i).unwrap().take_calls().iter().any(|c| matches!(
                 c,
                 ConnectorCall::UpdateStateAfterAlloc { num_external_tokens, .. } if *num_external_tokens == n
             )),
@@ -831,7 +845,7 @@ fn scheduler_loads_through_child_1_and_reports_a_doubly_saved_request_once() {
     }
 
     // The load completes on child 1's worker.
-    rank.worker
+    rank.worker()
         .child_mut(1)
         .unwrap()
         .push_finished_recving(&[rid(1)]);
@@ -853,15 +867,25 @@ fn scheduler_loads_through_child_1_and_reports_a_doubly_saved_request_once() {
         Some(params(&[("saver0", "x"), ("saver1", "y")])),
         "params of both children merged (I-32)"
     );
-    assert_eq!(s.connector().loader(rid(1)), None, "forgotten at finish");
-    assert!(s.request_ids().any(|r| r == rid(1)), "held for the savers");
     assert_eq!(
-        s.connector().pending_extra_async_saves().get(&rid(1)),
+        s.scheduler().connector().loader(rid(1)),
+        None,
+        "forgotten at finish"
+    );
+    assert!(
+        s.scheduler().request_ids().any(|r| r == rid(1)),
+        "held for the savers"
+    );
+    assert_eq!(
+        s.scheduler()
+            .connector()
+            .pending_extra_async_saves()
+            .get(&rid(1)),
         Some(&1)
     );
 
     // Next step: the metadata carries the extra save and the finished id; child 0 reports.
-    rank.worker
+    rank.worker()
         .child_mut(0)
         .unwrap()
         .push_finished_sending(&[rid(1)]);
@@ -872,10 +896,10 @@ fn scheduler_loads_through_child_1_and_reports_a_doubly_saved_request_once() {
         Some([(rid(1), 1)].into_iter().collect())
     );
     assert_eq!(kv.and_then(|k| k.finished_sending), None, "I-28: not yet");
-    assert!(s.request_ids().any(|r| r == rid(1)));
+    assert!(s.scheduler().request_ids().any(|r| r == rid(1)));
 
     // Child 1 reports: completion reported once, the request is freed.
-    rank.worker
+    rank.worker()
         .child_mut(1)
         .unwrap()
         .push_finished_sending(&[rid(1)]);
@@ -883,24 +907,19 @@ fn scheduler_loads_through_child_1_and_reports_a_doubly_saved_request_once() {
     assert_eq!(meta.extra_async_saves, None);
     assert_eq!(kv.and_then(|k| k.finished_sending), Some(ids(&[1])));
     assert!(
-        !s.request_ids().any(|r| r == rid(1)),
+        !s.scheduler().request_ids().any(|r| r == rid(1)),
         "freed after the last saver"
     );
-    assert!(rank.worker.extra_async_saves().is_empty());
-    assert_eq!(s.broken(), None);
+    assert!(rank.worker().extra_async_saves().is_empty());
+    assert_eq!(s.scheduler().broken(), None);
 }
 
 #[test]
 fn scheduler_routes_worker_meta_slots_to_the_children() {
-    let multi =
-        MultiConnector::new(vec![ScriptedConnector::new(), ScriptedConnector::new()]).unwrap();
-    let mut s = Scheduler::new(SchedulerConfig::default(), multi).unwrap();
-    let mut rank = Rank0 {
-        worker: worker(2),
-        agg: Aggregator::new(1, Mode::Compat),
-    };
+    let mut s = engine();
+    let mut rank = Rank0::new(2);
     s.add_request(spec(1, 16, 4)).unwrap();
-    rank.worker
+    rank.worker()
         .child_mut(1)
         .unwrap()
         .set_worker_meta(Some(set(&["m"])));
@@ -911,6 +930,7 @@ fn scheduler_routes_worker_meta_slots_to_the_children() {
         "I-31: one slot per child"
     );
     let seen: Vec<_> = s
+        .scheduler()
         .connector()
         .children()
         .iter()

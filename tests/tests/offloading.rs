@@ -1,19 +1,19 @@
-//! The offloading connector end to end: the real [`Scheduler`] with an [`OffloadingConnector`],
-//! and W simulated ranks each running an [`OffloadingWorker`], their outputs folded by the
-//! [`Aggregator`] (SEMANTICS.md §5.5–§5.7, §6.4, §9.5, I-38…I-47).
+//! The offloading connector end to end through the core's engine step: an [`EngineCore`] (the
+//! real scheduler with an [`OffloadingConnector`], and the aggregator) and W [`RankDriver`]s,
+//! each over an [`OffloadingWorker`] (SEMANTICS.md §5.5–§5.7, §6.4, §9.5, I-38…I-47).
 //!
-//! The simulated runtime performs every `Start` it is asked to, completes a transfer when a hook
-//! returns `Wait` for it (in the order asked), and otherwise at the end of the step in submission
-//! order — unless the rank is *held*, then only waited-for transfers complete until it is
-//! released. `check_invariants()` of the scheduler, the connector and every worker runs after
-//! every call.
+//! The simulated runtime performs every `Start` a driver asks for, completes a transfer when a
+//! driver waits for it (in the order asked), and otherwise when the driver collects the step's
+//! results, in submission order — unless the rank is *held*, then only waited-for transfers
+//! complete until it is released. `check_invariants()` of the engine, the connector and every
+//! rank runs after every call.
 
 use kvrelay_core::{
-    AggregatedOutput, Aggregator, BlockId, ChunkId, GroupKind, JobId, KeyLookup, ManagerConfig,
-    Meta, Mode, ModelOutput, OffloadKey, OffloadingConfig, OffloadingConnector,
-    OffloadingConnectorMeta, OffloadingWorker, OffloadingWorkerConfig, PolicyKind, Rank, RequestId,
-    RequestSpec, RequestStatus, Scheduler, SchedulerConfig, SchedulerConnector, SchedulerOutput,
-    SortedSet, StepId, Transfer, TransferCommand, TransferDirection, TransferDone, WorkerConnector,
+    AggregatedOutput, BlockId, ChunkId, EngineCore, GroupKind, JobId, KeyLookup, ManagerConfig,
+    Meta, ModelOutput, OffloadKey, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta,
+    OffloadingWorker, OffloadingWorkerConfig, PolicyKind, Rank, RankAction, RankConfig, RankDriver,
+    RequestId, RequestSpec, RequestStatus, Scheduler, SchedulerConfig, SchedulerConnector,
+    SchedulerOutput, SortedSet, StepId, Transfer, TransferDirection, TransferDone, WorkerConnector,
 };
 
 const BS: u32 = 4;
@@ -86,12 +86,11 @@ impl StepLog {
 }
 
 struct Sim {
-    s: Scheduler<OffloadingConnector>,
-    workers: Vec<OffloadingWorker>,
+    engine: EngineCore<OffloadingConnector>,
+    ranks: Vec<RankDriver<OffloadingWorker>>,
     /// Per rank: transfers started and not completed yet, in submission order.
     pending: Vec<Vec<JobId>>,
     held: Vec<bool>,
-    agg: Aggregator<Meta>,
     /// Requests finished since the last `schedule()`: vLLM's `has_requests()` keeps the engine
     /// stepping until `finished_req_ids` reached the connector (the model's `has_requests()`
     /// does not count them, so the harness does).
@@ -102,24 +101,29 @@ impl Sim {
     fn new(config: SchedulerConfig, off: OffloadingConfig, writers: &[bool]) -> Self {
         let w = off.num_workers as usize;
         assert_eq!(writers.len(), w);
+        let rank_config = RankConfig {
+            layers: 1,
+            block_size: config.block_size,
+            groups: config.groups.clone(),
+        };
         let conn = OffloadingConnector::new(off.clone(), &config).unwrap();
-        let s = Scheduler::new(config, conn).unwrap();
-        let workers = writers
+        let engine = EngineCore::new(config, conn, off.num_workers).unwrap();
+        let ranks = writers
             .iter()
             .map(|&is_store_writer| {
-                OffloadingWorker::new(OffloadingWorkerConfig {
+                let worker = OffloadingWorker::new(OffloadingWorkerConfig {
                     blocks_per_chunk: off.blocks_per_chunk,
                     is_store_writer,
                     bytes_per_block: 64,
-                })
+                });
+                RankDriver::new(rank_config.clone(), worker)
             })
             .collect();
         let sim = Sim {
-            s,
-            workers,
+            engine,
+            ranks,
             pending: vec![Vec::new(); w],
             held: vec![false; w],
-            agg: Aggregator::new(w as u32, Mode::Compat),
             finished_undelivered: false,
         };
         sim.check();
@@ -135,46 +139,36 @@ impl Sim {
         )
     }
 
+    /// The scheduler.
+    fn s(&self) -> &Scheduler<OffloadingConnector> {
+        self.engine.scheduler()
+    }
+
     fn conn(&self) -> &OffloadingConnector {
-        self.s.connector()
+        self.s().connector()
     }
 
     fn check(&self) {
-        self.s.check_invariants().unwrap();
+        self.engine.check_invariants().unwrap();
         self.conn().check_invariants().unwrap();
-        for w in &self.workers {
-            w.check_invariants().unwrap();
-            assert_eq!(w.error(), None);
+        for d in &self.ranks {
+            d.check_invariants().unwrap();
+            d.worker().inner().check_invariants().unwrap();
+            assert_eq!(d.error(), None);
         }
     }
 
     fn add(&mut self, r: RequestSpec) {
-        self.s.add_request(r).unwrap();
+        self.engine.add_request(r).unwrap();
         self.check();
     }
 
     fn complete(&mut self, rank: usize, job: JobId) {
         self.pending[rank].retain(|&j| j != job);
-        self.workers[rank].handle_transfer_done(TransferDone { job, ok: true });
+        self.ranks[rank]
+            .transfer_done(TransferDone { job, ok: true })
+            .unwrap();
         self.check();
-    }
-
-    fn run_commands(&mut self, rank: usize, cmds: Vec<TransferCommand>, log: &mut StepLog) {
-        for c in cmds {
-            match c {
-                TransferCommand::Start(t) => {
-                    self.pending[rank].push(t.job);
-                    log.started[rank].push(t);
-                }
-                TransferCommand::Wait(jobs) => {
-                    for &j in jobs.iter() {
-                        log.waited[rank].push(j);
-                        assert!(self.pending[rank].contains(&j), "wait for {j:?}");
-                        self.complete(rank, j);
-                    }
-                }
-            }
-        }
     }
 
     /// Completes every transfer a rank has in flight, in submission order.
@@ -184,20 +178,20 @@ impl Sim {
         }
     }
 
-    /// One engine step: schedule, every rank's hooks, aggregation, update_from_output.
+    /// One engine step: schedule, every rank's step, aggregation, update_from_output.
     fn step(&mut self) -> StepLog {
         let (log, kv) = self.execute();
         self.apply(log.output.step, kv);
         log
     }
 
-    /// Schedules a step and runs every rank's hooks for it; the output is applied later
+    /// Schedules a step and runs every rank's step for it; the output is applied later
     /// ([`Sim::apply`]), so that several steps may be in flight (async scheduling).
     fn execute(&mut self) -> (StepLog, Option<AggregatedOutput>) {
-        let st = self.s.schedule().unwrap();
+        let st = self.engine.schedule().unwrap().step;
         self.finished_undelivered = false;
         self.check();
-        let w = self.workers.len();
+        let w = self.ranks.len();
         let mut log = StepLog {
             output: st.output.clone(),
             meta: st.meta.clone(),
@@ -205,27 +199,45 @@ impl Sim {
             waited: vec![Vec::new(); w],
             recving: Vec::new(),
         };
-        let mut outputs = Vec::with_capacity(w);
+        let step = st.output.step;
         for r in 0..w {
-            let cmds = self.workers[r].handle_preemptions(&st.meta);
-            self.run_commands(r, cmds, &mut log);
-            self.workers[r].bind(&st.meta);
-            let cmds = self.workers[r].start_load_kv();
-            self.run_commands(r, cmds, &mut log);
-            let cmds = self.workers[r].wait_for_save();
-            self.run_commands(r, cmds, &mut log);
-            if !self.held[r] {
-                self.release(r);
+            self.ranks[r].begin(st.clone()).unwrap();
+            loop {
+                match self.ranks[r].poll().unwrap() {
+                    RankAction::Start(t) => {
+                        self.pending[r].push(t.job);
+                        log.started[r].push(t);
+                    }
+                    RankAction::Forward(_) => {}
+                    RankAction::Wait(jobs) => {
+                        for &j in jobs.iter() {
+                            log.waited[r].push(j);
+                            assert!(self.pending[r].contains(&j), "wait for {j:?}");
+                            self.complete(r, j);
+                        }
+                    }
+                    RankAction::Collect => {
+                        if !self.held[r] {
+                            self.release(r);
+                        }
+                    }
+                    RankAction::Done(out) => {
+                        assert_eq!(out.finished_sending, None, "offloading never reports sends");
+                        self.engine
+                            .rank_output(step, Rank(r as u32), Some(out))
+                            .unwrap();
+                        break;
+                    }
+                    RankAction::Idle => unreachable!("a step was begun"),
+                }
             }
-            let res = self.workers[r].get_transfer_results(&st.output.finished_req_ids);
-            assert_eq!(res.finished_sending, None, "offloading never reports sends");
-            let errs = self.workers[r].get_block_ids_with_load_errors();
-            let meta = self.workers[r].build_connector_worker_meta();
-            self.workers[r].clear();
             self.check();
-            outputs.push(Some(res.into_output(errs, meta)));
         }
-        let kv = self.agg.aggregate(&outputs, Rank(0)).unwrap();
+        let kv = self
+            .engine
+            .aggregated(step)
+            .cloned()
+            .expect("every rank reported");
         if let Some(kv) = &kv {
             log.recving = kv
                 .finished_recving
@@ -236,20 +248,13 @@ impl Sim {
         (log, kv)
     }
 
-    /// Applies a step's sampled tokens and aggregated connector output.
+    /// Applies the oldest step with its fake-sampled tokens; `kv` is the aggregated connector
+    /// output [`Sim::execute`] returned for it (the engine already holds it).
     fn apply(&mut self, step: StepId, kv: Option<AggregatedOutput>) {
-        let sampled = self.s.fake_sample(step);
-        let res = self
-            .s
-            .update_from_output(
-                step,
-                ModelOutput {
-                    sampled,
-                    kv_connector_output: kv,
-                },
-            )
-            .unwrap();
-        self.finished_undelivered |= res.outputs.iter().any(|o| o.finish.is_some());
+        assert_eq!(self.engine.aggregated(step), Some(&kv));
+        let res = self.engine.apply(None).unwrap();
+        assert_eq!(res.step, step);
+        self.finished_undelivered |= res.result.outputs.iter().any(|o| o.finish.is_some());
         self.check();
     }
 
@@ -270,11 +275,11 @@ impl Sim {
     /// vLLM's `has_requests()`: live or held requests, finished ids not yet delivered, or
     /// connector push work.
     fn busy(&self) -> bool {
-        self.s.has_requests() || self.finished_undelivered
+        self.s().has_requests() || self.finished_undelivered
     }
 
     fn abort(&mut self, id: u32) {
-        assert!(self.s.abort(rid(id)).unwrap());
+        assert!(self.engine.abort(rid(id)).unwrap());
         self.finished_undelivered = true;
         self.check();
     }
@@ -301,7 +306,7 @@ impl Sim {
     }
 
     fn blocks(&self, id: u32, group: usize) -> Vec<BlockId> {
-        self.s
+        self.s()
             .view()
             .request(rid(id))
             .map(|r| r.block_ids(group).to_vec())
@@ -381,7 +386,7 @@ fn s33_store_lookup_cycle() {
     sim.add(spec(2, p2, 1));
     let s = sim.step();
     assert_eq!(
-        sim.s.status(rid(2)),
+        sim.s().status(rid(2)),
         Some(RequestStatus::WaitingForRemoteKvs)
     );
     assert_eq!(s.meta.load_jobs.len(), 1);
@@ -488,7 +493,7 @@ fn s34_preemption_flushes_and_readmission_waits_for_the_acknowledgement() {
     // Both stores were submitted at step 1's start already; none is started again.
     assert!(flushed.is_empty());
     assert_eq!(sim.conn().request_jobs(rid(2)), vec![JobId(1)]);
-    assert_eq!(sim.s.status(rid(2)), Some(RequestStatus::Preempted));
+    assert_eq!(sim.s().status(rid(2)), Some(RequestStatus::Preempted));
     // Next step: request 2 asks again and is told to wait.
     let s = sim.step();
     assert!(
@@ -497,7 +502,7 @@ fn s34_preemption_flushes_and_readmission_waits_for_the_acknowledgement() {
             .iter()
             .all(|(id, _)| *id != rid(2))
     );
-    assert_eq!(sim.s.status(rid(2)), Some(RequestStatus::Preempted));
+    assert_eq!(sim.s().status(rid(2)), Some(RequestStatus::Preempted));
     // Release: both stores are reported, in order; request 2's keys become readable.
     sim.held[0] = false;
     let _ = sim.step();
@@ -585,7 +590,7 @@ fn concurrent_lookups_wait_also_without_a_local_hit() {
         1,
         "request 3 waits for request 2's load"
     );
-    assert_eq!(sim.s.status(rid(3)), Some(RequestStatus::Waiting));
+    assert_eq!(sim.s().status(rid(3)), Some(RequestStatus::Waiting));
     sim.held[0] = false;
     sim.drain(20);
 }
@@ -608,18 +613,18 @@ fn concurrent_lookups_of_one_prefix_the_second_waits() {
     let s = sim.step();
     assert_eq!(s.meta.load_jobs.len(), 1, "one load job per admission");
     assert_eq!(
-        sim.s.status(rid(2)),
+        sim.s().status(rid(2)),
         Some(RequestStatus::WaitingForRemoteKvs)
     );
     assert_eq!(
-        sim.s.status(rid(3)),
+        sim.s().status(rid(3)),
         Some(RequestStatus::Waiting),
         "Pending (I-43)"
     );
     assert!(sim.conn().request_jobs(rid(3)).is_empty());
     // Still loading: request 3 keeps waiting.
     let _ = sim.step();
-    assert_eq!(sim.s.status(rid(3)), Some(RequestStatus::Waiting));
+    assert_eq!(sim.s().status(rid(3)), Some(RequestStatus::Waiting));
     sim.held[0] = false;
     sim.drain(20);
 }
@@ -635,23 +640,23 @@ fn abort_while_loading_frees_on_finished_recving() {
     let s = sim.step();
     let (&load, _) = s.meta.load_jobs.iter().next().unwrap();
     assert_eq!(
-        sim.s.status(rid(2)),
+        sim.s().status(rid(2)),
         Some(RequestStatus::WaitingForRemoteKvs)
     );
     sim.abort(2);
     // The scheduler holds the blocks until finished_recving; the connector keeps the load.
-    assert_eq!(sim.s.status(rid(2)), Some(RequestStatus::FinishedAborted));
+    assert_eq!(sim.s().status(rid(2)), Some(RequestStatus::FinishedAborted));
     assert_eq!(sim.conn().request_jobs(rid(2)), vec![load]);
     let _ = sim.step();
-    assert!(sim.s.status(rid(2)).is_some());
+    assert!(sim.s().status(rid(2)).is_some());
     sim.held[0] = false;
     let s = sim.step();
     assert_eq!(s.recving, vec![rid(2)]);
-    assert_eq!(sim.s.status(rid(2)), None, "freed on finished_recving");
+    assert_eq!(sim.s().status(rid(2)), None, "freed on finished_recving");
     assert!(!sim.conn().tracks(rid(2)));
     // The keys were unpinned: still readable.
     assert_eq!(sim.lookup(&p, 2, 0), KeyLookup::Hit);
-    assert!(!sim.s.has_requests());
+    assert!(!sim.s().has_requests());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -710,7 +715,7 @@ fn block_reuse_after_finish_forces_a_flush() {
     let (&job, j) = s0.meta.store_jobs.iter().next().unwrap();
     let read: Vec<BlockId> = j.gpu.block_ids[0].clone();
     assert_eq!(
-        sim.s.status(rid(1)),
+        sim.s().status(rid(1)),
         None,
         "freed at once (request_finished never delays)"
     );
@@ -833,7 +838,7 @@ fn reset_with_jobs_in_flight_fences_their_late_acknowledgements() {
     sim.add(spec(1, p.clone(), 20));
     let (_, job) = sim.held_step(0);
     let _ = sim.step();
-    assert_eq!(sim.s.reset_connector_cache().unwrap(), Some(true));
+    assert_eq!(sim.engine.reset_connector_cache().unwrap(), Some(true));
     sim.check();
     assert_eq!(sim.conn().reset_fence_len(), 1);
     assert_eq!(sim.conn().resets_flushed(), 0);
@@ -841,7 +846,7 @@ fn reset_with_jobs_in_flight_fences_their_late_acknowledgements() {
     assert!(sim.conn().request_jobs(rid(1)).is_empty());
     assert_eq!(sim.lookup(&p, 0, 0), KeyLookup::Miss);
     // A second reset before the flush was delivered is refused.
-    assert_eq!(sim.s.reset_connector_cache().unwrap(), Some(false));
+    assert_eq!(sim.engine.reset_connector_cache().unwrap(), Some(false));
     // The next step delivers the flush; the stale acknowledgement only drains the fence.
     sim.held[0] = false;
     let s = sim.step();
@@ -859,9 +864,9 @@ fn reset_with_jobs_in_flight_fences_their_late_acknowledgements() {
 #[test]
 fn reset_without_jobs_flushes_at_once() {
     let mut sim = Sim::simple(100, false, 1);
-    assert_eq!(sim.s.reset_connector_cache().unwrap(), Some(true));
+    assert_eq!(sim.engine.reset_connector_cache().unwrap(), Some(true));
     assert_eq!(sim.conn().resets_flushed(), 1);
-    assert!(!sim.s.has_requests());
+    assert!(!sim.s().has_requests());
 }
 
 #[test]
@@ -1043,7 +1048,11 @@ fn a_hit_one_token_short_of_a_chunk_needs_only_the_window_chunks() {
     assert_eq!(lj.gpu.block_indices, [6]);
     assert_eq!(lj.gpu.block_ids[0], sim.blocks(4, 0)[6..12].to_vec());
     assert_eq!(
-        sim.s.view().request(rid(4)).unwrap().num_computed_tokens(),
+        sim.s()
+            .view()
+            .request(rid(4))
+            .unwrap()
+            .num_computed_tokens(),
         47
     );
     sim.drain(10);
@@ -1116,7 +1125,11 @@ fn a_sliding_window_hit_needs_a_whole_window_also_at_the_end_of_the_cache() {
     assert_eq!(lj.gpu.block_indices, [2]);
     assert_eq!(lj.gpu.block_ids[0], sim.blocks(6, 0)[2..6].to_vec());
     assert_eq!(
-        sim.s.view().request(rid(6)).unwrap().num_computed_tokens(),
+        sim.s()
+            .view()
+            .request(rid(6))
+            .unwrap()
+            .num_computed_tokens(),
         24
     );
     sim.drain(10);
@@ -1140,7 +1153,12 @@ fn a_whole_prompt_hit_keeps_the_last_token_only_under_sliding_windows() {
         sim.add(spec(2, p, 1));
         let s = sim.step();
         assert_eq!(s.meta.load_jobs.len(), 1, "{group:?}");
-        let computed = sim.s.view().request(rid(2)).unwrap().num_computed_tokens();
+        let computed = sim
+            .s()
+            .view()
+            .request(rid(2))
+            .unwrap()
+            .num_computed_tokens();
         assert_eq!(computed, loaded, "{group:?}");
         sim.drain(10);
     }
@@ -1302,10 +1320,14 @@ fn worker_reports_head_of_line_and_errors_on_unknown_completions() {
 #[test]
 fn unknown_or_excess_acknowledgements_break_the_scheduler_with_a_typed_error() {
     use kvrelay_core::{AggregatedOutput, OffloadMeta, SchedulerError};
-    let mut sim = Sim::simple(100, false, 1);
-    sim.add(spec(1, prompt(1, 12), 3));
-    let st = sim.s.schedule().unwrap();
-    let sampled = sim.s.fake_sample(st.output.step);
+    // The scheduler alone: the acknowledgement is forged, not produced by a rank.
+    let config = sched_config(100, false);
+    let conn =
+        OffloadingConnector::new(OffloadingConfig::new(BPC, 1, manager(64)), &config).unwrap();
+    let mut s = Scheduler::new(config, conn).unwrap();
+    s.add_request(spec(1, prompt(1, 12), 3)).unwrap();
+    let st = s.schedule().unwrap();
+    let sampled = s.fake_sample(st.output.step);
     let kv = AggregatedOutput {
         finished_sending: None,
         finished_recving: None,
@@ -1315,8 +1337,7 @@ fn unknown_or_excess_acknowledgements_break_the_scheduler_with_a_typed_error() {
         kv_events: None,
         expected_finished_count: 1,
     };
-    let e = sim
-        .s
+    let e = s
         .update_from_output(
             st.output.step,
             ModelOutput {
@@ -1338,10 +1359,10 @@ fn request_finished_never_delays_the_free() {
     assert_eq!(s.meta.store_jobs.len(), 1);
     // Finished with its store in flight: freed at once, tracked by the connector until the
     // acknowledgement.
-    assert_eq!(sim.s.status(rid(1)), None);
+    assert_eq!(sim.s().status(rid(1)), None);
     assert!(sim.conn().tracks(rid(1)));
     assert!(
-        sim.s.has_requests(),
+        sim.s().has_requests(),
         "push work keeps the engine stepping (I-47)"
     );
     assert!(!<OffloadingConnector as SchedulerConnector>::requires_kv_delivery(sim.conn()));
@@ -1457,7 +1478,11 @@ fn max_load_tokens_caps_the_hit_to_whole_chunks() {
     let lj = s.meta.load_jobs.values().next().expect("a load");
     assert_eq!(lj.chunks[0].len(), 1, "20 tokens round down to one chunk");
     assert_eq!(
-        sim.s.view().request(rid(2)).unwrap().num_computed_tokens(),
+        sim.s()
+            .view()
+            .request(rid(2))
+            .unwrap()
+            .num_computed_tokens(),
         12
     );
     sim.drain(10);
@@ -1527,12 +1552,12 @@ mod random {
                 Op::Hold(r) => sim.held[r] = true,
                 Op::Release(r) => sim.held[r] = false,
                 Op::Abort(id) => {
-                    if sim.s.status(rid(id)).is_some_and(|s| !s.is_finished()) {
+                    if sim.s().status(rid(id)).is_some_and(|s| !s.is_finished()) {
                         sim.abort(id);
                     }
                 }
                 Op::Reset => {
-                    let _ = sim.s.reset_connector_cache().unwrap();
+                    let _ = sim.engine.reset_connector_cache().unwrap();
                     sim.check();
                 }
             }
@@ -1546,7 +1571,7 @@ mod random {
         for id in 0..next {
             assert!(!sim.conn().tracks(rid(id)), "request {id} still tracked");
         }
-        for w in &sim.workers {
+        for w in sim.ranks.iter().map(|d| d.worker().inner()) {
             assert_eq!(w.in_flight().count(), 0);
             assert_eq!(w.deferred_stores().count(), 0);
         }

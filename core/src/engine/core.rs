@@ -38,8 +38,8 @@ use crate::scheduler::{
 use crate::{InvariantViolation, ensure_invariant};
 
 /// An engine call that failed. Scheduler errors keep their own stickiness (see
-/// [`SchedulerError`]); an error while applying aggregated outputs stops the engine
-/// ([`EngineCore::broken`]); the others change nothing.
+/// [`SchedulerError`]); an aggregator error, or a sticky scheduler error while applying a step,
+/// stops the engine ([`EngineCore::broken`]); the others change nothing.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum EngineError {
@@ -376,20 +376,30 @@ impl<C: SchedulerConnector> EngineCore<C> {
                 || !kv.invalid_block_ids.is_empty()
         });
         let sampled = sampled.unwrap_or_else(|| self.scheduler.fake_sample(step));
+        // Bad input (`sampled` naming a request the step did not schedule, an id or a block a
+        // rank reported that the scheduler does not know) is refused before anything changes:
+        // the step stays in flight, its aggregated output kept, and may be applied again. A
+        // sticky scheduler error (a completion it cannot take) stops the engine with it.
+        let result = match self.scheduler.update_from_output(
+            step,
+            ModelOutput {
+                sampled,
+                kv_connector_output: kv,
+            },
+        ) {
+            Ok(r) => r,
+            Err(e) => {
+                if self.scheduler.steps_in_flight().next() != Some(step) {
+                    // The scheduler took the step before it stopped: so does the engine.
+                    self.in_flight.pop_front();
+                }
+                if self.scheduler.broken().is_some() {
+                    return Err(self.stop(e.into()));
+                }
+                return Err(e.into());
+            }
+        };
         let flight = self.in_flight.pop_front().expect("checked above");
-        // The outputs were consumed by the aggregator: a step the scheduler then refuses (a rank
-        // reported an id or a block it does not know, or `sampled` names a request the step did
-        // not schedule) cannot be applied again, and the engine stops.
-        let result = self
-            .scheduler
-            .update_from_output(
-                step,
-                ModelOutput {
-                    sampled,
-                    kv_connector_output: kv,
-                },
-            )
-            .map_err(|e| self.stop(e.into()))?;
         self.finishing.extend(flight.finished);
         let idle = flight.quiet && !carried && result.outputs.is_empty();
         Ok(Applied { step, result, idle })

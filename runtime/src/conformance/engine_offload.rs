@@ -310,7 +310,10 @@ impl OffloadEngine {
                 .map(EngineOut::Jobs),
             EngineOp::Lookup { id, prompt } => {
                 let tokens = match (id, prompt) {
-                    (Some(id), _) => self.prompts.get(id).ok_or("unknown_request")?.clone(),
+                    (Some(id), _) => id
+                        .and_then(|id| self.prompts.get(&id))
+                        .ok_or("unknown_request")?
+                        .clone(),
                     (None, Some(p)) => p.clone(),
                     (None, None) => Vec::new(),
                 };
@@ -348,6 +351,10 @@ impl OffloadEngine {
             .filter(|r| r.full_table)
             .map(|r| r.id)
             .collect();
+        for id in st.output.preempted_req_ids.iter() {
+            // A preempted request's table is gone; the next admission brings a fresh one.
+            self.tables.remove(id);
+        }
         for &id in &self.added {
             let Some(r) = view.request(id) else {
                 continue;
@@ -429,22 +436,23 @@ impl OffloadEngine {
         self.queues.get(&job).copied().unwrap_or(DmaQueue::Store)
     }
 
-    /// A hook blocks on `job`: it completes, and every transfer started before it in its queue
-    /// completes first (the queue runs serially).
-    fn wait_for(&mut self, rank: usize, job: JobId) -> Result<(), &'static str> {
+    /// `job` completes on `rank`, after every transfer started before it in its queue (the
+    /// queue runs serially): what a hook blocking on it, or a case completing it, sees. Returns
+    /// the jobs completed, in order; nothing if `job` is not in flight there.
+    fn complete_through(&mut self, rank: usize, job: JobId) -> Result<Vec<JobId>, &'static str> {
         let Some(pos) = self.pending[rank].iter().position(|&j| j == job) else {
-            return Ok(());
+            return Ok(Vec::new());
         };
         let queue = self.queue_of(job);
-        let ahead: Vec<JobId> = self.pending[rank][..pos]
+        let done: Vec<JobId> = self.pending[rank][..=pos]
             .iter()
             .copied()
             .filter(|&j| self.queue_of(j) == queue)
             .collect();
-        for j in ahead {
+        for &j in &done {
             self.feed(rank, j)?;
         }
-        self.feed(rank, job)
+        Ok(done)
     }
 
     /// A transfer the rank's driver asks to start.
@@ -498,7 +506,7 @@ impl OffloadEngine {
                         } else {
                             out.sync_waited.push(j);
                         }
-                        self.wait_for(rank, j)?;
+                        self.complete_through(rank, j)?;
                     }
                 }
                 RankAction::Collect => {
@@ -599,24 +607,26 @@ impl OffloadEngine {
         rank: usize,
         jobs: Option<&[JobId]>,
     ) -> Result<Vec<JobId>, &'static str> {
-        let pending = self.pending.get(rank).ok_or("rank_out_of_range")?;
-        let jobs: Vec<JobId> = match jobs {
-            None => pending.clone(),
-            Some(js) => {
-                let mut seen = Vec::new();
-                for j in js {
-                    if !pending.contains(j) || seen.contains(j) {
-                        return Err("not_in_flight");
-                    }
-                    seen.push(*j);
-                }
-                seen
+        let pending = self.pending.get(rank).ok_or("rank_out_of_range")?.clone();
+        let Some(js) = jobs else {
+            for &j in &pending {
+                self.feed(rank, j)?;
             }
+            return Ok(pending);
         };
-        for &j in &jobs {
-            self.feed(rank, j)?;
+        let mut seen: Vec<JobId> = Vec::new();
+        for j in js {
+            if !pending.contains(j) || seen.contains(j) {
+                return Err("not_in_flight");
+            }
+            seen.push(*j);
         }
-        Ok(jobs)
+        // The transfers of one queue run serially: a job completes after those ahead of it.
+        let mut done = Vec::new();
+        for j in seen {
+            done.extend(self.complete_through(rank, j)?);
+        }
+        Ok(done)
     }
 
     /// The manager's answer for every complete chunk of `tokens`, per group.
