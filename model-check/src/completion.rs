@@ -1,13 +1,20 @@
 //! The completion model: W ranks report R requests' transfer completions through the real
 //! worker step protocol to the real aggregator (SEMANTICS.md §2.4, §4.1–§4.2, §8.1, §8.4).
+//!
+//! Each rank's step is run by the core's [`RankDriver`] (the hook order the engine ships) over a
+//! [`ReportingWorker`], a worker connector that reports the transfers the environment finished.
+//! A driver is built for each step: between steps a rank is only its worker (its transfers), so
+//! step counters never enter the state, which stays finite.
 
 use core::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvrelay_core::{
-    AggregateError, AggregatedOutput, Aggregator, Direction, Mode, Rank, RequestId, SortedSet,
-    StepShape, WorkerCall, WorkerOutput, WorkerPhase, WorkerProtocol,
+    AggregateError, AggregatedOutput, Aggregator, BlockId, Direction, Meta, Mode,
+    ProtocolViolation, Rank, RankAction, RankConfig, RankDriver, RankError, RequestId,
+    ScheduledStep, SchedulerOutput, SortedSet, StepId, TransferCommand, TransferDone,
+    TransferResults, WorkerConnector, WorkerOutput,
 };
 use stateright::{Model, Property};
 
@@ -40,7 +47,7 @@ pub mod property_names {
 }
 
 /// Per-layer hook pairs a forward step runs (`wait_for_layer_load` + `save_kv_layer`).
-const LAYERS: usize = 2;
+const LAYERS: u32 = 2;
 
 /// What the completion model explores. Build one from a preset ([`CompletionConfig::ci`],
 /// [`CompletionConfig::deep`]) and override fields.
@@ -59,7 +66,8 @@ pub struct CompletionConfig {
     /// (at most one such fault per run). vLLM's aggregator counts it as a second report.
     pub faulty_double_report: bool,
     /// Fault: every rank's runner calls `bind` before `handle_preemptions` (vLLM PR #42676's
-    /// model runner V2 bug). Used to show the protocol property catches a wrong runner.
+    /// model runner V2 bug). Used to show the protocol property catches a wrong runner. The
+    /// runner is the core's rank driver, so this needs the `scheduler-faults` feature.
     pub faulty_bind_first: bool,
 }
 
@@ -101,6 +109,14 @@ impl CompletionConfig {
                 self.requests
             ));
         }
+        if self.faulty_bind_first && cfg!(not(feature = "scheduler-faults")) {
+            return Err(
+                "the bind-first fault is re-introduced in kvrelay-core's rank driver and \
+                        needs kvrelay-model-check's `scheduler-faults` feature (kvrelay: build \
+                        with --features scheduler-faults)"
+                    .to_owned(),
+            );
+        }
         Ok(())
     }
 }
@@ -128,32 +144,89 @@ pub enum Transfer {
     Reported,
 }
 
-/// One rank: its step protocol guard, its transfers, and the output of the current step.
+/// One rank's worker connector in the completion model: its `get_finished` reports every
+/// transfer the environment finished since the last report (a failed load in both
+/// `finished_recving` and `failed_recving`, as vLLM workers do), plus the armed re-report fault.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
-pub struct RankState {
-    /// The real protocol guard. Between steps it is reset to `WorkerProtocol::new()` after a
-    /// clean step (see [`CompletionModel`] on why this is sound); a broken one is kept.
-    protocol: WorkerProtocol,
+pub struct ReportingWorker {
     /// Indexed by request: `[send, recv]`.
     transfers: Vec<[Transfer; 2]>,
-    /// The output this rank produced in the current step, awaiting aggregation; `None` = the
-    /// rank has not run the current step yet. Kept as bitmasks (a state is cloned and hashed
-    /// millions of times); it becomes a [`WorkerOutput`] at the aggregate.
-    output: Option<Reports>,
     /// Fault: an already-reported completion this rank includes again in its next output; kept
     /// until the step is aggregated (a strict rejection must know which report was the fault).
     rereport: Option<(RequestId, Direction)>,
 }
 
+impl WorkerConnector for ReportingWorker {
+    type Meta = ();
+    type WorkerMeta = Meta;
+
+    fn handle_preemptions(&mut self, _meta: &()) -> Vec<TransferCommand> {
+        Vec::new()
+    }
+    fn bind(&mut self, _meta: &()) {}
+    fn start_load_kv(&mut self) -> Vec<TransferCommand> {
+        Vec::new()
+    }
+    fn wait_for_save(&mut self) -> Vec<TransferCommand> {
+        Vec::new()
+    }
+    fn handle_transfer_done(&mut self, _done: TransferDone) {}
+
+    /// Every finished, unreported transfer, now reported; plus the re-report fault.
+    fn get_transfer_results(&mut self, _finished: &SortedSet<RequestId>) -> TransferResults {
+        let mut out = Reports::default();
+        for (i, pair) in self.transfers.iter_mut().enumerate() {
+            for dir in [Direction::Send, Direction::Recv] {
+                let t = &mut pair[slot(dir)];
+                if let Transfer::Done { failed } = *t {
+                    *out.mask(dir) |= 1 << i;
+                    if failed {
+                        out.failed |= 1 << i;
+                    }
+                    *t = Transfer::Reported;
+                }
+            }
+        }
+        if let Some((request, dir)) = self.rereport {
+            *out.mask(dir) |= 1 << request.0;
+        }
+        let o = out.to_worker_output();
+        TransferResults {
+            finished_sending: o.finished_sending,
+            finished_recving: o.finished_recving,
+            failed_recving: o.failed_recving,
+        }
+    }
+
+    fn get_block_ids_with_load_errors(&mut self) -> SortedSet<BlockId> {
+        SortedSet::new()
+    }
+
+    fn clear(&mut self) {}
+}
+
+/// One rank: its worker connector (its transfers), the output of the current step, and the
+/// protocol violation its last step stopped with.
+#[derive(Clone, Debug, Eq, Hash, PartialEq)]
+pub struct RankState {
+    worker: ReportingWorker,
+    /// The output this rank produced in the current step, awaiting aggregation; `None` = the
+    /// rank has not run the current step yet. Kept as bitmasks (a state is cloned and hashed
+    /// millions of times); it becomes a [`WorkerOutput`] at the aggregate.
+    output: Option<Reports>,
+    /// The protocol violation the rank's last step stopped with (terminal).
+    violation: Option<ProtocolViolation>,
+}
+
 impl RankState {
-    /// The real protocol guard of this rank.
-    pub fn protocol(&self) -> &WorkerProtocol {
-        &self.protocol
+    /// The violation the rank's runner stopped with, if any.
+    pub fn violation(&self) -> Option<&ProtocolViolation> {
+        self.violation.as_ref()
     }
 
     /// The state of `request`'s transfer in `dir` on this rank.
     pub fn transfer(&self, request: RequestId, dir: Direction) -> Transfer {
-        self.transfers[request.index()][slot(dir)]
+        self.worker.transfers[request.index()][slot(dir)]
     }
 
     /// The output of the current step, if the rank has run it.
@@ -174,6 +247,20 @@ struct Reports {
 }
 
 impl Reports {
+    /// The bitmasks of a rank's output.
+    fn of(o: &WorkerOutput) -> Self {
+        let mask = |ids: Option<&SortedSet<RequestId>>| {
+            ids.iter()
+                .flat_map(|s| s.iter())
+                .fold(0u64, |m, id| m | (1 << id.0))
+        };
+        Self {
+            sending: mask(o.finished_sending.as_ref()),
+            recving: mask(o.finished_recving.as_ref()),
+            failed: mask(Some(&o.failed_recving)),
+        }
+    }
+
     fn mask(&mut self, dir: Direction) -> &mut u64 {
         match dir {
             Direction::Send => &mut self.sending,
@@ -457,84 +544,54 @@ impl CompletionModel {
         (0..self.config.requests).map(RequestId)
     }
 
-    /// Runs one whole step of `rank`'s runner through its protocol guard; `get_finished` stores
-    /// the rank's output. A rejected call stops the step (the rank stays without output).
+    /// Runs one whole step of `rank` through a rank driver (the core's hook order, `LAYERS`
+    /// layers when `forward`); its output waits for the aggregate. A rejected call stops the
+    /// step (the rank stays without output). The driver's and the protocol guard's invariants are
+    /// checked after every hook.
     fn run_step(&self, rank: &mut RankState, forward: bool, ghost: &mut Ghost) {
-        let shape = StepShape {
-            sync_loads: false,
-            forward,
-            defer_finalize: false,
+        let config = RankConfig {
+            layers: LAYERS,
+            block_size: 1,
+            groups: Vec::new(),
         };
-        let mut calls = Vec::with_capacity(12 + 2 * LAYERS);
+        #[allow(unused_mut)] // mutated only with the `scheduler-faults` feature
+        let mut driver = RankDriver::new(config, rank.worker.clone());
+        #[cfg(feature = "scheduler-faults")]
         if self.config.faulty_bind_first {
-            calls.extend([WorkerCall::Bind, WorkerCall::HandlePreemptions]);
-        } else {
-            calls.extend([WorkerCall::HandlePreemptions, WorkerCall::Bind]);
+            driver.inject_fault(kvrelay_core::RankFault::BindFirst);
         }
-        if forward {
-            for _ in 0..LAYERS {
-                calls.extend([WorkerCall::WaitForLayerLoad, WorkerCall::SaveKvLayer]);
+        let step = ScheduledStep {
+            output: SchedulerOutput {
+                step: StepId(0),
+                total_num_scheduled_tokens: u32::from(forward),
+                ..SchedulerOutput::default()
+            },
+            meta: (),
+        };
+        let mut result = driver.begin(step);
+        let output = loop {
+            if driver.check_invariants().is_err() {
+                ghost.invariant_broken = true;
             }
-        }
-        calls.extend([
-            WorkerCall::StartLoadKv,
-            WorkerCall::WaitForSave,
-            WorkerCall::GetFinished,
-            WorkerCall::GetBlockIdsWithLoadErrors,
-            WorkerCall::GetStats,
-            WorkerCall::GetEvents,
-            WorkerCall::BuildWorkerMeta,
-            WorkerCall::Clear,
-        ]);
-
-        if rank.protocol.begin_step(shape).is_err() {
-            ghost.protocol_violated = true;
-            return;
-        }
-        self.check_protocol(&rank.protocol, ghost);
-        for call in calls {
-            if rank.protocol.handle(call).is_err() {
+            if let Err(e) = result {
+                if let RankError::Protocol(v) = e {
+                    rank.violation = Some(v);
+                }
                 ghost.protocol_violated = true;
                 return;
             }
-            self.check_protocol(&rank.protocol, ghost);
-            if call == WorkerCall::GetFinished {
-                rank.output = Some(self.collect_finished(rank, ghost));
+            match driver.poll() {
+                Ok(RankAction::Done(o)) => break o,
+                Ok(_) => result = Ok(()),
+                Err(e) => result = Err(e),
             }
+        };
+        rank.worker = driver.worker().inner().clone();
+        let reports = Reports::of(&output);
+        for id in ids_of(reports.failed) {
+            ghost.load_failed[id.index()] = true;
         }
-        if rank.protocol.phase() == WorkerPhase::Idle && rank.protocol.violation().is_none() {
-            rank.protocol = WorkerProtocol::new();
-        }
-    }
-
-    fn check_protocol(&self, protocol: &WorkerProtocol, ghost: &mut Ghost) {
-        if protocol.check_invariants().is_err() {
-            ghost.invariant_broken = true;
-        }
-    }
-
-    /// `get_finished`: every finished, unreported transfer (failed loads in both sets), plus the
-    /// queued faulty re-report; marks them reported.
-    fn collect_finished(&self, rank: &mut RankState, ghost: &mut Ghost) -> Reports {
-        let mut out = Reports::default();
-        for request in self.all_requests() {
-            let bit = 1u64 << request.0;
-            for dir in [Direction::Send, Direction::Recv] {
-                let t = &mut rank.transfers[request.index()][slot(dir)];
-                if let Transfer::Done { failed } = *t {
-                    *out.mask(dir) |= bit;
-                    if failed {
-                        out.failed |= bit;
-                        ghost.load_failed[request.index()] = true;
-                    }
-                    *t = Transfer::Reported;
-                }
-            }
-        }
-        if let Some((request, dir)) = rank.rereport {
-            *out.mask(dir) |= 1 << request.0;
-        }
-        out
+        rank.output = Some(reports);
     }
 
     /// Records an aggregated output in the ghost history.
@@ -579,13 +636,13 @@ impl CompletionModel {
             let Some(output) = output else { continue };
             for dir in [Direction::Send, Direction::Recv] {
                 for id in ids_of(output.get(dir)) {
-                    if rank.rereport == Some((id, dir)) {
+                    if rank.worker.rereport == Some((id, dir)) {
                         continue;
                     }
                     // The failure flag of a dropped failed load stays in the ghost: the rank
                     // reports the failure again in its next step.
                     let failed = dir == Direction::Recv && output.failed & (1 << id.0) != 0;
-                    rank.transfers[id.index()][slot(dir)] = Transfer::Done { failed };
+                    rank.worker.transfers[id.index()][slot(dir)] = Transfer::Done { failed };
                 }
             }
         }
@@ -600,10 +657,12 @@ impl Model for CompletionModel {
     fn init_states(&self) -> Vec<CompletionState> {
         let (w, r) = (self.config.ranks, self.config.requests as usize);
         let rank = RankState {
-            protocol: WorkerProtocol::new(),
-            transfers: vec![[Transfer::Pending; 2]; r],
+            worker: ReportingWorker {
+                transfers: vec![[Transfer::Pending; 2]; r],
+                rereport: None,
+            },
             output: None,
-            rereport: None,
+            violation: None,
         };
         vec![CompletionState {
             ranks: vec![rank; w as usize],
@@ -654,7 +713,7 @@ impl Model for CompletionModel {
                     }
                 }
             }
-            if r.protocol.violation().is_none() {
+            if r.violation.is_none() {
                 for forward in [true, false] {
                     actions.push(CompletionAction::RunStep { rank, forward });
                 }
@@ -687,7 +746,7 @@ impl Model for CompletionModel {
                 dir,
                 failed,
             } => {
-                let t = &mut state.ranks[rank.index()].transfers[request.index()][slot(dir)];
+                let t = &mut state.ranks[rank.index()].worker.transfers[request.index()][slot(dir)];
                 if *t != Transfer::Pending {
                     return None;
                 }
@@ -696,7 +755,7 @@ impl Model for CompletionModel {
             CompletionAction::RunStep { rank, forward } => {
                 let CompletionState { ranks, ghost, .. } = &mut state;
                 let r = &mut ranks[rank.index()];
-                if r.output.is_some() || r.protocol.violation().is_some() {
+                if r.output.is_some() || r.violation.is_some() {
                     return None;
                 }
                 self.run_step(r, forward, ghost);
@@ -706,7 +765,7 @@ impl Model for CompletionModel {
                 if state.ghost.fault_injected || r.output.is_some() {
                     return None;
                 }
-                r.rereport = Some((request, dir));
+                r.worker.rereport = Some((request, dir));
                 state.ghost.fault_injected = true;
             }
             CompletionAction::Aggregate => {
@@ -729,7 +788,7 @@ impl Model for CompletionModel {
                 }
                 for r in &mut state.ranks {
                     r.output = None;
-                    r.rereport = None;
+                    r.worker.rereport = None;
                 }
             }
         }
@@ -769,7 +828,7 @@ impl Explain for CompletionModel {
         match *action {
             CompletionAction::RunStep { rank, .. } => {
                 let r = &next.ranks[rank.index()];
-                match (r.protocol.violation(), r.output()) {
+                match (r.violation(), r.output()) {
                     (Some(v), _) => format!("{action} → {v}"),
                     (None, Some(o)) => format!(
                         "{action} → sending {} recving {} failed {}",
@@ -839,7 +898,7 @@ impl Explain for CompletionModel {
                     "step (no forward)"
                 };
                 let r = &next.ranks[rank.index()];
-                match (r.protocol.violation(), r.output()) {
+                match (r.violation(), r.output()) {
                     (Some(v), _) => {
                         TraceStep::new(rank_at(rank), rank_at(rank), label).with_note(v.to_string())
                     }
@@ -947,18 +1006,14 @@ fn failures_travel(m: &CompletionModel, s: &CompletionState) -> bool {
 }
 
 fn protocol_kept(m: &CompletionModel, s: &CompletionState) -> bool {
-    let holds =
-        !s.ghost.protocol_violated && s.ranks.iter().all(|r| r.protocol.violation().is_none());
+    let holds = !s.ghost.protocol_violated && s.ranks.iter().all(|r| r.violation.is_none());
     !m.first(SLOT_PROTOCOL, !holds)
 }
 
 fn core_invariants(m: &CompletionModel, s: &CompletionState) -> bool {
     let holds = !s.ghost.invariant_broken
         && !s.ghost.unexpected_error
-        && s.aggregator.check_invariants().is_ok()
-        && s.ranks
-            .iter()
-            .all(|r| r.protocol.check_invariants().is_ok());
+        && s.aggregator.check_invariants().is_ok();
     !m.first(SLOT_CORE_INVARIANTS, !holds)
 }
 

@@ -65,7 +65,7 @@ mod trace;
 
 pub use completion::{
     CompletionAction, CompletionConfig, CompletionModel, CompletionState, Ghost, RankState,
-    Transfer, property_names,
+    ReportingWorker, Transfer, property_names,
 };
 pub use multi_pair::{
     Child, ChildKind, ChildMeta, ChildWorker, FaultyMulti, MultiFault, MultiPair,

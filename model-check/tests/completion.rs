@@ -120,6 +120,8 @@ fn strict_dedup_is_per_count_cycle_so_a_single_rank_re_report_is_emitted_again()
     print_path(i21);
 }
 
+/// The runner is the core's rank driver: the fault lives there, behind `scheduler-faults`.
+#[cfg(feature = "scheduler-faults")]
 #[test]
 fn a_runner_binding_before_handle_preemptions_breaks_the_protocol() {
     let config = CompletionConfig {

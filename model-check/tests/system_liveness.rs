@@ -101,13 +101,15 @@ fn arc_and_a_sliding_window_walk_to_quiescence_too() {
         SystemConfig {
             max_tokens: 2,
             policy: kvrelay_core::PolicyKind::Arc,
-            sliding_window: Some(1),
+            // A 2-token window: with one token the group caches no block at all (vLLM's
+            // reachable_block_mask), so no request hits and the pool never runs short.
+            sliding_window: Some(2),
             gpu_blocks: 7,
             ..SystemConfig::deep()
         },
         &[
-            // With a 1-token window the sliding-window group's chunk of a resumed request is never
-            // stored (its block is below the window by then), so its lookup misses.
+            // The sliding-window group's chunk of a resumed request is never stored (its block
+            // is below the window by then), so its lookup misses.
             kvrelay_model_check::system_properties::RESUMED_FROM_OFFLOAD,
         ],
     );

@@ -15,7 +15,7 @@
 //! Completions reach the scheduler only through the worker's `get_finished` (head-of-line per
 //! queue), the worker metadata and the aggregator, as in vLLM.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use kvrelay_core::{
     AggregatedOutput, BlockId, ChunkId, EngineCore, Interner, JobId, KeyLookup, ManagerConfig,
@@ -160,8 +160,10 @@ pub struct OffloadEngine {
     /// Every job created so far.
     jobs: BTreeMap<JobId, JobRecord>,
     /// Per request, its block table as last shown by the scheduler, keeping blocks it has since
-    /// dropped below a sliding window (null there now); replaced on (re-)admission.
+    /// dropped below a sliding window (null there now); fresh once it was seen without blocks.
     tables: BTreeMap<RequestId, Vec<Vec<BlockId>>>,
+    /// Requests seen without blocks since their table was taken: the next one is fresh.
+    stale: BTreeSet<RequestId>,
     /// Prompts of the requests added, for `lookup`.
     prompts: BTreeMap<RequestId, Vec<Token>>,
     /// Requests added, in order.
@@ -225,6 +227,7 @@ impl OffloadEngine {
             to_execute: VecDeque::new(),
             jobs: BTreeMap::new(),
             tables: BTreeMap::new(),
+            stale: BTreeSet::new(),
             prompts: BTreeMap::new(),
             added: Vec::new(),
         })
@@ -343,28 +346,26 @@ impl OffloadEngine {
         let st = self.engine.schedule().map_err(|e| e.kind())?.step;
         let s = self.engine.scheduler();
         let groups = s.config().groups.len();
-        // Tables: replaced for (re-)admissions, merged (nulls keep the old block) otherwise.
+        // Tables, after every schedule: a request seen without blocks (preempted, or its failed
+        // load gave them back) gets a fresh table when it has blocks again; otherwise the
+        // scheduler's table is merged in (a null keeps the block it replaced).
         let view = s.view();
-        let replaced: Vec<RequestId> = st
-            .output
-            .scheduled_requests()
-            .filter(|r| r.full_table)
-            .map(|r| r.id)
-            .collect();
-        for id in st.output.preempted_req_ids.iter() {
-            // A preempted request's table is gone; the next admission brings a fresh one.
-            self.tables.remove(id);
-        }
         for &id in &self.added {
             let Some(r) = view.request(id) else {
                 continue;
             };
             let now: Vec<Vec<BlockId>> = (0..groups).map(|g| r.block_ids(g).to_vec()).collect();
-            let t = self.tables.entry(id).or_default();
-            if replaced.contains(&id) || t.len() != groups {
-                *t = now;
+            if now.iter().all(Vec::is_empty) {
+                if self.tables.contains_key(&id) {
+                    self.stale.insert(id);
+                }
                 continue;
             }
+            if self.stale.remove(&id) || !self.tables.contains_key(&id) {
+                self.tables.insert(id, now);
+                continue;
+            }
+            let t = self.tables.get_mut(&id).expect("checked above");
             for (old, new) in t.iter_mut().zip(now) {
                 for (i, b) in new.into_iter().enumerate() {
                     if i >= old.len() {

@@ -463,9 +463,24 @@ class Gen:
         p = self.pending_jobs(r)
         if rng.random() < 0.4:
             self.do("complete", {"rank": r})
-        else:
-            jobs = rng.sample(p, rng.randint(1, len(p)))
-            self.do("complete", {"rank": r, "jobs": jobs})
+            return
+        # The transfers of one queue run serially (FORMAT.md, simulated DMA (c)): name a prefix
+        # of each queue's transfers awaiting completion, queues interleaved at random. kvrelay
+        # completes the transfers ahead of a named job first; the oracle completes exactly the
+        # named jobs, so only queue prefixes give both the same (reachable) state.
+        dma = self.eng.workers[r].connector_worker.worker
+        per_queue = []
+        for q in ("store", "load", "exp"):
+            pend = [t.job for t in dma.queues[q] if not t.done]
+            per_queue.append(pend[:rng.randint(0, len(pend))])
+        if not any(per_queue):
+            per_queue = [[q[0]] for q in ([t.job for t in dma.queues[k] if not t.done]
+                                          for k in ("store", "load", "exp")) if q][:1]
+        jobs = []
+        while any(per_queue):
+            q = rng.choice([x for x in per_queue if x])
+            jobs.append(q.pop(0))
+        self.do("complete", {"rank": r, "jobs": jobs})
 
     def c_reset(self):
         self.do("reset_cache")
