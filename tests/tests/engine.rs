@@ -41,9 +41,7 @@ fn rank_config(layers: u32) -> RankConfig {
 }
 
 /// Polls `driver` to the end of its step, returning every action but the last, and the output.
-fn run(
-    driver: &mut RankDriver<ScriptedWorker>,
-) -> (Vec<RankAction<Meta>>, WorkerOutput<Meta>) {
+fn run(driver: &mut RankDriver<ScriptedWorker>) -> (Vec<RankAction<Meta>>, WorkerOutput<Meta>) {
     let mut seen = Vec::new();
     loop {
         match driver.poll().unwrap() {
@@ -102,11 +100,22 @@ fn a_step_hands_out_its_layers_accesses_then_the_async_load_then_the_output() {
         "10 tokens: two full blocks and a partial one"
     );
     assert_eq!(actions[2], RankAction::Start(load));
-    assert_eq!(d.in_flight().iter().copied().collect::<Vec<_>>(), [JobId(4)]);
-    assert_eq!(d.tables()[&rid(1)], step0.output.scheduled_new_reqs[0].block_ids);
-    assert_eq!(d.worker().inner().bound(), None, "cleared at the end of the step");
+    assert_eq!(
+        d.in_flight().iter().copied().collect::<Vec<_>>(),
+        [JobId(4)]
+    );
+    assert_eq!(
+        d.tables()[&rid(1)],
+        step0.output.scheduled_new_reqs[0].block_ids
+    );
+    assert_eq!(
+        d.worker().inner().bound(),
+        None,
+        "cleared at the end of the step"
+    );
     // The next step (decoding token 10) reads the computed prefix and writes the third block.
-    e.rank_output(step0.output.step, Rank(0), Some(out)).unwrap();
+    e.rank_output(step0.output.step, Rank(0), Some(out))
+        .unwrap();
     e.apply(None).unwrap();
     let step1 = e.schedule().unwrap().step;
     d.begin(step1).unwrap();
@@ -114,14 +123,20 @@ fn a_step_hands_out_its_layers_accesses_then_the_async_load_then_the_output() {
     let RankAction::Forward(pass) = &actions[0] else {
         panic!("{actions:?}")
     };
-    let reads: Vec<(u64, std::ops::Range<u32>)> =
-        pass.reads.iter().map(|r| (r.block.0, r.tokens.clone())).collect();
+    let reads: Vec<(u64, std::ops::Range<u32>)> = pass
+        .reads
+        .iter()
+        .map(|r| (r.block.0, r.tokens.clone()))
+        .collect();
     assert_eq!(
         reads,
         vec![(table[0].0, 0..4), (table[1].0, 4..8), (table[2].0, 8..10)]
     );
     assert_eq!(pass.writes.len(), 1);
-    assert_eq!((pass.writes[0].block, pass.writes[0].tokens.clone()), (table[2], 10..11));
+    assert_eq!(
+        (pass.writes[0].block, pass.writes[0].tokens.clone()),
+        (table[2], 10..11)
+    );
 }
 
 /// A `Wait` blocks the step until every job in it completed; completions may come at any
@@ -157,7 +172,11 @@ fn a_wait_blocks_until_its_jobs_complete() {
     d.begin(step(1)).unwrap();
     let want = SortedSet::from_vec(vec![JobId(1)]);
     assert_eq!(d.poll().unwrap(), RankAction::Wait(want.clone()));
-    assert_eq!(d.point(), Some(StepPoint::Bind), "blocked in handle_preemptions");
+    assert_eq!(
+        d.point(),
+        Some(StepPoint::Bind),
+        "blocked in handle_preemptions"
+    );
     assert_eq!(d.poll().unwrap(), RankAction::Wait(want), "still blocked");
     d.transfer_done(TransferDone {
         job: JobId(1),
@@ -221,11 +240,18 @@ fn the_engine_takes_one_output_per_step_and_rank() {
     let mut e = EngineCore::new(config(), ScriptedConnector::new(), 2).unwrap();
     e.add_request(spec(1, 8, 1)).unwrap();
     let s = e.schedule().unwrap().step.output.step;
-    assert!(matches!(e.apply(None), Err(EngineError::NotReady { missing: 2, .. })));
-    e.rank_output(s, Rank(0), Some(WorkerOutput::default())).unwrap();
+    assert!(matches!(
+        e.apply(None),
+        Err(EngineError::NotReady { missing: 2, .. })
+    ));
+    e.rank_output(s, Rank(0), Some(WorkerOutput::default()))
+        .unwrap();
     assert_eq!(
         e.rank_output(s, Rank(0), Some(WorkerOutput::default())),
-        Err(EngineError::DuplicateOutput { step: s, rank: Rank(0) })
+        Err(EngineError::DuplicateOutput {
+            step: s,
+            rank: Rank(0)
+        })
     );
     assert_eq!(
         e.rank_output(s, Rank(2), None),
@@ -242,7 +268,8 @@ fn the_engine_takes_one_output_per_step_and_rank() {
         })
     );
     assert!(!e.ready());
-    e.rank_output(s, Rank(1), Some(WorkerOutput::default())).unwrap();
+    e.rank_output(s, Rank(1), Some(WorkerOutput::default()))
+        .unwrap();
     assert!(e.ready());
     let applied = e.apply(None).unwrap();
     assert_eq!(applied.result.outputs.len(), 1);
@@ -251,7 +278,10 @@ fn the_engine_takes_one_output_per_step_and_rank() {
     // The request finished: once the next step told the ranks, its id may be released, once.
     let s1 = e.schedule().unwrap();
     assert!(s1.step.output.finished_req_ids.contains(&rid(1)));
-    assert!(e.take_released().is_empty(), "the ranks have not seen it finish yet");
+    assert!(
+        e.take_released().is_empty(),
+        "the ranks have not seen it finish yet"
+    );
     for r in 0..2 {
         e.rank_output(s1.step.output.step, Rank(r), None).unwrap();
     }
