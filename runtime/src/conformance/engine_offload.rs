@@ -866,3 +866,54 @@ pub fn parse_connector(v: Option<&Value>) -> Result<ConnectorChoice, CaseError> 
         )),
     }
 }
+
+/// A rank runner's historical bug in the harness's rank driver (model-checking builds only).
+#[cfg(feature = "scheduler-faults")]
+impl OffloadEngine {
+    /// Re-introduce `fault` into rank `rank`'s driver.
+    pub fn inject_rank_fault(&mut self, rank: usize, fault: kvrelay_core::RankFault) {
+        self.ranks[rank].inject_fault(fault);
+    }
+}
+
+#[cfg(all(test, feature = "scheduler-faults"))]
+mod tests {
+    use super::*;
+
+    /// The harness drives its workers through the core's rank driver, whose guard checks the
+    /// order of every hook: a runner that binds before `handle_preemptions` (vLLM PR #42676),
+    /// re-introduced in rank 1, stops that rank's step with a typed protocol violation instead
+    /// of running the worker out of order unnoticed (before the engine step, the harness called
+    /// the worker connector directly and checked no order at all).
+    #[test]
+    fn a_worker_called_out_of_order_is_caught() {
+        let sc = SchedulerConfig {
+            block_size: 4,
+            ..SchedulerConfig::default()
+        };
+        let v = json!({"blocks_per_chunk": 1, "capacity_chunks": 8, "ranks": 2});
+        let mut e = OffloadEngine::new(sc, &v, Mode::Compat).unwrap();
+        let spec = RequestSpec {
+            id: RequestId(0),
+            prompt: (1..=8).collect(),
+            max_tokens: 2,
+            stop_token: None,
+            kv_transfer_params: None,
+        };
+        let add = EngineOp::AddRequest {
+            spec,
+            lookup: None,
+            delay_free: None,
+        };
+        assert!(e.apply(&add).is_ok());
+        assert!(e.apply(&EngineOp::RunStep).is_ok(), "a correct runner");
+        e.inject_rank_fault(1, kvrelay_core::RankFault::BindFirst);
+        assert!(e.apply(&EngineOp::Schedule).is_ok());
+        assert_eq!(
+            e.apply(&EngineOp::Execute(None)).err(),
+            Some("protocol_violation")
+        );
+        let why = e.check_invariants().unwrap_err();
+        assert!(why.contains("rank 1") && why.contains("bind"), "{why}");
+    }
+}
