@@ -568,7 +568,7 @@ impl CompletionModel {
             },
             meta: (),
         };
-        let mut result = driver.begin(step);
+        let mut result = driver.begin(&step);
         let output = loop {
             if driver.check_invariants().is_err() {
                 ghost.invariant_broken = true;

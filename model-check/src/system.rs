@@ -53,6 +53,8 @@
 
 use core::fmt;
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvrelay_core::{
     BlockId, EngineCore, FinishDecision, ForwardPass, GroupKind, GuardedWorker, InvariantViolation,
@@ -1008,11 +1010,35 @@ impl fmt::Display for SystemAction {
 // The model.
 
 /// See the module docs.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct SystemModel<P: Connectors> {
     pair: P,
     config: SystemConfig,
     sched_config: SchedulerConfig,
+    /// Per property (in [`Model::properties`] order): a discovery was already reported. The
+    /// checker keeps the *last* state it saw breaking a property (each report replaces the one
+    /// before), so a property reports only its first discovery: breadth-first with one thread,
+    /// that is a shortest counterexample.
+    discovered: Arc<[AtomicBool; PROPERTIES]>,
+}
+
+/// The number of properties [`SystemModel`] declares (some filtered out per connector pair).
+const PROPERTIES: usize = 15;
+
+impl<P: Connectors> Clone for SystemModel<P> {
+    /// The same model, with no discovery reported yet.
+    fn clone(&self) -> Self {
+        Self {
+            pair: self.pair.clone(),
+            config: self.config.clone(),
+            sched_config: self.sched_config.clone(),
+            discovered: fresh_discoveries(),
+        }
+    }
+}
+
+fn fresh_discoveries() -> Arc<[AtomicBool; PROPERTIES]> {
+    Arc::new(core::array::from_fn(|_| AtomicBool::new(false)))
 }
 
 impl<P: Connectors> SystemModel<P> {
@@ -1046,7 +1072,14 @@ impl<P: Connectors> SystemModel<P> {
             pair,
             config,
             sched_config,
+            discovered: fresh_discoveries(),
         })
+    }
+
+    /// Whether to report `discovery` (a state breaking an `always` property, an example of a
+    /// `sometimes` one) for property `slot`: only the first time.
+    fn first(&self, slot: usize, discovery: bool) -> bool {
+        discovery && !self.discovered[slot].swap(true, Ordering::Relaxed)
     }
 
     /// The configuration.
@@ -1198,22 +1231,21 @@ impl<P: Connectors> SystemModel<P> {
     /// its step: the transfers it starts go in flight, its forward pass reads and writes the
     /// ghost contents, its output goes to the engine.
     fn run(&self, s: &mut SystemState<P>, rank: usize) {
-        if s.ranks[rank].driver.current_step().is_none() {
-            let Some(step) = self.next_step_of(s, rank) else {
-                return;
-            };
-            let step = ScheduledStep {
-                output: step.output.clone(),
-                meta: step.meta.clone(),
-            };
-            if let Err(e) = s.ranks[rank].driver.begin(step) {
-                self.rank_failed(s, rank, &e);
-                return;
-            }
-        }
-        let Some(step) = self.next_step_of(s, rank).cloned() else {
+        let Some(PendingStep {
+            output,
+            meta,
+            contents,
+        }) = self.next_step_of(s, rank).cloned()
+        else {
             return;
         };
+        let step = ScheduledStep { output, meta };
+        if s.ranks[rank].driver.current_step().is_none()
+            && let Err(e) = s.ranks[rank].driver.begin(&step)
+        {
+            self.rank_failed(s, rank, &e);
+            return;
+        }
         loop {
             let action = match s.ranks[rank].driver.poll() {
                 Ok(a) => a,
@@ -1230,7 +1262,7 @@ impl<P: Connectors> SystemModel<P> {
                         dirty: false,
                     });
                 }
-                RankAction::Forward(pass) => self.forward(s, rank, &step, &pass),
+                RankAction::Forward(pass) => self.forward(s, rank, &step.output, &contents, &pass),
                 RankAction::Wait(_) => {
                     if s.ranks[rank].driver.point() == Some(StepPoint::Bind) {
                         s.ghost.flushed = true;
@@ -1322,11 +1354,12 @@ impl<P: Connectors> SystemModel<P> {
         &self,
         s: &mut SystemState<P>,
         rank: usize,
-        step: &PendingStep<<P::Sched as SchedulerConnector>::Meta>,
+        output: &SchedulerOutput,
+        contents: &BTreeMap<RequestId, Vec<u64>>,
         pass: &ForwardPass,
     ) {
         let bs = self.config.block_size;
-        for &(id, _) in &step.output.num_scheduled_tokens {
+        for &(id, _) in &output.num_scheduled_tokens {
             if s.ghost
                 .load_failed
                 .get(id.index())
@@ -1337,7 +1370,7 @@ impl<P: Connectors> SystemModel<P> {
             }
         }
         for w in &pass.writes {
-            let Some(want) = step.contents.get(&w.request) else {
+            let Some(want) = contents.get(&w.request) else {
                 continue;
             };
             let full = w.tokens.end == (w.index + 1) * bs;
@@ -1355,7 +1388,7 @@ impl<P: Connectors> SystemModel<P> {
             );
         }
         for r in &pass.reads {
-            let Some(want) = step.contents.get(&r.request) else {
+            let Some(want) = contents.get(&r.request) else {
                 continue;
             };
             let got = s.ranks[rank].gpu[r.block.0 as usize];
@@ -1920,52 +1953,60 @@ impl<P: Connectors> Model for SystemModel<P> {
     fn properties(&self) -> Vec<Property<Self>> {
         use property_names as n;
         let expected = self.pair.expected_examples(&self.config);
+        // Each property reports its first discovery only (see `discovered`); `slot` numbers them.
         let mut all = vec![
-            Property::always(n::PROTOCOL, |_, s: &SystemState<P>| {
-                !s.ghost.violated(n::PROTOCOL)
+            Property::always(n::PROTOCOL, |m: &Self, s: &SystemState<P>| {
+                !m.first(0, s.ghost.violated(n::PROTOCOL))
             }),
-            Property::always(n::NO_WRITE_UNDER_STORE, |_, s: &SystemState<P>| {
-                !s.ghost.violated(n::NO_WRITE_UNDER_STORE)
+            Property::always(n::NO_WRITE_UNDER_STORE, |m: &Self, s: &SystemState<P>| {
+                !m.first(1, s.ghost.violated(n::NO_WRITE_UNDER_STORE))
             }),
-            Property::always(n::DATA, |_, s: &SystemState<P>| !s.ghost.violated(n::DATA)),
-            Property::always(n::OWNED_WRITES, |_, s: &SystemState<P>| {
-                !s.ghost.violated(n::OWNED_WRITES)
+            Property::always(n::DATA, |m: &Self, s: &SystemState<P>| {
+                !m.first(2, s.ghost.violated(n::DATA))
             }),
-            Property::always(n::FINISHED_ONCE, |_, s: &SystemState<P>| {
-                !s.ghost.violated(n::FINISHED_ONCE)
+            Property::always(n::OWNED_WRITES, |m: &Self, s: &SystemState<P>| {
+                !m.first(3, s.ghost.violated(n::OWNED_WRITES))
             }),
-            Property::always(n::QUORUM, |_, s: &SystemState<P>| {
-                !s.ghost.violated(n::QUORUM)
+            Property::always(n::FINISHED_ONCE, |m: &Self, s: &SystemState<P>| {
+                !m.first(4, s.ghost.violated(n::FINISHED_ONCE))
             }),
-            Property::always(n::CORE, |_, s: &SystemState<P>| !s.ghost.violated(n::CORE)),
+            Property::always(n::QUORUM, |m: &Self, s: &SystemState<P>| {
+                !m.first(5, s.ghost.violated(n::QUORUM))
+            }),
+            Property::always(n::CORE, |m: &Self, s: &SystemState<P>| {
+                !m.first(6, s.ghost.violated(n::CORE))
+            }),
             Property::always(n::QUIESCENT, |m: &Self, s: &SystemState<P>| {
                 if !s.ghost.violations.is_empty() {
                     return true;
                 }
                 let mut a = Vec::new();
                 m.actions(s, &mut a);
-                !a.is_empty() || m.quiescent(s)
+                !m.first(7, a.is_empty() && !m.quiescent(s))
             }),
-            Property::sometimes(n::FLUSHED, |_, s: &SystemState<P>| s.ghost.flushed),
-            Property::sometimes(n::PREEMPTED, |_, s: &SystemState<P>| {
-                s.ghost.preempted.iter().any(|&p| p)
+            Property::sometimes(n::FLUSHED, |m: &Self, s: &SystemState<P>| {
+                m.first(8, s.ghost.flushed)
             }),
-            Property::sometimes(n::RESUMED_FROM_OFFLOAD, |_, s: &SystemState<P>| {
-                s.ghost.resumed_from_offload
+            Property::sometimes(n::PREEMPTED, |m: &Self, s: &SystemState<P>| {
+                m.first(9, s.ghost.preempted.iter().any(|&p| p))
             }),
-            Property::sometimes(n::SHARED_PREFIX_LOADED, |_, s: &SystemState<P>| {
-                s.ghost.shared_loaded
+            Property::sometimes(n::RESUMED_FROM_OFFLOAD, |m: &Self, s: &SystemState<P>| {
+                m.first(10, s.ghost.resumed_from_offload)
             }),
-            Property::sometimes(n::LOAD_FAILED_RECOMPUTED, |_, s: &SystemState<P>| {
-                s.ghost.recomputed_after_failure
+            Property::sometimes(n::SHARED_PREFIX_LOADED, |m: &Self, s: &SystemState<P>| {
+                m.first(11, s.ghost.shared_loaded)
             }),
-            Property::sometimes(n::DELAYED_FREE, |_, s: &SystemState<P>| {
-                s.ghost.delayed_free
+            Property::sometimes(n::LOAD_FAILED_RECOMPUTED, |m: &Self, s: &SystemState<P>| {
+                m.first(12, s.ghost.recomputed_after_failure)
+            }),
+            Property::sometimes(n::DELAYED_FREE, |m: &Self, s: &SystemState<P>| {
+                m.first(13, s.ghost.delayed_free)
             }),
             Property::sometimes(n::ALL_DONE, |m: &Self, s: &SystemState<P>| {
-                s.ghost.violations.is_empty() && m.quiescent(s)
+                m.first(14, s.ghost.violations.is_empty() && m.quiescent(s))
             }),
         ];
+        debug_assert_eq!(all.len(), PROPERTIES);
         all.retain(|p| p.expectation != Expectation::Sometimes || expected.contains(&p.name));
         all
     }

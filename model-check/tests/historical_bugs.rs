@@ -62,7 +62,7 @@ fn pr_42676_bind_before_handle_preemptions() {
             ..EnvFaults::default()
         }),
     );
-    found(&r, p::PROTOCOL, 5, "bind is not legal");
+    found(&r, p::PROTOCOL, 3, "bind is not legal");
 }
 
 /// Mooncake PR #52470: a connector without `handle_preemptions` — its stores are not waited
@@ -77,7 +77,7 @@ fn mooncake_pr_52470_no_handle_preemptions() {
             ..EnvFaults::default()
         }),
     );
-    found(&r, p::NO_WRITE_UNDER_STORE, 18, "while store job");
+    found(&r, p::NO_WRITE_UNDER_STORE, 8, "while store job");
 }
 
 /// vLLM issue #21070: the executor fed the aggregator a single rank's output, so no quorum was
@@ -266,7 +266,7 @@ fn issue_46951_zero_external_alloc_not_recorded() {
     let mut pair = MultiPair::pd_then_offloading();
     pair.children[1] = ChildKind::Offloading(Some(SchedFault::DropZeroExternalAlloc));
     let r = run(pair, config);
-    found(&r, p::NO_WRITE_UNDER_STORE, 20, "while store job");
+    found(&r, p::NO_WRITE_UNDER_STORE, 19, "while store job");
 }
 
 /// vLLM PR #18246: two children send a finished request; the extra save is counted on the
@@ -280,5 +280,5 @@ fn pr_18246_extra_async_saves_not_shipped() {
         ..MultiPair::two_senders()
     };
     let r = run(pair, SystemConfig::ci());
-    found(&r, p::NO_WRITE_UNDER_STORE, 23, "while store job");
+    found(&r, p::NO_WRITE_UNDER_STORE, 22, "while store job");
 }

@@ -71,7 +71,7 @@ fn a_step_hands_out_its_layers_accesses_then_the_async_load_then_the_output() {
         external: vec![],
     };
     d.worker_mut().push_load(load.clone());
-    d.begin(step0.clone()).unwrap();
+    d.begin(&step0).unwrap();
     let (actions, out) = run(&mut d);
     let shape: Vec<&str> = actions
         .iter()
@@ -118,7 +118,7 @@ fn a_step_hands_out_its_layers_accesses_then_the_async_load_then_the_output() {
         .unwrap();
     e.apply(None).unwrap();
     let step1 = e.schedule().unwrap().step;
-    d.begin(step1).unwrap();
+    d.begin(&step1).unwrap();
     let (actions, _) = run(&mut d);
     let RankAction::Forward(pass) = &actions[0] else {
         panic!("{actions:?}")
@@ -160,7 +160,7 @@ fn a_wait_blocks_until_its_jobs_complete() {
     };
     d.worker_mut().push_load(load(1));
     d.worker_mut().push_load(load(2));
-    d.begin(step(0)).unwrap();
+    d.begin(&step(0)).unwrap();
     run(&mut d);
     // Job 2 completes between steps; the next step's handle_preemptions waits for 1 and 2.
     d.transfer_done(TransferDone {
@@ -169,7 +169,7 @@ fn a_wait_blocks_until_its_jobs_complete() {
     })
     .unwrap();
     d.worker_mut().set_preemption_waits(&[JobId(1), JobId(2)]);
-    d.begin(step(1)).unwrap();
+    d.begin(&step(1)).unwrap();
     let want = SortedSet::from_vec(vec![JobId(1)]);
     assert_eq!(d.poll().unwrap(), RankAction::Wait(want.clone()));
     assert_eq!(
@@ -206,7 +206,7 @@ fn errors_come_through_the_driver_and_stick() {
         meta: ScriptedMeta::default(),
     };
     assert_eq!(
-        d.begin(step).unwrap_err(),
+        d.begin(&step).unwrap_err(),
         RankError::StepOutOfOrder {
             expected: Some(StepId(0)),
             got: StepId(1)

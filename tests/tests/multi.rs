@@ -757,7 +757,7 @@ impl Rank0 {
 
     /// The rank's step; the scripted children start no transfer that is waited for.
     fn run(&mut self, step: ScheduledStep<MultiMeta<ScriptedMeta>>) -> WorkerOutput<Meta> {
-        self.driver.begin(step).unwrap();
+        self.driver.begin(&step).unwrap();
         loop {
             match self.driver.poll().unwrap() {
                 RankAction::Done(out) => {

@@ -201,7 +201,7 @@ impl Sim {
         };
         let step = st.output.step;
         for r in 0..w {
-            self.ranks[r].begin(st.clone()).unwrap();
+            self.ranks[r].begin(&st).unwrap();
             loop {
                 match self.ranks[r].poll().unwrap() {
                     RankAction::Start(t) => {

@@ -129,7 +129,8 @@ pub struct Applied {
 struct InFlight<WM> {
     step: StepId,
     quiet: bool,
-    /// Per rank: `None` until it reported; then its output (`Some(None)`: no connector output).
+    /// Per rank: `None` until it reported; then its output (`Some(None)`: no connector output,
+    /// or the output was folded into `aggregated`).
     outputs: Vec<Option<Option<WorkerOutput<WM>>>>,
     /// The aggregator's result, once every rank reported (the executor aggregates as it
     /// collects the outputs, before the scheduler sees them).
@@ -329,7 +330,12 @@ impl<C: SchedulerConnector> EngineCore<C> {
                 .aggregator
                 .aggregate(&outputs, Rank(0))
                 .map_err(|e| self.stop(e.into()))?;
-            self.in_flight[i].aggregated = Some(kv);
+            let s = &mut self.in_flight[i];
+            s.aggregated = Some(kv);
+            // The aggregate is what is applied now; keep only which ranks reported.
+            for o in &mut s.outputs {
+                *o = Some(None);
+            }
         }
         Ok(())
     }
@@ -406,7 +412,8 @@ impl<C: SchedulerConnector> EngineCore<C> {
     }
 
     /// Rank `rank`'s output slot of every step in flight, oldest first: `None` until it
-    /// reported, then its output (`Some(None)`: no connector output).
+    /// reported, then its output (`Some(None)`: no connector output, or the step was aggregated
+    /// already).
     pub fn rank_outputs(
         &self,
         rank: Rank,
@@ -469,12 +476,12 @@ impl<C: SchedulerConnector> EngineCore<C> {
             );
             prev = Some(s.step);
         }
-        let scheduled: Vec<StepId> = self.scheduler.steps_in_flight().collect();
-        let ours: Vec<StepId> = self.steps_in_flight().collect();
         ensure_invariant!(
-            scheduled == ours,
+            self.scheduler.steps_in_flight().eq(self.steps_in_flight()),
             "I-12",
-            "the scheduler has steps {scheduled:?} in flight, the engine {ours:?}"
+            "the scheduler has steps {:?} in flight, the engine {:?}",
+            self.scheduler.steps_in_flight().collect::<Vec<_>>(),
+            self.steps_in_flight().collect::<Vec<_>>()
         );
         Ok(())
     }

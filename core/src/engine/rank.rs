@@ -7,8 +7,9 @@
 //!
 //! # When to call what
 //!
-//! 1. [`RankDriver::begin`] with the step (every rank gets the same [`ScheduledStep`]), in step
-//!    order, once the previous step returned [`RankAction::Done`].
+//! 1. [`RankDriver::begin`] with the step (every rank gets the same [`ScheduledStep`]; the driver
+//!    keeps only what the step's hooks need), in step order, once the previous step returned
+//!    [`RankAction::Done`].
 //! 2. [`RankDriver::poll`] until it returns [`RankAction::Done`]:
 //!    * [`RankAction::Start`]: start this transfer (the DMA engine, a remote peer).
 //!    * [`RankAction::Forward`]: perform the forward pass's KV accesses for one layer — read the
@@ -43,6 +44,7 @@
 //! completed, or never started here, is not waited for).
 
 use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
+use alloc::sync::Arc;
 use alloc::vec::Vec;
 use core::ops::Range;
 
@@ -189,10 +191,18 @@ pub enum RankFault {
     SkipPreemptionWaits,
 }
 
-/// The step in progress.
+/// The step in progress: only what its remaining hooks need (a model checker clones this with
+/// every state).
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 struct Running<M> {
-    step: ScheduledStep<M>,
+    step: StepId,
+    /// The metadata, until `bind` took it.
+    meta: Option<M>,
+    /// `finished_req_ids`, for `get_finished`.
+    finished: SortedSet<RequestId>,
+    /// Per scheduled request, in scheduling order: computed tokens before the step and tokens
+    /// scheduled (the forward pass's reads and writes).
+    scheduled: Vec<(RequestId, u32, u32)>,
     shape: StepShape,
     next: StepPoint,
     /// Commands of the last hook not handed out yet.
@@ -204,7 +214,8 @@ struct Running<M> {
 /// One rank's step driver. See the module docs.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 pub struct RankDriver<W: WorkerConnector> {
-    config: RankConfig,
+    /// Shared: the model checker clones drivers with every state.
+    config: Arc<RankConfig>,
     worker: GuardedWorker<W>,
     /// The model runner's input batch: per request, per group, its block table.
     tables: BTreeMap<RequestId, Vec<Vec<BlockId>>>,
@@ -225,7 +236,7 @@ where
     /// A rank before its first step.
     pub fn new(config: RankConfig, worker: W) -> Self {
         Self {
-            config,
+            config: Arc::new(config),
             worker: GuardedWorker::new(worker),
             tables: BTreeMap::new(),
             in_flight: BTreeSet::new(),
@@ -275,7 +286,7 @@ where
 
     /// The step running, if any.
     pub fn current_step(&self) -> Option<StepId> {
-        self.running.as_ref().map(|r| r.step.output.step)
+        self.running.as_ref().map(|r| r.step)
     }
 
     /// Where the running step stands: its next hook (`None` between steps).
@@ -296,7 +307,7 @@ where
     /// Begin `step` (see the module docs). Updates the block tables as vLLM's `_update_states`
     /// does: finished and preempted requests leave, new and resumed ones get their whole table,
     /// running ones append their new blocks.
-    pub fn begin(&mut self, step: ScheduledStep<W::Meta>) -> Result<(), RankError> {
+    pub fn begin(&mut self, step: &ScheduledStep<W::Meta>) -> Result<(), RankError> {
         self.check_stopped()?;
         let id = step.output.step;
         if self.running.is_some() || id.0 != self.steps_done {
@@ -312,8 +323,20 @@ where
             forward: out.total_num_scheduled_tokens > 0,
             defer_finalize: false,
         };
+        let computed: BTreeMap<RequestId, u32> = out
+            .scheduled_requests()
+            .map(|r| (r.id, r.num_computed_tokens))
+            .collect();
+        let scheduled = out
+            .num_scheduled_tokens
+            .iter()
+            .map(|&(id, n)| (id, computed.get(&id).copied().unwrap_or(0), n))
+            .collect();
         self.running = Some(Running {
-            step,
+            step: id,
+            meta: Some(step.meta.clone()),
+            finished: out.finished_req_ids.clone(),
+            scheduled,
             shape,
             next: StepPoint::HandlePreemptions,
             queued: VecDeque::new(),
@@ -376,13 +399,17 @@ where
         let layers = self.config.layers.max(1);
         let (cmds, next, action) = match point {
             StepPoint::HandlePreemptions => {
-                let meta = running.step.meta.clone();
+                let meta = running.meta.clone().expect("taken at bind");
                 let cmds = self.preemptions(shape, &meta)?;
                 (cmds, StepPoint::Bind, None)
             }
             StepPoint::Bind => {
+                let meta = self
+                    .running
+                    .as_mut()
+                    .and_then(|r| r.meta.take())
+                    .expect("taken at bind");
                 if !self.binds_first() {
-                    let meta = running.step.meta.clone();
                     self.protocol(|w| w.bind(&meta))?;
                 }
                 let next = match (shape.sync_loads, shape.forward) {
@@ -482,14 +509,8 @@ where
 
     /// `get_finished` … `clear`.
     fn finish(&mut self) -> Result<WorkerOutput<W::WorkerMeta>, RankError> {
-        let finished = self
-            .running
-            .as_ref()
-            .expect("a step is running")
-            .step
-            .output
-            .finished_req_ids
-            .clone();
+        let finished =
+            core::mem::take(&mut self.running.as_mut().expect("a step is running").finished);
         let res: TransferResults = self.protocol(|w| w.get_transfer_results(&finished))?;
         let errors = self.protocol(GuardedWorker::get_block_ids_with_load_errors)?;
         let meta = self.protocol(GuardedWorker::build_connector_worker_meta)?;
@@ -499,26 +520,16 @@ where
 
     /// The forward pass's accesses for `layer`.
     fn forward_pass(&self, layer: u32) -> ForwardPass {
-        let out = &self
-            .running
-            .as_ref()
-            .expect("a step is running")
-            .step
-            .output;
+        let running = self.running.as_ref().expect("a step is running");
         let mut pass = ForwardPass {
             layer,
             ..ForwardPass::default()
         };
-        let computed: BTreeMap<RequestId, u32> = out
-            .scheduled_requests()
-            .map(|r| (r.id, r.num_computed_tokens))
-            .collect();
         let bs = self.config.block_size.max(1);
-        for &(id, n) in &out.num_scheduled_tokens {
+        for &(id, c, n) in &running.scheduled {
             let Some(table) = self.tables.get(&id) else {
                 continue;
             };
-            let c = computed.get(&id).copied().unwrap_or(0);
             for (g, blocks) in table.iter().enumerate() {
                 let read_from = match self.config.groups.get(g) {
                     Some(GroupKind::SlidingWindow { window }) => (c + 1).saturating_sub(*window),
@@ -588,10 +599,10 @@ where
         self.worker.protocol().check_invariants()?;
         if let Some(r) = &self.running {
             ensure_invariant!(
-                r.step.output.step.0 == self.steps_done,
+                r.step.0 == self.steps_done,
                 "I-5",
                 "a rank runs step {:?} after {} steps",
-                r.step.output.step,
+                r.step,
                 self.steps_done
             );
             ensure_invariant!(

@@ -489,7 +489,7 @@ impl OffloadEngine {
         step: &ScheduledStep<OffloadingConnectorMeta>,
     ) -> Result<RankStep, &'static str> {
         let mut out = RankStep::default();
-        self.ranks[rank].begin(step.clone()).map_err(|e| e.kind())?;
+        self.ranks[rank].begin(step).map_err(|e| e.kind())?;
         loop {
             let action = self.ranks[rank].poll().map_err(|e| e.kind())?;
             match action {
