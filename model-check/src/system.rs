@@ -1554,71 +1554,70 @@ impl<P: Connectors> SystemModel<P> {
     }
 
     fn deliver(&self, s: &mut SystemState<P>) {
-        let Some(step) = s.steps.front().map(|st| st.output.step) else {
+        if s.steps.pop_front().is_none() {
+            return;
+        }
+        let applied = match s.engine.apply(None) {
+            Ok(applied) => applied,
+            Err(e) => {
+                s.ghost.violate(
+                    property_names::CORE,
+                    format!("update_from_output failed: {e}"),
+                );
+                return;
+            }
+        };
+        if !applied.result.outputs.is_empty() {
+            s.ghost.idle = 0;
+        }
+        // Released ids are forgotten by the engine; nothing in the model reuses them.
+        s.engine.take_released();
+        let Some(kv) = &applied.connector_output else {
             return;
         };
-        let Some(kv) = s.engine.aggregated(step).cloned() else {
-            return;
-        };
-        if let Some(kv) = &kv {
-            let all = self.all_ranks();
-            let recving: Vec<RequestId> = kv
-                .finished_recving
-                .iter()
-                .flat_map(|x| x.iter().copied())
-                .collect();
-            for id in kv.failed_recving.iter() {
-                if !recving.contains(id) {
-                    s.ghost.violate(
-                        property_names::QUORUM,
-                        format!("request {} failed but not finished (I-24)", id.0),
-                    );
-                }
-            }
-            for id in recving {
-                let i = id.index();
-                let Some(&m) = s.ghost.recv_reports.get(i) else {
-                    continue;
-                };
-                if m != all {
-                    s.ghost.violate(
-                        property_names::QUORUM,
-                        format!(
-                            "request {}'s load emitted after ranks {m:#b} of {all:#b} (I-21)",
-                            id.0
-                        ),
-                    );
-                }
-                let failed = s.ghost.recv_failed[i] != 0;
-                if failed != kv.failed_recving.contains(&id) {
-                    s.ghost.violate(
-                        property_names::QUORUM,
-                        format!("request {}'s failure not carried (I-24)", id.0),
-                    );
-                }
-                s.ghost.recv_reports[i] = 0;
-                s.ghost.recv_failed[i] = 0;
-            }
-            let carries = kv.finished_recving.is_some()
-                || kv.finished_sending.is_some()
-                || kv.worker_meta.is_some();
-            if carries {
-                s.ghost.idle = 0;
+        let all = self.all_ranks();
+        let recving: Vec<RequestId> = kv
+            .finished_recving
+            .iter()
+            .flat_map(|x| x.iter().copied())
+            .collect();
+        for id in kv.failed_recving.iter() {
+            if !recving.contains(id) {
+                s.ghost.violate(
+                    property_names::QUORUM,
+                    format!("request {} failed but not finished (I-24)", id.0),
+                );
             }
         }
-        s.steps.pop_front();
-        match s.engine.apply(None) {
-            Ok(applied) => {
-                if !applied.result.outputs.is_empty() {
-                    s.ghost.idle = 0;
-                }
-                // Released ids are forgotten by the engine; nothing in the model reuses them.
-                s.engine.take_released();
+        for id in recving {
+            let i = id.index();
+            let Some(&m) = s.ghost.recv_reports.get(i) else {
+                continue;
+            };
+            if m != all {
+                s.ghost.violate(
+                    property_names::QUORUM,
+                    format!(
+                        "request {}'s load emitted after ranks {m:#b} of {all:#b} (I-21)",
+                        id.0
+                    ),
+                );
             }
-            Err(e) => s.ghost.violate(
-                property_names::CORE,
-                format!("update_from_output failed: {e}"),
-            ),
+            let failed = s.ghost.recv_failed[i] != 0;
+            if failed != kv.failed_recving.contains(&id) {
+                s.ghost.violate(
+                    property_names::QUORUM,
+                    format!("request {}'s failure not carried (I-24)", id.0),
+                );
+            }
+            s.ghost.recv_reports[i] = 0;
+            s.ghost.recv_failed[i] = 0;
+        }
+        if kv.finished_recving.is_some()
+            || kv.finished_sending.is_some()
+            || kv.worker_meta.is_some()
+        {
+            s.ghost.idle = 0;
         }
     }
 

@@ -113,9 +113,11 @@ pub struct Scheduled<M> {
 
 /// A step applied.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
-pub struct Applied {
+pub struct Applied<WM> {
     /// The step.
     pub step: StepId,
+    /// The aggregated connector output the scheduler applied (`None`: none at the output rank).
+    pub connector_output: Option<AggregatedOutput<WM>>,
     /// The scheduler's result: outputs per request, KV events.
     pub result: StepResult,
     /// The step was quiet and brought nothing back either (no completion, no worker metadata,
@@ -361,7 +363,7 @@ impl<C: SchedulerConnector> EngineCore<C> {
     pub fn apply(
         &mut self,
         sampled: Option<Vec<(RequestId, Vec<Token>)>>,
-    ) -> Result<Applied, EngineError> {
+    ) -> Result<Applied<C::WorkerMeta>, EngineError> {
         self.check_broken()?;
         let Some(front) = self.in_flight.front() else {
             return Err(EngineError::NothingInFlight);
@@ -390,7 +392,7 @@ impl<C: SchedulerConnector> EngineCore<C> {
             step,
             ModelOutput {
                 sampled,
-                kv_connector_output: kv,
+                kv_connector_output: kv.clone(),
             },
         ) {
             Ok(r) => r,
@@ -408,7 +410,12 @@ impl<C: SchedulerConnector> EngineCore<C> {
         let flight = self.in_flight.pop_front().expect("checked above");
         self.finishing.extend(flight.finished);
         let idle = flight.quiet && !carried && result.outputs.is_empty();
-        Ok(Applied { step, result, idle })
+        Ok(Applied {
+            step,
+            connector_output: kv,
+            result,
+            idle,
+        })
     }
 
     /// Rank `rank`'s output slot of every step in flight, oldest first: `None` until it
