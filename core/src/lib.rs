@@ -81,7 +81,7 @@ pub use engine::{
 pub use engine::{EngineFault, RankFault};
 pub use events::{EventAccumulator, KvEvent, KvEvents};
 pub use ids::{BlockId, Interner, JobId, Rank, RequestId, StepId};
-pub use meta::{Meta, MetaMismatch, OffloadMeta, WorkerMeta, build_multi, merge};
+pub use meta::{MAX_META_DEPTH, Meta, MetaMismatch, OffloadMeta, WorkerMeta, build_multi, merge};
 pub use multi::{
     ExtraAsyncSaves, MultiConnector, MultiError, MultiMeta, MultiWorker, combine_finished_counts,
     route_worker_meta,

@@ -60,7 +60,11 @@ pub fn merge<M: WorkerMeta>(a: Option<M>, b: Option<M>) -> Result<Option<M>, Met
 }
 
 /// The worker metadata of kvrelay's own connectors, in the three forms of SEMANTICS.md §4.3–§4.4.
-#[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+///
+/// It crosses process boundaries (rank → engine), so decoding validates it: an [`OffloadMeta`]
+/// must be well formed, and `multi` tuples nest at most [`MAX_META_DEPTH`] deep (a decoder fed
+/// a deeper value stops with an error instead of recursing without bound).
+#[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Meta {
     /// Offloading completions: per job, how many ranks completed it.
@@ -80,6 +84,7 @@ pub enum Meta {
 /// increasing and every rank of a step usually completes the same jobs, so the common merge is
 /// one slice comparison and one vectorisable addition of counts.
 #[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "OffloadMetaWire")]
 pub struct OffloadMeta {
     /// Completed jobs, ascending, distinct.
     jobs: Vec<JobId>,
@@ -89,6 +94,156 @@ pub struct OffloadMeta {
     pub bytes: u64,
     /// Transfers performed.
     pub transfers: u64,
+}
+
+/// [`OffloadMeta`] as decoded, before its invariants are checked.
+#[derive(serde::Deserialize)]
+struct OffloadMetaWire {
+    jobs: Vec<JobId>,
+    counts: Vec<u32>,
+    bytes: u64,
+    transfers: u64,
+}
+
+impl TryFrom<OffloadMetaWire> for OffloadMeta {
+    type Error = &'static str;
+
+    /// Jobs strictly ascending (so distinct), one count per job: what `count`, `add` and
+    /// `mark_completed` rely on.
+    fn try_from(w: OffloadMetaWire) -> Result<Self, Self::Error> {
+        if w.jobs.len() != w.counts.len() {
+            return Err("offload metadata needs one count per job");
+        }
+        if w.jobs.windows(2).any(|p| p[0] >= p[1]) {
+            return Err("offload metadata jobs must be strictly ascending");
+        }
+        Ok(Self {
+            jobs: w.jobs,
+            counts: w.counts,
+            bytes: w.bytes,
+            transfers: w.transfers,
+        })
+    }
+}
+
+/// How deep `multi` metadata may nest when it is decoded (a MultiConnector over
+/// MultiConnectors is one level per composition).
+pub const MAX_META_DEPTH: usize = 8;
+
+impl<'de> serde::Deserialize<'de> for Meta {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        serde::de::DeserializeSeed::deserialize(MetaSeed { depth: 0 }, d)
+    }
+}
+
+/// Decodes a [`Meta`] at nesting `depth`.
+struct MetaSeed {
+    depth: usize,
+}
+
+/// The variant names of [`Meta`].
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum MetaForm {
+    Offload,
+    Set,
+    Multi,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for MetaSeed {
+    type Value = Meta;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Meta, D::Error> {
+        d.deserialize_enum("Meta", &["offload", "set", "multi"], self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for MetaSeed {
+    type Value = Meta;
+
+    fn expecting(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("worker metadata (offload, set or multi)")
+    }
+
+    fn visit_enum<A: serde::de::EnumAccess<'de>>(self, data: A) -> Result<Meta, A::Error> {
+        use serde::de::{Error, VariantAccess};
+        let (form, variant) = data.variant::<MetaForm>()?;
+        match form {
+            MetaForm::Offload => variant.newtype_variant().map(Meta::Offload),
+            MetaForm::Set => variant.newtype_variant().map(Meta::Set),
+            MetaForm::Multi if self.depth >= MAX_META_DEPTH => Err(A::Error::custom(
+                alloc::format!("multi metadata nested deeper than {MAX_META_DEPTH}"),
+            )),
+            MetaForm::Multi => variant
+                .newtype_variant_seed(SlotsSeed {
+                    depth: self.depth + 1,
+                })
+                .map(Meta::Multi),
+        }
+    }
+}
+
+/// Decodes the slots of a `multi` value at nesting `depth`.
+struct SlotsSeed {
+    depth: usize,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for SlotsSeed {
+    type Value = Vec<Option<Meta>>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for SlotsSeed {
+    type Value = Vec<Option<Meta>>;
+
+    fn expecting(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("a sequence of optional worker metadata")
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        // Bounded: a length prefix from the wire is not trusted for the capacity.
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
+        while let Some(slot) = seq.next_element_seed(SlotSeed { depth: self.depth })? {
+            out.push(slot);
+        }
+        Ok(out)
+    }
+}
+
+/// Decodes one `multi` slot (`null` or a [`Meta`]) at nesting `depth`.
+struct SlotSeed {
+    depth: usize,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for SlotSeed {
+    type Value = Option<Meta>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_option(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for SlotSeed {
+    type Value = Option<Meta>;
+
+    fn expecting(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("null or worker metadata")
+    }
+
+    fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        serde::de::DeserializeSeed::deserialize(MetaSeed { depth: self.depth }, d).map(Some)
+    }
 }
 
 impl OffloadMeta {

@@ -362,8 +362,13 @@ impl SchedulerOutput {
     }
 }
 
-/// A scheduled step: the output and the connector metadata built for it.
-#[derive(Clone, Debug, Eq, Hash, PartialEq)]
+/// A scheduled step: the output and the connector metadata built for it. What the engine sends
+/// every rank (serde: it crosses the process boundary to a rank process).
+#[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(bound(
+    serialize = "M: serde::Serialize",
+    deserialize = "M: serde::Deserialize<'de>"
+))]
 pub struct ScheduledStep<M> {
     /// What was scheduled.
     pub output: SchedulerOutput,
