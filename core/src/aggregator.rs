@@ -18,10 +18,14 @@
 use alloc::vec::Vec;
 
 use crate::Mode;
-use crate::events::KvEvents;
 use crate::ids::{BlockId, Rank, RequestId};
-use crate::meta::{Meta, MetaMismatch, WorkerMeta};
-use crate::output::{AggregatedOutput, SortedSet, WorkerOutput};
+use crate::messages::AggregatedOutput;
+use crate::messages::KvEvents;
+use crate::messages::Meta;
+use crate::messages::MetaMismatch;
+use crate::messages::WorkerMeta;
+use crate::messages::WorkerOutput;
+use crate::sorted_set::SortedSet;
 
 /// A transfer direction, as counted by the aggregator.
 #[derive(

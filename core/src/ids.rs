@@ -30,6 +30,10 @@ impl RequestId {
 #[serde(transparent)]
 pub struct BlockId(pub u64);
 
+/// The null block: what a sliding-window group's table holds for a block below its window. It
+/// is never allocated, freed, cached or transferred.
+pub const NULL_BLOCK: BlockId = BlockId(0);
+
 /// A transfer job of the offloading connector; strictly increasing per connector (I-38).
 #[derive(
     Clone, Copy, Debug, Eq, Hash, Ord, PartialEq, PartialOrd, serde::Serialize, serde::Deserialize,

@@ -50,28 +50,22 @@
 extern crate alloc;
 
 mod aggregator;
-mod block_pool;
-mod connector;
-mod engine;
-mod events;
+pub mod compose;
+pub mod engine;
 mod ids;
-mod meta;
-mod multi;
-mod offload_manager;
-mod offloading;
-mod offloading_worker;
-mod output;
-mod protocol;
-mod scheduler;
-mod scripted;
-mod scripted_worker;
+pub mod messages;
+pub mod offloading;
+pub mod scheduler;
+mod sorted_set;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+mod tokens;
+pub mod worker;
 
 pub use aggregator::{AggregateError, Aggregator, Direction};
-pub use block_pool::{BlockHash, BlockPool, NULL_BLOCK, Token, hash_block};
-pub use connector::{
-    FinishDecision, GuardedWorker, Intent, Lookup, NoopConnector, Params, SchedulerConnector,
-    Transfer, TransferCommand, TransferDirection, TransferDone, TransferResults, WorkerConnector,
-    WorkerError,
+pub use compose::{
+    ExtraAsyncSaves, MultiConnector, MultiError, MultiMeta, MultiWorker, NoopConnector,
+    combine_finished_counts, route_worker_meta,
 };
 pub use engine::{
     Applied, BlockAccess, EngineCore, EngineError, ForwardPass, RankAction, RankConfig, RankDriver,
@@ -79,34 +73,36 @@ pub use engine::{
 };
 #[cfg(feature = "fault-injection")]
 pub use engine::{EngineFault, RankFault};
-pub use events::{EventAccumulator, KvEvent, KvEvents};
-pub use ids::{BlockId, Interner, JobId, Rank, RequestId, StepId};
-pub use meta::{MAX_META_DEPTH, Meta, MetaMismatch, OffloadMeta, WorkerMeta, build_multi, merge};
-pub use multi::{
-    ExtraAsyncSaves, MultiConnector, MultiError, MultiMeta, MultiWorker, combine_finished_counts,
-    route_worker_meta,
-};
-pub use offload_manager::{
-    Access, ChunkId, CpuOffloadingManager, KeyLookup, ManagerConfig, ManagerError, OffloadEvent,
-    OffloadKey, PolicyKind, PrepareStoreOutput,
+pub use ids::{BlockId, Interner, JobId, NULL_BLOCK, Rank, RequestId, StepId};
+pub use messages::{
+    AggregatedOutput, CachedRequestData, EventAccumulator, KvEvent, KvEvents, MAX_META_DEPTH, Meta,
+    MetaMismatch, ModelOutput, NewRequestData, OffloadMeta, ScheduledRequest, ScheduledStep,
+    SchedulerOutput, WorkerMeta, WorkerOutput, build_multi, merge,
 };
 pub use offloading::{
-    GpuSpec, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta, OffloadingError,
+    Access, ChunkId, CpuOffloadingManager, GpuSpec, KeyLookup, ManagerConfig, ManagerError,
+    OffloadEvent, OffloadKey, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta,
+    OffloadingError, OffloadingWorker, OffloadingWorkerConfig, PolicyKind, PrepareStoreOutput,
     TransferJob,
 };
-pub use offloading_worker::{OffloadingWorker, OffloadingWorkerConfig};
-pub use output::{AggregatedOutput, SortedSet, WorkerOutput};
-pub use protocol::{ProtocolViolation, StepShape, WorkerCall, WorkerPhase, WorkerProtocol};
 #[cfg(feature = "fault-injection")]
 pub use scheduler::SchedulerFault;
 pub use scheduler::{
-    CachedRequestData, Completion, FinishReason, GroupKind, LoadFailurePolicy, MAX_REQUEST_ID,
-    ModelOutput, NewRequestData, RequestOutput, RequestSpec, RequestStatus, RequestView,
-    ScheduledRequest, ScheduledStep, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput,
-    SchedulerView, StepResult, fake_token,
+    BlockPool, Completion, FinishDecision, FinishReason, GroupKind, Intent, LoadFailurePolicy,
+    Lookup, MAX_REQUEST_ID, Params, RequestOutput, RequestSpec, RequestStatus, RequestView,
+    Scheduler, SchedulerConfig, SchedulerConnector, SchedulerError, SchedulerView, StepResult,
 };
-pub use scripted::{ConnectorCall, ScriptedConnector, ScriptedLoad, ScriptedMeta};
-pub use scripted_worker::ScriptedWorker;
+pub use sorted_set::SortedSet;
+#[cfg(any(test, feature = "testing"))]
+pub use testing::{
+    ConnectorCall, ScriptedConnector, ScriptedLoad, ScriptedMeta, ScriptedWorker, fake_token,
+};
+pub use tokens::{BlockHash, Token, hash_block};
+pub use worker::{
+    GuardedWorker, ProtocolViolation, StepShape, Transfer, TransferCommand, TransferDirection,
+    TransferDone, TransferResults, WorkerCall, WorkerConnector, WorkerError, WorkerPhase,
+    WorkerProtocol,
+};
 
 use alloc::string::String;
 

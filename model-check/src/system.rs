@@ -1557,7 +1557,7 @@ impl<P: Connectors> SystemModel<P> {
         if s.steps.pop_front().is_none() {
             return;
         }
-        let applied = match s.engine.apply(None) {
+        let applied = match s.engine.apply_fake() {
             Ok(applied) => applied,
             Err(e) => {
                 s.ghost.violate(

@@ -116,7 +116,7 @@ fn a_step_hands_out_its_layers_accesses_then_the_async_load_then_the_output() {
     // The next step (decoding token 10) reads the computed prefix and writes the third block.
     e.rank_output(step0.output.step, Rank(0), Some(out))
         .unwrap();
-    e.apply(None).unwrap();
+    e.apply_fake().unwrap();
     let step1 = e.schedule().unwrap().step;
     d.begin(&step1).unwrap();
     let (actions, _) = run(&mut d);
@@ -241,7 +241,7 @@ fn the_engine_takes_one_output_per_step_and_rank() {
     e.add_request(spec(1, 8, 1)).unwrap();
     let s = e.schedule().unwrap().step.output.step;
     assert!(matches!(
-        e.apply(None),
+        e.apply_fake(),
         Err(EngineError::NotReady { missing: 2, .. })
     ));
     e.rank_output(s, Rank(0), Some(WorkerOutput::default()))
@@ -271,7 +271,7 @@ fn the_engine_takes_one_output_per_step_and_rank() {
     e.rank_output(s, Rank(1), Some(WorkerOutput::default()))
         .unwrap();
     assert!(e.ready());
-    let applied = e.apply(None).unwrap();
+    let applied = e.apply_fake().unwrap();
     assert_eq!(applied.result.outputs.len(), 1);
     assert!(!applied.idle);
     e.check_invariants().unwrap();
@@ -285,7 +285,7 @@ fn the_engine_takes_one_output_per_step_and_rank() {
     for r in 0..2 {
         e.rank_output(s1.step.output.step, Rank(r), None).unwrap();
     }
-    let applied = e.apply(None).unwrap();
+    let applied = e.apply_fake().unwrap();
     assert!(!applied.idle, "the step told the ranks a request finished");
     assert_eq!(e.take_released(), vec![rid(1)]);
     assert!(e.take_released().is_empty());
@@ -295,5 +295,5 @@ fn the_engine_takes_one_output_per_step_and_rank() {
     for r in 0..2 {
         e.rank_output(s2.step.output.step, Rank(r), None).unwrap();
     }
-    assert!(e.apply(None).unwrap().idle);
+    assert!(e.apply_fake().unwrap().idle);
 }

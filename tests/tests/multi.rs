@@ -800,7 +800,7 @@ fn step(
     let out = rank.run(st.clone());
     s.rank_output(id, Rank(0), Some(out)).unwrap();
     let kv = s.aggregated(id).cloned().expect("the only rank reported");
-    let res = s.apply(None).unwrap().result;
+    let res = s.apply_fake().unwrap().result;
     s.check_invariants().unwrap();
     s.scheduler().connector().check_invariants().unwrap();
     (st.output, st.meta, kv, res)

@@ -11,10 +11,12 @@
 //!   second output for the same (step, rank) is rejected before it can reach the aggregator
 //!   (compat would count its completions twice).
 //! * [`EngineCore::apply`] once the oldest step has every rank's output ([`EngineCore::ready`]):
-//!   aggregates them, samples (the fake sampler, or the tokens given) and applies the step with
-//!   `update_from_output`. Its [`Applied`] says whether the step was idle — nothing scheduled,
-//!   nothing asked of the workers, nothing reported back — so a loop can wait for a transfer
-//!   completion or new input before stepping again instead of spinning.
+//!   aggregates them, takes the tokens sampled for the step (the caller samples the requests
+//!   [`Scheduler::sampling`] lists; the `testing` feature's `apply_fake` uses the fake
+//!   sampler) and applies the step with `update_from_output`. Its [`Applied`] says whether the
+//!   step was idle — nothing scheduled, nothing asked of the workers, nothing reported back — so
+//!   a loop can wait for a transfer completion or new input before stepping again instead of
+//!   spinning.
 //! * [`EngineCore::take_released`] after `apply`: request ids nothing refers to any more (the
 //!   scheduler freed the request, the aggregator counts nothing for it, the connector no longer
 //!   tracks it, and every rank has seen it finish), which the caller may release from its
@@ -28,13 +30,18 @@ use alloc::collections::{BTreeSet, VecDeque};
 use alloc::vec::Vec;
 
 use crate::aggregator::{AggregateError, Aggregator};
-use crate::block_pool::Token;
-use crate::connector::SchedulerConnector;
 use crate::ids::{Rank, RequestId, StepId};
-use crate::output::{AggregatedOutput, WorkerOutput};
-use crate::scheduler::{
-    ModelOutput, RequestSpec, ScheduledStep, Scheduler, SchedulerConfig, SchedulerError, StepResult,
-};
+use crate::messages::AggregatedOutput;
+use crate::messages::ModelOutput;
+use crate::messages::ScheduledStep;
+use crate::messages::WorkerOutput;
+use crate::scheduler::RequestSpec;
+use crate::scheduler::Scheduler;
+use crate::scheduler::SchedulerConfig;
+use crate::scheduler::SchedulerConnector;
+use crate::scheduler::SchedulerError;
+use crate::scheduler::StepResult;
+use crate::tokens::Token;
 use crate::{InvariantViolation, ensure_invariant};
 
 /// An engine call that failed. Scheduler errors keep their own stickiness (see
@@ -358,11 +365,12 @@ impl<C: SchedulerConnector> EngineCore<C> {
             .and_then(|s| s.aggregated.as_ref())
     }
 
-    /// Apply the oldest step (see the module docs). `sampled`: the tokens of each scheduled
-    /// request (`None`: the deterministic fake sampler's).
+    /// Apply the oldest step (see the module docs). `sampled`: the tokens sampled for the
+    /// step's requests ([`Scheduler::sampling`] says which; with the `testing` feature,
+    /// `apply_fake` uses the fake sampler).
     pub fn apply(
         &mut self,
-        sampled: Option<Vec<(RequestId, Vec<Token>)>>,
+        sampled: Vec<(RequestId, Vec<Token>)>,
     ) -> Result<Applied<C::WorkerMeta>, EngineError> {
         self.check_broken()?;
         let Some(front) = self.in_flight.front() else {
@@ -383,7 +391,6 @@ impl<C: SchedulerConnector> EngineCore<C> {
                 || !kv.failed_recving.is_empty()
                 || !kv.invalid_block_ids.is_empty()
         });
-        let sampled = sampled.unwrap_or_else(|| self.scheduler.fake_sample(step));
         // Bad input (`sampled` naming a request the step did not schedule, an id or a block a
         // rank reported that the scheduler does not know) is refused before anything changes:
         // the step stays in flight, its aggregated output kept, and may be applied again. A

@@ -48,14 +48,21 @@ use alloc::sync::Arc;
 use alloc::vec::Vec;
 use core::ops::Range;
 
-use crate::connector::{
-    GuardedWorker, Transfer, TransferCommand, TransferDone, TransferResults, WorkerConnector,
-    WorkerError,
-};
 use crate::ids::{BlockId, JobId, RequestId, StepId};
-use crate::output::{SortedSet, WorkerOutput};
-use crate::protocol::{ProtocolViolation, StepShape};
-use crate::scheduler::{GroupKind, ScheduledStep, SchedulerOutput};
+use crate::messages::ScheduledStep;
+use crate::messages::SchedulerOutput;
+use crate::messages::WorkerOutput;
+use crate::scheduler::GroupKind;
+use crate::sorted_set::SortedSet;
+use crate::worker::GuardedWorker;
+use crate::worker::ProtocolViolation;
+use crate::worker::StepShape;
+use crate::worker::Transfer;
+use crate::worker::TransferCommand;
+use crate::worker::TransferDone;
+use crate::worker::TransferResults;
+use crate::worker::WorkerConnector;
+use crate::worker::WorkerError;
 use crate::{InvariantViolation, NULL_BLOCK, ensure_invariant};
 
 /// What a rank's driver needs to know of the engine: the model's layers and the KV cache groups

@@ -573,7 +573,7 @@ impl OffloadEngine {
             }
         }
         self.engine
-            .apply(Some(tokens))
+            .apply(tokens)
             .map(|a| a.result)
             .map_err(|e| e.kind())
     }

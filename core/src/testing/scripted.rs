@@ -12,11 +12,17 @@
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::vec::Vec;
 
-use crate::connector::{FinishDecision, Intent, Lookup, Params, SchedulerConnector};
 use crate::ids::{BlockId, RequestId, StepId};
-use crate::meta::Meta;
-use crate::output::{AggregatedOutput, SortedSet};
-use crate::scheduler::{SchedulerOutput, SchedulerView};
+use crate::messages::AggregatedOutput;
+use crate::messages::Meta;
+use crate::messages::SchedulerOutput;
+use crate::scheduler::FinishDecision;
+use crate::scheduler::Intent;
+use crate::scheduler::Lookup;
+use crate::scheduler::Params;
+use crate::scheduler::SchedulerConnector;
+use crate::scheduler::SchedulerView;
+use crate::sorted_set::SortedSet;
 
 /// One call the scripted connector received, with its arguments and answer.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]

@@ -30,14 +30,19 @@
 use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
 use alloc::vec::Vec;
 
-use crate::connector::{
-    Transfer, TransferCommand, TransferDirection, TransferDone, TransferResults, WorkerConnector,
-    WorkerError,
-};
+use super::OffloadingConnectorMeta;
+use super::TransferJob;
 use crate::ids::{BlockId, JobId, RequestId};
-use crate::meta::{Meta, OffloadMeta};
-use crate::offloading::{OffloadingConnectorMeta, TransferJob};
-use crate::output::SortedSet;
+use crate::messages::Meta;
+use crate::messages::OffloadMeta;
+use crate::sorted_set::SortedSet;
+use crate::worker::Transfer;
+use crate::worker::TransferCommand;
+use crate::worker::TransferDirection;
+use crate::worker::TransferDone;
+use crate::worker::TransferResults;
+use crate::worker::WorkerConnector;
+use crate::worker::WorkerError;
 use crate::{InvariantViolation, ensure_invariant};
 
 /// Configuration of one rank's offloading worker.

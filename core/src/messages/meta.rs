@@ -10,7 +10,7 @@ use alloc::vec::Vec;
 use core::fmt::Debug;
 
 use crate::ids::JobId;
-use crate::output::SortedSet;
+use crate::sorted_set::SortedSet;
 
 /// Two metadata values that cannot be merged: different forms, or multi tuples of different
 /// lengths. Error kind `meta_mismatch`.

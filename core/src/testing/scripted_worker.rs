@@ -11,11 +11,15 @@
 
 use alloc::vec::Vec;
 
-use crate::connector::{Transfer, TransferCommand, TransferDone, TransferResults, WorkerConnector};
+use super::ScriptedMeta;
 use crate::ids::{BlockId, JobId, RequestId};
-use crate::meta::Meta;
-use crate::output::SortedSet;
-use crate::scripted::ScriptedMeta;
+use crate::messages::Meta;
+use crate::sorted_set::SortedSet;
+use crate::worker::Transfer;
+use crate::worker::TransferCommand;
+use crate::worker::TransferDone;
+use crate::worker::TransferResults;
+use crate::worker::WorkerConnector;
 
 /// See the module docs.
 #[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]

@@ -1,0 +1,13 @@
+//! Composition: connectors built from other connectors, and the trivial one.
+//!
+//! * [`MultiConnector`] + [`MultiWorker`] — vLLM's `MultiConnector`, both roles.
+//! * [`NoopConnector`] — does nothing (the scheduler benchmark's baseline).
+
+mod multi;
+mod noop;
+
+pub use multi::{
+    ExtraAsyncSaves, MultiConnector, MultiError, MultiMeta, MultiWorker, combine_finished_counts,
+    route_worker_meta,
+};
+pub use noop::NoopConnector;

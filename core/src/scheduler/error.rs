@@ -1,0 +1,144 @@
+//! The scheduler's typed errors, and the historical bugs it can re-introduce for the model
+//! checker (`fault-injection` only).
+
+use alloc::string::String;
+
+use super::RequestStatus;
+use crate::ids::{BlockId, RequestId, StepId};
+use crate::scheduler::connector::Intent;
+
+/// Which completion direction an error is about.
+#[derive(Clone, Copy, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Completion {
+    /// `finished_sending`.
+    Sending,
+    /// `finished_recving`.
+    Recving,
+}
+
+/// Errors of the scheduler. See the module docs for which ones stick.
+#[derive(Clone, Debug, Eq, Hash, PartialEq, thiserror::Error)]
+pub enum SchedulerError {
+    /// A configuration value out of range.
+    #[error("invalid scheduler configuration: {0}")]
+    InvalidConfig(String),
+    /// `add_request` with the id of a live request.
+    #[error("request {0:?} already exists")]
+    DuplicateRequest(RequestId),
+    /// `add_request` with an empty prompt, `max_tokens == 0`, or a prompt that does not fit.
+    #[error("request {id:?} rejected: {why}")]
+    BadRequest {
+        /// The request.
+        id: RequestId,
+        /// What is wrong.
+        why: String,
+    },
+    /// An output names a request the scheduler does not hold.
+    #[error("unknown request {0:?}")]
+    UnknownRequest(RequestId),
+    /// An output carries tokens for a request not scheduled in that step (or twice).
+    #[error("request {id:?} was not scheduled in step {step:?} (or appears twice)")]
+    NotScheduled {
+        /// The step.
+        step: StepId,
+        /// The request.
+        id: RequestId,
+    },
+    /// `update_from_output` for a step that is not the oldest in flight.
+    #[error("output for step {got:?}, but the oldest step in flight is {expected:?}")]
+    StepOutOfOrder {
+        /// The oldest step in flight (`None`: none is).
+        expected: Option<StepId>,
+        /// The step named.
+        got: StepId,
+    },
+    /// `schedule()` with `async_depth` steps already in flight.
+    #[error("{depth} steps already in flight; apply the oldest output first")]
+    PipelineFull {
+        /// The configured depth.
+        depth: u32,
+    },
+    /// A block id outside the pool.
+    #[error("block {0:?} is out of range")]
+    BlockOutOfRange(BlockId),
+    /// `invalid_block_ids` with several KV cache groups (I-36; vLLM raises too).
+    #[error("block-level load failures need a single KV cache group; report failed_recving")]
+    InvalidBlocksWithMultipleGroups,
+    /// A completion for a request that is not finished and not loading (sticks).
+    #[error("{direction:?} completion for live request {id:?} (status {status:?})")]
+    CompletionForLiveRequest {
+        /// The request.
+        id: RequestId,
+        /// Which completion.
+        direction: Completion,
+        /// Its status.
+        status: RequestStatus,
+    },
+    /// A completion for a request with nothing pending in that direction, or already freed
+    /// (strict mode, or vLLM's crash cases in both modes; sticks).
+    #[error("stale {direction:?} completion for request {id:?}")]
+    StaleCompletion {
+        /// The request.
+        id: RequestId,
+        /// Which completion.
+        direction: Completion,
+    },
+    /// A second `finished_recving` for a load already reported (strict mode; sticks).
+    #[error("duplicate {direction:?} completion for request {id:?}")]
+    DuplicateCompletion {
+        /// The request.
+        id: RequestId,
+        /// Which completion.
+        direction: Completion,
+    },
+    /// The connector answered something the contract forbids (sticks).
+    #[error("connector broke its contract: {0}")]
+    ConnectorContract(String),
+    /// The connector asked for an intent that cannot be applied (sticks).
+    #[error("connector intent {intent:?} rejected: {why}")]
+    IntentRejected {
+        /// The intent.
+        intent: Intent,
+        /// Why.
+        why: String,
+    },
+}
+
+impl SchedulerError {
+    /// The snake_case kind used by conformance cases.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::InvalidConfig(_) => "invalid_config",
+            Self::DuplicateRequest(_) => "duplicate_request",
+            Self::BadRequest { .. } => "bad_request",
+            Self::UnknownRequest(_) => "unknown_request",
+            Self::NotScheduled { .. } => "not_scheduled",
+            Self::StepOutOfOrder { .. } => "step_out_of_order",
+            Self::PipelineFull { .. } => "pipeline_full",
+            Self::BlockOutOfRange(_) => "block_out_of_range",
+            Self::InvalidBlocksWithMultipleGroups => "invalid_blocks_with_multiple_groups",
+            Self::CompletionForLiveRequest { .. } => "completion_for_live_request",
+            Self::StaleCompletion { .. } => "stale_completion",
+            Self::DuplicateCompletion { .. } => "duplicate_completion",
+            Self::ConnectorContract(_) => "connector_contract",
+            Self::IntentRejected { .. } => "intent_rejected",
+        }
+    }
+}
+
+/// A historical vLLM scheduler bug, re-introduced on purpose so that the model checker can show
+/// it finds it ([`Scheduler::inject_fault`]). Only with the `fault-injection` feature.
+#[cfg(feature = "fault-injection")]
+#[derive(Clone, Copy, Debug, Eq, Hash, PartialEq)]
+pub enum SchedulerFault {
+    /// Before vLLM PR #32255: a request aborted in `WAITING_FOR_REMOTE_KVS` has its blocks freed
+    /// at once, while its async load may still be writing them (I-17); its `finished_recving`
+    /// arriving later is ignored, as that scheduler ignored unknown ids there.
+    FreeAbortedWhileLoading,
+    /// Before vLLM issue #33775: a first allocation with a local hit and external tokens
+    /// claims and allocates group by group, so one group's blocks for the external tokens can
+    /// evict (take from the free queue) a hit block of a later group before that group claims
+    /// it; both groups then hold the block (I-20).
+    ClaimHitsGroupByGroup,
+}

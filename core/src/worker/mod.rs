@@ -1,0 +1,19 @@
+//! The worker side: what runs on every rank.
+//!
+//! * [`WorkerConnector`] — the worker role of a connector, sans-IO.
+//! * [`WorkerProtocol`] — the legal order of one rank's connector calls per step (I-1…I-6).
+//! * [`GuardedWorker`] — a worker connector behind that protocol.
+//!
+//! One rank's whole step (block tables, the hook sequence, transfers) is driven by
+//! [`crate::RankDriver`], which calls a [`GuardedWorker`].
+
+mod connector;
+mod guard;
+mod protocol;
+
+pub use connector::{
+    Transfer, TransferCommand, TransferDirection, TransferDone, TransferResults, WorkerConnector,
+    WorkerError,
+};
+pub use guard::GuardedWorker;
+pub use protocol::{ProtocolViolation, StepShape, WorkerCall, WorkerPhase, WorkerProtocol};
