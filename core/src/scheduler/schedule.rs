@@ -1,45 +1,108 @@
-//! `schedule()`: one engine step (SEMANTICS.md §2.3).
+//! `schedule()`: one engine step (SEMANTICS.md §2.3), in vLLM's phases:
+//!
+//! 1. [`Scheduler::schedule_running`] — running requests, oldest first, preempting from the back
+//!    when blocks run out;
+//! 2. [`Scheduler::schedule_waiting`] — if nothing was preempted, waiting requests: promote
+//!    finished async loads, look up hits ([`Scheduler::lookup`]), allocate, tell the connector;
+//!    each request's admission is [`Scheduler::admit`];
+//! 3. [`Scheduler::build_output`] — the [`SchedulerOutput`], then the connector's metadata;
+//! 4. [`Scheduler::advance`] — computed tokens advance, async scheduling adds placeholders, the
+//!    step goes in flight.
+//!
+//! A [`Pass`] carries what the phases build together: the token budget and the step's lists.
 
 use alloc::collections::VecDeque;
 use alloc::format;
 use alloc::vec::Vec;
 
-use super::{InFlightStep, RequestStatus, ScheduledEntry, Scheduler, SchedulerError, State};
+use super::{InFlightStep, RequestStatus, ScheduledEntry, Scheduler, SchedulerError};
 use crate::Mode;
-use crate::ids::{RequestId, StepId};
+use crate::ids::{BlockId, RequestId, StepId};
 use crate::messages::{CachedRequestData, NewRequestData, ScheduledStep, SchedulerOutput};
 use crate::scheduler::connector::{Lookup, SchedulerConnector};
 use crate::sorted_set::SortedSet;
 
+/// One `schedule()` call's work in progress.
+struct Pass {
+    /// Tokens still schedulable this step.
+    budget: u32,
+    /// `long_prefill_token_threshold`, or 0 when at most one request is eligible.
+    threshold: u32,
+    /// (request, tokens) in scheduling order.
+    scheduled: Vec<(RequestId, u32)>,
+    new_reqs: Vec<NewRequestData>,
+    cached_reqs: Vec<CachedRequestData>,
+    preempted_any: bool,
+    has_sync_kv_loads: bool,
+}
+
+/// What [`Scheduler::admit`] did with the request at the head of a waiting queue.
+enum Admission {
+    /// Scheduled (running now).
+    Scheduled,
+    /// Not schedulable this step (a pending lookup or load, an async load just started): it
+    /// goes back to its queue after the pass.
+    Skipped,
+    /// The pass stops here (out of blocks, or a whole prompt does not fit the budget).
+    Stop,
+}
+
+/// The hit a waiting request is admitted with: the local prefix-cache hit and the connector's
+/// external tokens.
+struct Hit {
+    /// Per group, the locally cached blocks (`None` for a resumed request, which keeps its
+    /// computed tokens).
+    local: Option<(Vec<Vec<BlockId>>, u32)>,
+    /// Tokens the connector loads.
+    external: u32,
+    load_async: bool,
+    /// Tokens computed once the hit is in place.
+    num_computed: u32,
+}
+
 impl<C: SchedulerConnector> Scheduler<C> {
-    /// `schedule()`: one engine step. See SEMANTICS.md §2.3.
+    /// `schedule()`: one engine step. See SEMANTICS.md §2.3 and the module docs.
     pub fn schedule(&mut self) -> Result<ScheduledStep<C::Meta>, SchedulerError> {
         self.check_broken()?;
         let depth = self.state.config.async_depth;
         if self.state.in_flight.len() as u32 >= depth {
             return Err(SchedulerError::PipelineFull { depth });
         }
-        let step = StepId(self.state.next_step);
-        let max_model_len = self.state.config.max_model_len;
-        let mut budget = self.state.config.max_num_batched_tokens;
         let n_running = self.state.running.len();
-        let mut scheduled: Vec<(RequestId, u32)> = Vec::with_capacity(n_running);
-        let mut new_reqs: Vec<NewRequestData> = Vec::new();
-        let mut cached_reqs: Vec<CachedRequestData> = Vec::with_capacity(n_running);
-        let mut preempted_any = false;
-        let mut has_sync_kv_loads = false;
-        let n_eligible = self.state.running.len()
-            + self.state.waiting.len()
-            + self.state.kv_holding_waiting.len();
-        let threshold = if n_eligible > 1 {
-            self.state.config.long_prefill_token_threshold
-        } else {
-            0
+        let n_eligible = n_running + self.state.waiting.len() + self.state.kv_holding_waiting.len();
+        let mut pass = Pass {
+            budget: self.state.config.max_num_batched_tokens,
+            threshold: if n_eligible > 1 {
+                self.state.config.long_prefill_token_threshold
+            } else {
+                0
+            },
+            scheduled: Vec::with_capacity(n_running),
+            new_reqs: Vec::new(),
+            cached_reqs: Vec::with_capacity(n_running),
+            preempted_any: false,
+            has_sync_kv_loads: false,
         };
+        self.schedule_running(&mut pass);
+        if !pass.preempted_any {
+            self.schedule_waiting(&mut pass)?;
+        }
+        let output = self.build_output(pass);
+        let meta = self
+            .connector
+            .build_connector_meta(&self.state.view(), &output);
+        self.apply_intents()?;
+        self.advance(&output);
+        Ok(ScheduledStep { output, meta })
+    }
 
-        // 1. Running requests.
+    /// Phase 1: running requests in order, each as many tokens as it can take; when blocks run
+    /// out, the last running request is preempted (FCFS) until the allocation fits or the
+    /// request preempted itself. A connector with pending block frees stops the phase instead.
+    fn schedule_running(&mut self, pass: &mut Pass) {
+        let max_model_len = self.state.config.max_model_len;
         let mut idx = 0;
-        while idx < self.state.running.len() && budget > 0 {
+        while idx < self.state.running.len() && pass.budget > 0 {
             let id = self.state.running[idx];
             let r = &self.state.requests[&id];
             if r.num_output_placeholders > 0
@@ -51,10 +114,10 @@ impl<C: SchedulerConnector> Scheduler<C> {
             }
             let mut n =
                 (r.num_tokens() + r.num_output_placeholders).saturating_sub(r.num_computed_tokens);
-            if threshold > 0 && threshold < n {
-                n = threshold;
+            if pass.threshold > 0 && pass.threshold < n {
+                n = pass.threshold;
             }
-            n = n.min(budget);
+            n = n.min(pass.budget);
             n = n.min(max_model_len.saturating_sub(r.num_computed_tokens + 1));
             if n == 0 {
                 idx += 1;
@@ -72,7 +135,7 @@ impl<C: SchedulerConnector> Scheduler<C> {
                 // FCFS: the victim is the last running request, never one scheduled earlier in
                 // this loop (those sit before `idx`).
                 self.preempt(victim);
-                preempted_any = true;
+                pass.preempted_any = true;
                 if victim == id {
                     break None;
                 }
@@ -80,224 +143,247 @@ impl<C: SchedulerConnector> Scheduler<C> {
             let Some(new_blocks) = new_blocks else {
                 break;
             };
-            scheduled.push((id, n));
-            cached_reqs.push(CachedRequestData {
+            pass.scheduled.push((id, n));
+            pass.cached_reqs.push(CachedRequestData {
                 id,
                 resumed: false,
                 new_block_ids: new_blocks,
                 num_computed_tokens: computed_before,
             });
-            budget -= n;
+            pass.budget -= n;
             idx += 1;
         }
+    }
 
-        // 2. Waiting requests, only if nothing was preempted.
-        if !preempted_any {
-            let mut skipped_holding: VecDeque<RequestId> = VecDeque::new();
-            let mut skipped_waiting: VecDeque<RequestId> = VecDeque::new();
-            // A connector breaking its contract stops the pass with a sticky error; the
-            // requests skipped so far (pending lookups, loads started this pass) still go back
-            // to their queues, so the stopped scheduler's state stays consistent (I-16, I-18).
-            let waiting: Result<(), SchedulerError> = 'waiting: {
-                while budget > 0 {
-                    let from_holding = !self.state.kv_holding_waiting.is_empty();
-                    let queue_front = if from_holding {
-                        self.state.kv_holding_waiting.front()
-                    } else {
-                        self.state.waiting.front()
-                    };
-                    let Some(&id) = queue_front else { break };
-                    if self.state.running.len() as u32 >= self.state.config.max_num_seqs {
-                        break;
-                    }
-                    let mut skip = |st: &mut State| {
-                        if from_holding {
-                            st.kv_holding_waiting.pop_front();
-                        } else {
-                            st.waiting.pop_front();
-                        }
-                        if st.requests[&id].holds_kv_blocks() {
-                            skipped_holding.push_front(id);
-                        } else {
-                            skipped_waiting.push_front(id);
-                        }
-                    };
-                    // a. Blocked on an async load.
-                    if self.state.requests[&id].status == RequestStatus::WaitingForRemoteKvs {
-                        if !self.state.finished_recving_kv_req_ids.contains(&id) {
-                            skip(&mut self.state);
-                            continue;
-                        }
-                        self.update_waiting_for_remote_kv(id);
-                        // A failed load recomputed from scratch gave its blocks back but is still
-                        // at the head of `kv_holding_waiting`. vLLM (compat) admits it from there:
-                        // if it cannot allocate, the loop stops, and the finished loads behind it
-                        // are never promoted and keep their blocks, possibly forever. Strict moves
-                        // it to the waiting queue (tried from the next step on).
-                        if self.state.config.mode == Mode::Strict
-                            && from_holding
-                            && self.state.requests[&id].blocks.iter().all(Vec::is_empty)
-                        {
-                            skip(&mut self.state);
-                            continue;
-                        }
-                    }
-                    let r = &self.state.requests[&id];
-                    if r.num_stale_output_tokens > 0 && !r.drop_stale_output {
-                        skip(&mut self.state);
-                        continue;
-                    }
-                    // b. Lookups.
-                    let mut hit = None;
-                    let mut ext = 0;
-                    let mut load_async = false;
-                    let num_computed;
-                    if r.num_computed_tokens == 0 {
-                        let h = self.state.local_hit(r);
-                        // vLLM presents the local hit minus its sub-block tail; here the hit is
-                        // whole blocks (every group's hit is), so it is the hit itself.
-                        let answer =
-                            self.connector
-                                .get_num_new_matched_tokens(&self.state.view(), id, h.1);
-                        if let Err(e) = self.apply_intents() {
-                            break 'waiting Err(e);
-                        }
-                        match answer {
-                            Lookup::Pending => {
-                                skip(&mut self.state);
-                                continue;
-                            }
-                            Lookup::Hit {
-                                tokens,
-                                load_async: la,
-                            } => {
-                                let r = &self.state.requests[&id];
-                                if la && tokens == 0 {
-                                    break 'waiting Err(self.fail(
-                                        SchedulerError::ConnectorContract(format!(
-                                            "lookup for {id:?} answered an async load of 0 tokens"
-                                        )),
-                                    ));
-                                }
-                                // A sync load must leave a token to compute (vLLM asserts it).
-                                let limit = u64::from(r.num_tokens()) - u64::from(!la);
-                                if u64::from(h.1) + u64::from(tokens) > limit {
-                                    break 'waiting Err(self.fail(SchedulerError::ConnectorContract(format!(
-                                        "lookup for {id:?} answered {tokens} tokens beyond a local \
-                                         hit of {} for a request of {} tokens",
-                                        h.1,
-                                        r.num_tokens()
-                                    ))));
-                                }
-                                ext = tokens;
-                                load_async = la;
-                            }
-                        }
-                        num_computed = h.1 + ext;
-                        hit = Some(h);
-                    } else {
-                        num_computed = r.num_computed_tokens;
-                    }
-                    let r = &self.state.requests[&id];
-                    let num_new = if load_async {
-                        0
-                    } else {
-                        let mut n = r.num_tokens() - num_computed;
-                        if threshold > 0 && threshold < n {
-                            n = threshold;
-                        }
-                        if !self.state.config.enable_chunked_prefill && n > budget {
-                            break;
-                        }
-                        n.min(budget)
-                    };
-                    let reserved = if load_async {
-                        let ids: Vec<RequestId> =
-                            self.state.inflight_prefills.iter().copied().collect();
-                        ids.iter().map(|&p| self.state.remaining_blocks(p)).sum()
-                    } else {
-                        0
-                    };
-                    // c. Allocation.
-                    let Some(_) = self.state.allocate_slots(
-                        id,
-                        num_new,
-                        hit.as_ref(),
-                        ext,
-                        load_async,
-                        reserved,
-                    ) else {
-                        break;
-                    };
-                    // d. The connector learns about every admission (I-8).
-                    let blocks = self.state.requests[&id].blocks.clone();
-                    self.connector
-                        .update_state_after_alloc(&self.state.view(), id, &blocks, ext);
-                    if let Err(e) = self.apply_intents() {
-                        break 'waiting Err(e);
-                    }
-                    // e. Async load: wait in WAITING_FOR_REMOTE_KVS.
+    /// Phase 2: the waiting queues, `kv_holding_waiting` first, while budget and `max_num_seqs`
+    /// allow. Requests that cannot be scheduled now are skipped and go back to the front of
+    /// their queue afterwards, in order.
+    ///
+    /// A connector breaking its contract stops the pass with a sticky error; the requests
+    /// skipped so far (pending lookups, loads started this pass) still go back to their queues,
+    /// so the stopped scheduler's state stays consistent (I-16, I-18).
+    fn schedule_waiting(&mut self, pass: &mut Pass) -> Result<(), SchedulerError> {
+        let mut skipped_holding: VecDeque<RequestId> = VecDeque::new();
+        let mut skipped_waiting: VecDeque<RequestId> = VecDeque::new();
+        let mut result = Ok(());
+        while pass.budget > 0 {
+            let from_holding = !self.state.kv_holding_waiting.is_empty();
+            let queue_front = if from_holding {
+                self.state.kv_holding_waiting.front()
+            } else {
+                self.state.waiting.front()
+            };
+            let Some(&id) = queue_front else { break };
+            if self.state.running.len() as u32 >= self.state.config.max_num_seqs {
+                break;
+            }
+            match self.admit(id, from_holding, pass) {
+                Ok(Admission::Scheduled) => {}
+                Ok(Admission::Skipped) => {
                     let st = &mut self.state;
-                    if load_async {
-                        let r = st.requests.get_mut(&id).expect("held");
-                        r.status = RequestStatus::WaitingForRemoteKvs;
-                        r.num_computed_tokens = num_computed;
-                        st.inflight_prefills.insert(id);
-                        skip(st);
-                        continue;
-                    }
                     if from_holding {
                         st.kv_holding_waiting.pop_front();
                     } else {
                         st.waiting.pop_front();
                     }
-                    st.running.push(id);
-                    if ext > 0 {
-                        has_sync_kv_loads = true;
-                    }
-                    let r = st.requests.get_mut(&id).expect("held");
-                    let resumed = r.status == RequestStatus::Preempted;
-                    r.status = RequestStatus::Running;
-                    r.num_computed_tokens = num_computed;
-                    if resumed {
-                        cached_reqs.push(CachedRequestData {
-                            id,
-                            resumed: true,
-                            new_block_ids: r.blocks.clone(),
-                            num_computed_tokens: num_computed,
-                        });
+                    if st.requests[&id].holds_kv_blocks() {
+                        skipped_holding.push_front(id);
                     } else {
-                        new_reqs.push(NewRequestData {
-                            id,
-                            block_ids: r.blocks.clone(),
-                            num_computed_tokens: num_computed,
-                        });
+                        skipped_waiting.push_front(id);
                     }
-                    if num_computed + num_new < r.num_tokens() {
-                        st.inflight_prefills.insert(id);
-                    }
-                    scheduled.push((id, num_new));
-                    budget -= num_new;
                 }
-                Ok(())
-            };
-            for id in skipped_holding {
-                self.state.kv_holding_waiting.push_front(id);
+                Ok(Admission::Stop) => break,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
             }
-            for id in skipped_waiting {
-                self.state.waiting.push_front(id);
-            }
-            waiting?;
         }
+        for id in skipped_holding {
+            self.state.kv_holding_waiting.push_front(id);
+        }
+        for id in skipped_waiting {
+            self.state.waiting.push_front(id);
+        }
+        result
+    }
 
-        // 3. The output, 4. the metadata.
+    /// One waiting request at the head of its queue (`from_holding`: `kv_holding_waiting`):
+    /// (a) a finished async load is promoted, a pending one skipped; (b) the hit is looked up;
+    /// (c) slots are allocated; (d) the connector learns of the admission (I-8); (e) an async
+    /// load parks the request in `WAITING_FOR_REMOTE_KVS`, anything else runs.
+    fn admit(
+        &mut self,
+        id: RequestId,
+        from_holding: bool,
+        pass: &mut Pass,
+    ) -> Result<Admission, SchedulerError> {
+        // a. Blocked on an async load.
+        if self.state.requests[&id].status == RequestStatus::WaitingForRemoteKvs {
+            if !self.state.finished_recving_kv_req_ids.contains(&id) {
+                return Ok(Admission::Skipped);
+            }
+            self.update_waiting_for_remote_kv(id);
+            // A failed load recomputed from scratch gave its blocks back but is still at the
+            // head of `kv_holding_waiting`. vLLM (compat) admits it from there: if it cannot
+            // allocate, the loop stops, and the finished loads behind it are never promoted and
+            // keep their blocks, possibly forever. Strict moves it to the waiting queue (tried
+            // from the next step on).
+            if self.state.config.mode == Mode::Strict
+                && from_holding
+                && self.state.requests[&id].blocks.iter().all(Vec::is_empty)
+            {
+                return Ok(Admission::Skipped);
+            }
+        }
+        let r = &self.state.requests[&id];
+        if r.num_stale_output_tokens > 0 && !r.drop_stale_output {
+            return Ok(Admission::Skipped);
+        }
+        // b. Lookups.
+        let Some(hit) = self.lookup(id)? else {
+            return Ok(Admission::Skipped);
+        };
+        let r = &self.state.requests[&id];
+        let num_new = if hit.load_async {
+            0
+        } else {
+            let mut n = r.num_tokens() - hit.num_computed;
+            if pass.threshold > 0 && pass.threshold < n {
+                n = pass.threshold;
+            }
+            if !self.state.config.enable_chunked_prefill && n > pass.budget {
+                return Ok(Admission::Stop);
+            }
+            n.min(pass.budget)
+        };
+        let reserved = if hit.load_async {
+            let ids: Vec<RequestId> = self.state.inflight_prefills.iter().copied().collect();
+            ids.iter().map(|&p| self.state.remaining_blocks(p)).sum()
+        } else {
+            0
+        };
+        // c. Allocation.
+        let allocated = self.state.allocate_slots(
+            id,
+            num_new,
+            hit.local.as_ref(),
+            hit.external,
+            hit.load_async,
+            reserved,
+        );
+        if allocated.is_none() {
+            return Ok(Admission::Stop);
+        }
+        // d. The connector learns about every admission (I-8).
+        let blocks = self.state.requests[&id].blocks.clone();
+        self.connector
+            .update_state_after_alloc(&self.state.view(), id, &blocks, hit.external);
+        self.apply_intents()?;
+        // e. Async load: wait in WAITING_FOR_REMOTE_KVS.
         let st = &mut self.state;
-        let output = SchedulerOutput {
-            step,
-            scheduled_new_reqs: new_reqs,
-            scheduled_cached_reqs: cached_reqs,
-            total_num_scheduled_tokens: scheduled.iter().map(|(_, n)| n).sum(),
-            num_scheduled_tokens: scheduled,
+        if hit.load_async {
+            let r = st.requests.get_mut(&id).expect("held");
+            r.status = RequestStatus::WaitingForRemoteKvs;
+            r.num_computed_tokens = hit.num_computed;
+            st.inflight_prefills.insert(id);
+            return Ok(Admission::Skipped);
+        }
+        if from_holding {
+            st.kv_holding_waiting.pop_front();
+        } else {
+            st.waiting.pop_front();
+        }
+        st.running.push(id);
+        if hit.external > 0 {
+            pass.has_sync_kv_loads = true;
+        }
+        let r = st.requests.get_mut(&id).expect("held");
+        let resumed = r.status == RequestStatus::Preempted;
+        r.status = RequestStatus::Running;
+        r.num_computed_tokens = hit.num_computed;
+        if resumed {
+            pass.cached_reqs.push(CachedRequestData {
+                id,
+                resumed: true,
+                new_block_ids: r.blocks.clone(),
+                num_computed_tokens: hit.num_computed,
+            });
+        } else {
+            pass.new_reqs.push(NewRequestData {
+                id,
+                block_ids: r.blocks.clone(),
+                num_computed_tokens: hit.num_computed,
+            });
+        }
+        if hit.num_computed + num_new < r.num_tokens() {
+            st.inflight_prefills.insert(id);
+        }
+        pass.scheduled.push((id, num_new));
+        pass.budget -= num_new;
+        Ok(Admission::Scheduled)
+    }
+
+    /// The hit of a waiting request: for a request with nothing computed, the local prefix-cache
+    /// hit and the connector's answer to `get_num_new_matched_tokens` (checked: an async load of
+    /// 0 tokens, or a hit leaving a sync load no token to compute, breaks the contract);
+    /// otherwise (resumed after a failed load, tokens kept) the tokens it has. `None`: the
+    /// connector's lookup is pending.
+    fn lookup(&mut self, id: RequestId) -> Result<Option<Hit>, SchedulerError> {
+        let r = &self.state.requests[&id];
+        if r.num_computed_tokens != 0 {
+            return Ok(Some(Hit {
+                local: None,
+                external: 0,
+                load_async: false,
+                num_computed: r.num_computed_tokens,
+            }));
+        }
+        let local = self.state.local_hit(r);
+        // vLLM presents the local hit minus its sub-block tail; here the hit is whole blocks
+        // (every group's hit is), so it is the hit itself.
+        let answer = self
+            .connector
+            .get_num_new_matched_tokens(&self.state.view(), id, local.1);
+        self.apply_intents()?;
+        let Lookup::Hit { tokens, load_async } = answer else {
+            return Ok(None);
+        };
+        let r = &self.state.requests[&id];
+        if load_async && tokens == 0 {
+            return Err(self.fail(SchedulerError::ConnectorContract(format!(
+                "lookup for {id:?} answered an async load of 0 tokens"
+            ))));
+        }
+        // A sync load must leave a token to compute (vLLM asserts it).
+        let limit = u64::from(r.num_tokens()) - u64::from(!load_async);
+        if u64::from(local.1) + u64::from(tokens) > limit {
+            return Err(self.fail(SchedulerError::ConnectorContract(format!(
+                "lookup for {id:?} answered {tokens} tokens beyond a local hit of {} for a \
+                 request of {} tokens",
+                local.1,
+                r.num_tokens()
+            ))));
+        }
+        let num_computed = local.1 + tokens;
+        Ok(Some(Hit {
+            local: Some(local),
+            external: tokens,
+            load_async,
+            num_computed,
+        }))
+    }
+
+    /// Phase 3: the step's [`SchedulerOutput`]; the finished and preempted ids collected since
+    /// the last step are delivered in it.
+    fn build_output(&mut self, pass: Pass) -> SchedulerOutput {
+        let st = &mut self.state;
+        SchedulerOutput {
+            step: StepId(st.next_step),
+            scheduled_new_reqs: pass.new_reqs,
+            scheduled_cached_reqs: pass.cached_reqs,
+            total_num_scheduled_tokens: pass.scheduled.iter().map(|(_, n)| n).sum(),
+            num_scheduled_tokens: pass.scheduled,
             finished_req_ids: SortedSet::from_vec(
                 core::mem::take(&mut st.finished_req_ids)
                     .into_iter()
@@ -308,14 +394,13 @@ impl<C: SchedulerConnector> Scheduler<C> {
                     .into_iter()
                     .collect(),
             ),
-            has_sync_kv_loads,
-        };
-        let meta = self
-            .connector
-            .build_connector_meta(&self.state.view(), &output);
-        self.apply_intents()?;
+            has_sync_kv_loads: pass.has_sync_kv_loads,
+        }
+    }
 
-        // 6. Advance computed tokens; async scheduling adds placeholders.
+    /// Phase 4: computed tokens advance by what was scheduled; async scheduling adds an output
+    /// placeholder per sampling request; the step goes in flight.
+    fn advance(&mut self, output: &SchedulerOutput) {
         let st = &mut self.state;
         let asynchronous = st.config.async_depth > 1;
         let mut entries = Vec::with_capacity(output.num_scheduled_tokens.len());
@@ -343,11 +428,10 @@ impl<C: SchedulerConnector> Scheduler<C> {
             });
         }
         st.in_flight.push_back(InFlightStep {
-            step,
+            step: output.step,
             scheduled: entries,
         });
         st.next_step += 1;
-        Ok(ScheduledStep { output, meta })
     }
 
     /// `_update_waiting_for_remote_kv` + promotion (§2.3 a, I-18, I-37).
