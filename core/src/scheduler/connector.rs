@@ -17,7 +17,7 @@ use alloc::string::String;
 use alloc::vec::Vec;
 use core::fmt::Debug;
 
-use super::SchedulerView;
+use super::{Intent, Params, SchedulerView};
 use crate::ids::{BlockId, RequestId};
 use crate::messages::{AggregatedOutput, KvEvent, SchedulerOutput, WorkerMeta};
 
@@ -47,10 +47,6 @@ impl Lookup {
     };
 }
 
-/// `kv_transfer_params`: string key/value pairs attached to a request (input) or to its final
-/// output (returned by `request_finished`). Ordered, so equal maps compare and hash equal.
-pub type Params = alloc::collections::BTreeMap<String, String>;
-
 /// What `request_finished` decides (vLLM returns `(delay_free, kv_transfer_params)`).
 #[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct FinishDecision {
@@ -60,21 +56,6 @@ pub struct FinishDecision {
     pub delay_free: bool,
     /// Attached to the request's final output.
     pub kv_transfer_params: Option<Params>,
-}
-
-/// A change to scheduler-owned state that a connector asks for (SEMANTICS.md §7.3). Drained with
-/// [`SchedulerConnector::take_intents`] after every mutable call and applied by the scheduler;
-/// an intent the scheduler cannot apply is the sticky error
-/// [`crate::SchedulerError::IntentRejected`].
-#[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Intent {
-    /// Take a reference on these GPU blocks so they are neither reused nor evicted while a
-    /// transfer reads them (what `bind_gpu_block_pool` users do by touching ref counts). Each
-    /// block must be in use or prefix-cached.
-    Pin(Vec<BlockId>),
-    /// Drop a reference taken by [`Intent::Pin`].
-    Unpin(Vec<BlockId>),
 }
 
 /// The scheduler side of a connector (vLLM's `KVConnectorBase_V1` in the scheduler role).

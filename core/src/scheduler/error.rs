@@ -4,8 +4,8 @@
 use alloc::string::String;
 
 use super::RequestStatus;
+use super::intent::Intent;
 use crate::ids::{BlockId, RequestId, StepId};
-use crate::scheduler::connector::Intent;
 
 /// Which completion direction an error is about.
 #[derive(Clone, Copy, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]

@@ -3,9 +3,9 @@
 use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
 
+use super::SchedulerConnector;
 use super::{RequestStatus, Scheduler};
 use crate::ids::{BlockId, NULL_BLOCK, RequestId};
-use crate::scheduler::connector::SchedulerConnector;
 
 impl<C: SchedulerConnector> Scheduler<C> {
     /// I-14…I-20 and the pool's own invariants. Call after every transition in tests.

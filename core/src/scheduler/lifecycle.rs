@@ -6,12 +6,12 @@ use alloc::string::String;
 use alloc::vec::Vec;
 
 use super::kv_cache::cdiv;
+use super::{FinishDecision, Params, SchedulerConnector};
 use super::{
     FinishReason, MAX_REQUEST_ID, Request, RequestOutput, RequestSpec, RequestStatus, Scheduler,
     SchedulerError,
 };
 use crate::ids::{BlockId, RequestId};
-use crate::scheduler::connector::{FinishDecision, Params, SchedulerConnector};
 
 impl<C: SchedulerConnector> Scheduler<C> {
     /// `add_request`: queue the request and call `on_new_request`.

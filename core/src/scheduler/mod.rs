@@ -40,7 +40,7 @@
 //! | --- | --- |
 //! | `config.rs` | [`SchedulerConfig`], the KV cache groups |
 //! | `request.rs` | [`RequestSpec`], [`RequestStatus`], the request's token and hash bookkeeping |
-//! | `connector.rs` | the scheduler side of the connector contract: [`SchedulerConnector`], [`Intent`], [`Lookup`] |
+//! | `connector.rs`, `intent.rs` | the scheduler side of the connector contract: [`SchedulerConnector`], [`Lookup`]; the [`Intent`]s a connector asks for |
 //! | `view.rs` | [`SchedulerView`], what a connector may read |
 //! | `block_pool.rs` | the GPU [`BlockPool`] with prefix caching |
 //! | `kv_cache.rs` | block accounting per KV cache group (hits, allocation, caching, freeing) |
@@ -56,6 +56,7 @@ mod block_pool;
 mod config;
 mod connector;
 mod error;
+mod intent;
 mod invariants;
 mod kv_cache;
 mod lifecycle;
@@ -74,12 +75,13 @@ use alloc::vec::Vec;
 
 pub use block_pool::BlockPool;
 pub use config::{GroupKind, LoadFailurePolicy, SchedulerConfig};
-pub use connector::{FinishDecision, Intent, Lookup, Params, SchedulerConnector};
+pub use connector::{FinishDecision, Lookup, SchedulerConnector};
 #[cfg(feature = "fault-injection")]
 pub use error::SchedulerFault;
 pub use error::{Completion, SchedulerError};
+pub use intent::Intent;
 pub use output::{FinishReason, RequestOutput, StepResult};
-pub use request::{RequestSpec, RequestStatus};
+pub use request::{Params, RequestSpec, RequestStatus};
 pub use view::{RequestView, SchedulerView};
 
 use crate::ids::{BlockId, NULL_BLOCK, RequestId, StepId};

@@ -3,10 +3,10 @@
 
 use alloc::vec::Vec;
 
+use super::Params;
 use super::RequestStatus;
 use crate::ids::RequestId;
 use crate::messages::KvEvent;
-use crate::scheduler::connector::Params;
 use crate::tokens::Token;
 
 /// Why a request finished.

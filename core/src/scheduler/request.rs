@@ -2,12 +2,16 @@
 //! ([`RequestStatus`]), and the scheduler's own per-request bookkeeping (token list, chained block
 //! hashes; the struct itself lives in `mod.rs` with the rest of the state).
 
+use alloc::string::String;
 use alloc::vec::Vec;
 
 use super::Request;
 use crate::ids::RequestId;
-use crate::scheduler::connector::Params;
 use crate::tokens::{Token, hash_block};
+
+/// `kv_transfer_params`: string key/value pairs attached to a request (input) or to its final
+/// output (returned by `request_finished`). Ordered, so equal maps compare and hash equal.
+pub type Params = alloc::collections::BTreeMap<String, String>;
 
 /// A request as it arrives.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]

@@ -16,10 +16,10 @@ use alloc::format;
 use alloc::vec::Vec;
 
 use super::{InFlightStep, RequestStatus, ScheduledEntry, Scheduler, SchedulerError};
+use super::{Lookup, SchedulerConnector};
 use crate::Mode;
 use crate::ids::{BlockId, RequestId, StepId};
 use crate::messages::{CachedRequestData, NewRequestData, ScheduledStep, SchedulerOutput};
-use crate::scheduler::connector::{Lookup, SchedulerConnector};
 use crate::sorted_set::SortedSet;
 
 /// One `schedule()` call's work in progress.

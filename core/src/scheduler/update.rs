@@ -6,6 +6,7 @@ use alloc::vec::Vec;
 
 use super::InFlightStep;
 use super::LoadFailurePolicy;
+use super::SchedulerConnector;
 use super::State;
 use super::kv_cache::cdiv;
 use super::{
@@ -14,7 +15,6 @@ use super::{
 use crate::Mode;
 use crate::ids::{BlockId, RequestId, StepId};
 use crate::messages::ModelOutput;
-use crate::scheduler::connector::SchedulerConnector;
 use crate::sorted_set::SortedSet;
 use crate::tokens::Token;
 

@@ -2,9 +2,9 @@
 
 use alloc::vec::Vec;
 
+use super::request::Params;
 use super::{Request, RequestStatus, SchedulerConfig, State};
 use crate::ids::{BlockId, RequestId};
-use crate::scheduler::connector::Params;
 use crate::tokens::{BlockHash, Token};
 
 /// A read-only view of scheduler state, lent to a connector for one call (SEMANTICS.md §7.3).
