@@ -407,6 +407,11 @@ impl<M: WorkerMeta> Aggregator<M> {
     /// first at the next `aggregate`. Their KV events are dropped (replaying them could break the
     /// live ranks' event quorum). `None` entries are skipped.
     pub fn salvage(&mut self, outputs: Vec<Option<WorkerOutput<M>>>) {
+        self.salvage_unchecked(outputs);
+        crate::debug_assert_invariants!(self);
+    }
+
+    fn salvage_unchecked(&mut self, outputs: Vec<Option<WorkerOutput<M>>>) {
         for (rank, output) in outputs.into_iter().enumerate() {
             if let Some(mut output) = output {
                 output.kv_events = None;
@@ -420,6 +425,16 @@ impl<M: WorkerMeta> Aggregator<M> {
     /// Returns `Ok(None)` without consuming anything when `outputs[output_rank]` is `None` (the
     /// `execute_model` phase of async scheduling, I-27). On error nothing changes.
     pub fn aggregate(
+        &mut self,
+        outputs: &[Option<WorkerOutput<M>>],
+        output_rank: Rank,
+    ) -> Result<Option<AggregatedOutput<M>>, AggregateError> {
+        let out = self.aggregate_unchecked(outputs, output_rank);
+        crate::debug_assert_invariants!(self);
+        out
+    }
+
+    fn aggregate_unchecked(
         &mut self,
         outputs: &[Option<WorkerOutput<M>>],
         output_rank: Rank,

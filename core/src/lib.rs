@@ -147,3 +147,25 @@ macro_rules! ensure_invariant {
     };
 }
 pub(crate) use ensure_invariant;
+
+/// Ends a public transition of a machine in debug builds: the machine's invariants hold again
+/// (TigerBeetle asserts every step). Release builds compile it away.
+///
+/// A machine that stopped on a sticky error (`stopped`) is exempt: its state is, by definition,
+/// no longer one the invariants describe (a connector broke its contract mid-transition), and
+/// every later call returns the error.
+macro_rules! debug_assert_invariants {
+    ($machine:expr) => {
+        debug_assert_eq!(
+            $machine.check_invariants(),
+            Ok(()),
+            "kvrelay-core bug: an invariant broke in a public transition"
+        );
+    };
+    ($machine:expr, stopped: $stopped:expr) => {
+        if !$stopped {
+            $crate::debug_assert_invariants!($machine);
+        }
+    };
+}
+pub(crate) use debug_assert_invariants;

@@ -239,21 +239,45 @@ impl<C: SchedulerConnector> EngineCore<C> {
 
     /// A request arrives.
     pub fn add_request(&mut self, spec: RequestSpec) -> Result<(), EngineError> {
+        let out = self.add_request_unchecked(spec);
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some() || self.scheduler().broken().is_some());
+        out
+    }
+
+    fn add_request_unchecked(&mut self, spec: RequestSpec) -> Result<(), EngineError> {
         Ok(self.scheduler.add_request(spec)?)
     }
 
     /// A client disconnects: `Ok(false)` if the request is not live.
     pub fn abort(&mut self, id: RequestId) -> Result<bool, EngineError> {
+        let out = self.abort_unchecked(id);
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some() || self.scheduler().broken().is_some());
+        out
+    }
+
+    fn abort_unchecked(&mut self, id: RequestId) -> Result<bool, EngineError> {
         Ok(self.scheduler.abort(id)?)
     }
 
     /// `reset_connector_cache()`.
     pub fn reset_connector_cache(&mut self) -> Result<Option<bool>, EngineError> {
+        let out = self.reset_connector_cache_unchecked();
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some() || self.scheduler().broken().is_some());
+        out
+    }
+
+    fn reset_connector_cache_unchecked(&mut self) -> Result<Option<bool>, EngineError> {
         Ok(self.scheduler.reset_connector_cache()?)
     }
 
     /// Schedule the next step (see the module docs).
     pub fn schedule(&mut self) -> Result<Scheduled<C::Meta>, EngineError> {
+        let out = self.schedule_unchecked();
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some() || self.scheduler().broken().is_some());
+        out
+    }
+
+    fn schedule_unchecked(&mut self) -> Result<Scheduled<C::Meta>, EngineError> {
         self.check_broken()?;
         let step = self.scheduler.schedule()?;
         let out = &step.output;
@@ -293,6 +317,17 @@ impl<C: SchedulerConnector> EngineCore<C> {
     /// last rank's output of a step has the aggregator fold them all, in step order (a rank
     /// runs its steps in order, so the oldest step completes first).
     pub fn rank_output(
+        &mut self,
+        step: StepId,
+        rank: Rank,
+        output: Option<WorkerOutput<C::WorkerMeta>>,
+    ) -> Result<(), EngineError> {
+        let out = self.rank_output_unchecked(step, rank, output);
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some() || self.scheduler().broken().is_some());
+        out
+    }
+
+    fn rank_output_unchecked(
         &mut self,
         step: StepId,
         rank: Rank,
@@ -372,6 +407,15 @@ impl<C: SchedulerConnector> EngineCore<C> {
         &mut self,
         sampled: Vec<(RequestId, Vec<Token>)>,
     ) -> Result<Applied<C::WorkerMeta>, EngineError> {
+        let out = self.apply_unchecked(sampled);
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some() || self.scheduler().broken().is_some());
+        out
+    }
+
+    fn apply_unchecked(
+        &mut self,
+        sampled: Vec<(RequestId, Vec<Token>)>,
+    ) -> Result<Applied<C::WorkerMeta>, EngineError> {
         self.check_broken()?;
         let Some(front) = self.in_flight.front() else {
             return Err(EngineError::NothingInFlight);
@@ -442,6 +486,11 @@ impl<C: SchedulerConnector> EngineCore<C> {
     /// aggregator keeps no per-rank state); `order` must be a permutation of `0..W`.
     #[doc(hidden)]
     pub fn permute_ranks(&mut self, order: &[usize]) {
+        self.permute_ranks_unchecked(order);
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some() || self.scheduler().broken().is_some());
+    }
+
+    fn permute_ranks_unchecked(&mut self, order: &[usize]) {
         debug_assert_eq!(order.len(), self.world as usize);
         for s in &mut self.in_flight {
             s.outputs = order.iter().map(|&old| s.outputs[old].clone()).collect();
@@ -451,6 +500,12 @@ impl<C: SchedulerConnector> EngineCore<C> {
     /// Request ids that nothing refers to any more (see the module docs); each is returned
     /// once.
     pub fn take_released(&mut self) -> Vec<RequestId> {
+        let out = self.take_released_unchecked();
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some() || self.scheduler().broken().is_some());
+        out
+    }
+
+    fn take_released_unchecked(&mut self) -> Vec<RequestId> {
         let s = &self.scheduler;
         let a = &self.aggregator;
         let gone: Vec<RequestId> = self

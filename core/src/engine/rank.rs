@@ -315,6 +315,12 @@ where
     /// does: finished and preempted requests leave, new and resumed ones get their whole table,
     /// running ones append their new blocks.
     pub fn begin(&mut self, step: &ScheduledStep<W::Meta>) -> Result<(), RankError> {
+        let out = self.begin_unchecked(step);
+        crate::debug_assert_invariants!(self, stopped: self.error().is_some());
+        out
+    }
+
+    fn begin_unchecked(&mut self, step: &ScheduledStep<W::Meta>) -> Result<(), RankError> {
         self.check_stopped()?;
         let id = step.output.step;
         if self.running.is_some() || id.0 != self.steps_done {
@@ -354,6 +360,12 @@ where
 
     /// A transfer completed: passed to the worker connector (at any time).
     pub fn transfer_done(&mut self, done: TransferDone) -> Result<(), RankError> {
+        let out = self.transfer_done_unchecked(done);
+        crate::debug_assert_invariants!(self, stopped: self.error().is_some());
+        out
+    }
+
+    fn transfer_done_unchecked(&mut self, done: TransferDone) -> Result<(), RankError> {
         self.check_stopped()?;
         self.in_flight.remove(&done.job);
         if let Some(r) = &mut self.running {
@@ -365,6 +377,12 @@ where
 
     /// The next thing to do (see the module docs).
     pub fn poll(&mut self) -> Result<RankAction<W::WorkerMeta>, RankError> {
+        let out = self.poll_unchecked();
+        crate::debug_assert_invariants!(self, stopped: self.error().is_some());
+        out
+    }
+
+    fn poll_unchecked(&mut self) -> Result<RankAction<W::WorkerMeta>, RankError> {
         self.check_stopped()?;
         loop {
             let Some(r) = &mut self.running else {
@@ -604,6 +622,7 @@ where
     /// agrees with its shape, and a wait is only for jobs in flight here.
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.worker.protocol().check_invariants()?;
+        self.worker.inner().check_invariants()?;
         if let Some(r) = &self.running {
             ensure_invariant!(
                 r.step.0 == self.steps_done,

@@ -63,6 +63,11 @@ impl EventAccumulator {
 
     /// Adds one aggregated step's events (`None`: the step reported no events; nothing changes).
     pub fn update(&mut self, events: Option<&KvEvents>) {
+        self.update_unchecked(events);
+        crate::debug_assert_invariants!(self);
+    }
+
+    fn update_unchecked(&mut self, events: Option<&KvEvents>) {
         let Some(batch) = events else { return };
         let (counts, workers) = self.pending.get_or_insert_with(|| (BTreeMap::new(), 0));
         *workers = workers.saturating_add(batch.workers.get());
@@ -74,6 +79,12 @@ impl EventAccumulator {
     /// The events reported by every contributor since the last take (an event whose occurrence
     /// count equals the contributor count), each once, ascending; then empties.
     pub fn take(&mut self) -> Vec<KvEvent> {
+        let out = self.take_unchecked();
+        crate::debug_assert_invariants!(self);
+        out
+    }
+
+    fn take_unchecked(&mut self) -> Vec<KvEvent> {
         match self.pending.take() {
             None => Vec::new(),
             Some((counts, workers)) => counts

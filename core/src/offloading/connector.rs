@@ -12,6 +12,7 @@ use super::ReqState;
 use super::TransferJob;
 use super::cdiv;
 use super::param_u32;
+use crate::InvariantViolation;
 use crate::ids::BlockId;
 use crate::ids::NULL_BLOCK;
 use crate::ids::RequestId;
@@ -443,5 +444,9 @@ impl SchedulerConnector for OffloadingConnector {
             loading.clear();
         }
         Some(true)
+    }
+
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        Self::check_invariants(self)
     }
 }

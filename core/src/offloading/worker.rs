@@ -372,6 +372,10 @@ impl WorkerConnector for OffloadingWorker {
     fn error(&self) -> Option<WorkerError> {
         self.error.clone()
     }
+
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        Self::check_invariants(self)
+    }
 }
 
 #[cfg(test)]

@@ -107,6 +107,11 @@ impl BlockPool {
     /// Take one more reference on each block (a prefix-cache hit, or a connector pin). A free
     /// block leaves the free queue. Null blocks are skipped.
     pub fn touch(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
+        self.touch_unchecked(blocks);
+        crate::debug_assert_invariants!(self);
+    }
+
+    fn touch_unchecked(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
         for b in blocks {
             if b == NULL_BLOCK {
                 continue;
@@ -122,6 +127,12 @@ impl BlockPool {
     /// Hand out `n` blocks from the head of the free queue, evicting their cached hashes.
     /// Returns `None` (and changes nothing) when fewer than `n` are free.
     pub fn get_new_blocks(&mut self, n: u32) -> Option<Vec<BlockId>> {
+        let out = self.get_new_blocks_unchecked(n);
+        crate::debug_assert_invariants!(self);
+        out
+    }
+
+    fn get_new_blocks_unchecked(&mut self, n: u32) -> Option<Vec<BlockId>> {
         if n > self.num_free {
             return None;
         }
@@ -145,6 +156,11 @@ impl BlockPool {
     /// Panics if a block's count is already 0: the caller freed a block it did not own, a bug in
     /// the scheduler (owners are tracked exactly, I-15).
     pub fn free_blocks(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
+        self.free_blocks_unchecked(blocks);
+        crate::debug_assert_invariants!(self);
+    }
+
+    fn free_blocks_unchecked(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
         // The uncached blocks reaching 0, linked in front of the old head once all are known:
         // `first_head..=first_tail` is a chain through `next` in the given order.
         let (mut first_head, mut first_tail) = (NIL, NIL);
@@ -187,6 +203,11 @@ impl BlockPool {
     /// Give `b` the prefix-cache key `(hash, group)` (vLLM's `cache_full_blocks` for one block).
     /// A block that already carries a key keeps it.
     pub fn cache_block(&mut self, b: BlockId, hash: BlockHash, group: u8) {
+        self.cache_block_unchecked(b, hash, group);
+        crate::debug_assert_invariants!(self);
+    }
+
+    fn cache_block_unchecked(&mut self, b: BlockId, hash: BlockHash, group: u8) {
         if b == NULL_BLOCK || self.hash[b.0 as usize].is_some() {
             return;
         }
@@ -199,6 +220,11 @@ impl BlockPool {
     /// Remove the cache keys of these blocks (vLLM's `evict_blocks`, used by the `fail` load
     /// failure policy, I-35). Owners keep the blocks.
     pub fn evict_blocks(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
+        self.evict_blocks_unchecked(blocks);
+        crate::debug_assert_invariants!(self);
+    }
+
+    fn evict_blocks_unchecked(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
         for b in blocks {
             if self.contains(b) && b != NULL_BLOCK {
                 self.evict_hash(b.0 as u32);

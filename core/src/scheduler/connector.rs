@@ -18,6 +18,7 @@ use alloc::vec::Vec;
 use core::fmt::Debug;
 
 use super::{Intent, Params, SchedulerView};
+use crate::InvariantViolation;
 use crate::ids::{BlockId, RequestId};
 use crate::messages::{AggregatedOutput, KvEvent, SchedulerOutput, WorkerMeta};
 
@@ -180,6 +181,13 @@ pub trait SchedulerConnector: Debug {
         true
     }
 
+    /// The connector's own invariants (`I-xx` of SEMANTICS.md §8); checked by
+    /// [`crate::Scheduler::check_invariants`], so after every public transition of the scheduler
+    /// in debug builds and after every action of the model checker. The default has none.
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        Ok(())
+    }
+
     /// Whether KV must be handed off at finish (P/D producers): a preempted request's in-flight
     /// output is then dropped and recomputed (PR #50297). Asked once, when the scheduler is
     /// built (as vLLM's scheduler does in its constructor): a later change is not seen.
@@ -266,5 +274,8 @@ impl<T: SchedulerConnector + ?Sized> SchedulerConnector for alloc::boxed::Box<T>
     }
     fn tracks_request(&self, request: RequestId) -> bool {
         (**self).tracks_request(request)
+    }
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        (**self).check_invariants()
     }
 }

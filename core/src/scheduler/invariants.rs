@@ -8,11 +8,13 @@ use super::{RequestStatus, Scheduler};
 use crate::ids::{BlockId, NULL_BLOCK, RequestId};
 
 impl<C: SchedulerConnector> Scheduler<C> {
-    /// I-14…I-20 and the pool's own invariants. Call after every transition in tests.
+    /// I-14…I-20, the pool's own invariants and the connector's. Call after every transition in
+    /// tests (debug builds check them after every public transition).
     pub fn check_invariants(&self) -> Result<(), crate::InvariantViolation> {
         use crate::ensure_invariant;
         let st = &self.state;
         st.pool.check_invariants()?;
+        self.connector.check_invariants()?;
         // Owners per block: requests' tables plus connector pins must equal the ref counts
         // (I-20: a block is shared only through the prefix cache, i.e. as a counted owner).
         // A shared block is a prefix-cache hit, so every table holds it in the same group at

@@ -16,6 +16,12 @@ use crate::ids::{BlockId, RequestId};
 impl<C: SchedulerConnector> Scheduler<C> {
     /// `add_request`: queue the request and call `on_new_request`.
     pub fn add_request(&mut self, spec: RequestSpec) -> Result<(), SchedulerError> {
+        let out = self.add_request_unchecked(spec);
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some());
+        out
+    }
+
+    fn add_request_unchecked(&mut self, spec: RequestSpec) -> Result<(), SchedulerError> {
         self.check_broken()?;
         let id = spec.id;
         if self.state.requests.contains_key(&id) {
@@ -76,6 +82,12 @@ impl<C: SchedulerConnector> Scheduler<C> {
     /// `finish_requests(ids, FINISHED_ABORTED)` for one request, between steps. Returns `false`
     /// when the request is not live (unknown, or already finished: vLLM ignores those).
     pub fn abort(&mut self, id: RequestId) -> Result<bool, SchedulerError> {
+        let out = self.abort_unchecked(id);
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some());
+        out
+    }
+
+    fn abort_unchecked(&mut self, id: RequestId) -> Result<bool, SchedulerError> {
         self.check_broken()?;
         let live = self
             .state

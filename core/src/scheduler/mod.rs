@@ -342,6 +342,12 @@ impl<C: SchedulerConnector> Scheduler<C> {
 
     /// `reset_connector_cache()`.
     pub fn reset_connector_cache(&mut self) -> Result<Option<bool>, SchedulerError> {
+        let out = self.reset_connector_cache_unchecked();
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some());
+        out
+    }
+
+    fn reset_connector_cache_unchecked(&mut self) -> Result<Option<bool>, SchedulerError> {
         self.check_broken()?;
         let r = self.connector.reset_cache();
         self.apply_intents()?;

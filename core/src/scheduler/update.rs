@@ -97,6 +97,16 @@ impl<C: SchedulerConnector> Scheduler<C> {
         step: StepId,
         output: ModelOutput<C::WorkerMeta>,
     ) -> Result<StepResult, SchedulerError> {
+        let out = self.update_from_output_unchecked(step, output);
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some());
+        out
+    }
+
+    fn update_from_output_unchecked(
+        &mut self,
+        step: StepId,
+        output: ModelOutput<C::WorkerMeta>,
+    ) -> Result<StepResult, SchedulerError> {
         self.check_broken()?;
         self.validate_output(step, &output)?;
         let record = self.state.in_flight.pop_front().expect("validated");

@@ -7,6 +7,7 @@
 use alloc::vec::Vec;
 use core::fmt::Debug;
 
+use crate::InvariantViolation;
 use crate::ids::{BlockId, JobId, RequestId};
 use crate::messages::{WorkerMeta, WorkerOutput};
 use crate::sorted_set::SortedSet;
@@ -165,6 +166,12 @@ pub trait WorkerConnector: Debug {
     fn error(&self) -> Option<WorkerError> {
         None
     }
+    /// The connector's own invariants (`I-xx` of SEMANTICS.md §8); checked by
+    /// [`crate::RankDriver::check_invariants`], so after every public transition of the rank in
+    /// debug builds and after every action of the model checker. The default has none.
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        Ok(())
+    }
 }
 
 impl<T: WorkerConnector + ?Sized> WorkerConnector for alloc::boxed::Box<T> {
@@ -206,5 +213,8 @@ impl<T: WorkerConnector + ?Sized> WorkerConnector for alloc::boxed::Box<T> {
     }
     fn error(&self) -> Option<WorkerError> {
         (**self).error()
+    }
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        (**self).check_invariants()
     }
 }

@@ -239,6 +239,12 @@ impl WorkerProtocol {
 
     /// Opens the next step (I-5: only after the previous step's final `clear`).
     pub fn begin_step(&mut self, shape: StepShape) -> Result<StepId, ProtocolViolation> {
+        let out = self.begin_step_unchecked(shape);
+        crate::debug_assert_invariants!(self, stopped: self.violation().is_some());
+        out
+    }
+
+    fn begin_step_unchecked(&mut self, shape: StepShape) -> Result<StepId, ProtocolViolation> {
         if let Some(v) = &self.broken {
             return Err(v.clone());
         }
@@ -253,6 +259,12 @@ impl WorkerProtocol {
 
     /// Admits `call` if it is the next legal hook of the step (I-1, I-2, I-4, I-6).
     pub fn handle(&mut self, call: WorkerCall) -> Result<(), ProtocolViolation> {
+        let out = self.handle_unchecked(call);
+        crate::debug_assert_invariants!(self, stopped: self.violation().is_some());
+        out
+    }
+
+    fn handle_unchecked(&mut self, call: WorkerCall) -> Result<(), ProtocolViolation> {
         if let Some(v) = &self.broken {
             return Err(v.clone());
         }

@@ -101,6 +101,17 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> MultiConnector<C> {
         request: RequestId,
         blocks: &[Vec<BlockId>],
     ) -> Result<FinishDecision, MultiError> {
+        let out = self.try_request_finished_unchecked(view, request, blocks);
+        crate::debug_assert_invariants!(self);
+        out
+    }
+
+    fn try_request_finished_unchecked(
+        &mut self,
+        view: &SchedulerView<'_>,
+        request: RequestId,
+        blocks: &[Vec<BlockId>],
+    ) -> Result<FinishDecision, MultiError> {
         let mut saves = 0u32;
         let mut merged: Option<crate::Params> = None;
         for c in &mut self.children {
@@ -132,6 +143,16 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> MultiConnector<C> {
     /// `update_connector_output`: every child sees `output` with `worker_meta` replaced by its
     /// own slot (see [`route_worker_meta`]); a metadata that cannot be routed reaches no child.
     pub fn try_update_connector_output(
+        &mut self,
+        view: &SchedulerView<'_>,
+        output: &AggregatedOutput<Meta>,
+    ) -> Result<(), MultiError> {
+        let out = self.try_update_connector_output_unchecked(view, output);
+        crate::debug_assert_invariants!(self);
+        out
+    }
+
+    fn try_update_connector_output_unchecked(
         &mut self,
         view: &SchedulerView<'_>,
         output: &AggregatedOutput<Meta>,
@@ -170,6 +191,9 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> MultiConnector<C> {
         }
         for (r, &n) in &self.extra_async_saves {
             ensure_invariant!(n >= 1, "I-28", "extra_async_saves[{r:?}] is 0");
+        }
+        for c in &self.children {
+            SchedulerConnector::check_invariants(c)?;
         }
         Ok(())
     }
@@ -343,5 +367,9 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> SchedulerConnector for MultiConne
         self.loaders.contains_key(&request)
             || self.extra_async_saves.contains_key(&request)
             || self.children.iter().any(|c| c.tracks_request(request))
+    }
+
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        Self::check_invariants(self)
     }
 }

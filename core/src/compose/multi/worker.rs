@@ -63,6 +63,11 @@ impl<W: WorkerConnector<WorkerMeta = Meta>> MultiWorker<W> {
     /// The bind half that concerns this worker: merges `extra` into the pending map (a request
     /// named again takes the new count, as `dict.update` does).
     pub fn merge_extra_async_saves(&mut self, extra: Option<&ExtraAsyncSaves>) {
+        self.merge_extra_async_saves_unchecked(extra);
+        crate::debug_assert_invariants!(self);
+    }
+
+    fn merge_extra_async_saves_unchecked(&mut self, extra: Option<&ExtraAsyncSaves>) {
         for (&r, &n) in extra.into_iter().flatten() {
             if n == 0 {
                 // Never produced by MultiConnector (it records n − 1 only for n > 1); a 0
@@ -77,6 +82,15 @@ impl<W: WorkerConnector<WorkerMeta = Meta>> MultiWorker<W> {
     /// Folds one child's `finished_sending` report into `out`: an id with a pending extra save
     /// consumes one unit (the entry goes at 0) and is not forwarded; any other id is (I-28).
     pub fn consume_finished_sending<'a>(
+        &mut self,
+        reported: impl IntoIterator<Item = &'a RequestId>,
+        out: &mut SortedSet<RequestId>,
+    ) {
+        self.consume_finished_sending_unchecked(reported, out);
+        crate::debug_assert_invariants!(self);
+    }
+
+    fn consume_finished_sending_unchecked<'a>(
         &mut self,
         reported: impl IntoIterator<Item = &'a RequestId>,
         out: &mut SortedSet<RequestId>,
@@ -151,6 +165,9 @@ impl<W: WorkerConnector<WorkerMeta = Meta>> MultiWorker<W> {
                 "multi-jobs",
                 "job {o:?} maps to child {i} job {j:?}, which does not map back"
             );
+        }
+        for c in &self.children {
+            WorkerConnector::check_invariants(c)?;
         }
         Ok(())
     }
@@ -256,5 +273,9 @@ impl<W: WorkerConnector<WorkerMeta = Meta>> WorkerConnector for MultiWorker<W> {
     /// a job id in it is the child's own numbering.
     fn error(&self) -> Option<WorkerError> {
         self.children.iter().find_map(W::error)
+    }
+
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        Self::check_invariants(self)
     }
 }
