@@ -189,11 +189,12 @@ fn flags_that_cannot_apply_are_refused_before_checking() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
-    // Contradictory flags are clap errors (also status 2).
+    // Contradictory or unknown flags are clap errors (also status 2); breadth-first is the
+    // default, and has no flag.
     for args in [
-        &["--bfs", "--dfs"][..],
         &["--explore", "127.0.0.1:1", "--dfs"][..],
         &["--allow-remote"][..],
+        &["--bfs"][..],
         &["--trace-of", "I-21"][..],
         &["--fault", "no-such-fault"][..],
         &["--policy", "fifo"][..],

@@ -190,14 +190,13 @@ pub struct CheckArgs {
     /// shortest).
     #[arg(long, default_value_t = 2, help_heading = "Search")]
     pub(super) threads: usize,
-    /// Breadth-first search (the default): shortest counterexamples, most memory.
-    #[arg(long, conflicts_with = "dfs", help_heading = "Search")]
-    pub(super) bfs: bool,
     /// Depth-first search: little memory, long counterexamples.
+    ///
+    /// Without it the search is breadth-first: the shortest counterexamples, most memory.
     #[arg(long, help_heading = "Search")]
     pub(super) dfs: bool,
     /// Symmetry reduction (implies --dfs; only for models with interchangeable parts).
-    #[arg(long, conflicts_with = "bfs", help_heading = "Search")]
+    #[arg(long, help_heading = "Search")]
     pub(super) symmetry: bool,
     /// Explore paths of at most DEPTH states only (a bounded run, not a proof).
     #[arg(long, value_name = "DEPTH", help_heading = "Search")]
@@ -223,7 +222,7 @@ pub struct CheckArgs {
     #[arg(
         long,
         value_name = "ADDR",
-        conflicts_with_all = ["trace_out", "bfs", "dfs", "symmetry", "max_depth", "keep_going"],
+        conflicts_with_all = ["trace_out", "dfs", "symmetry", "max_depth", "keep_going"],
         help_heading = "Explorer"
     )]
     pub(super) explore: Option<String>,
