@@ -43,7 +43,8 @@ enum Command {
     },
     /// Model-check the core: every interleaving of the environment, through the real code.
     ///
-    /// Prints progress on stderr, then a table of properties on stdout; a violated property comes
+    /// Prints the configuration checked (`key = value`, one setting a line, named after its flag)
+    /// and progress on stderr, then a table of properties on stdout; a violated property comes
     /// with its counterexample, one numbered action per line. Exits 0 if every property holds
     /// (exhaustively, or within --max-depth), 1 if an `always` property is violated or an
     /// expected `sometimes` example is missing, 2 on bad flags.

@@ -1,6 +1,6 @@
 //! Running a built model as the flags say: the search options and outputs validated against the
-//! model ([`Plan`]), then either stateright's explorer or the checker with progress on stderr,
-//! followed by the report and the trace file.
+//! model ([`Plan`]), then either stateright's explorer or the checker — its configuration as
+//! `key = value` lines and its progress on stderr — followed by the report and the trace file.
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -12,6 +12,7 @@ use kvrelay_model_check::{
 };
 
 use super::args::CheckArgs;
+use super::config::{Line, optional};
 use super::error::CheckError;
 use super::report::{print_report, write_trace};
 
@@ -19,6 +20,8 @@ use super::report::{print_report, write_trace};
 #[derive(Debug)]
 pub(super) struct Plan {
     options: CheckOptions,
+    /// `--symmetry`.
+    symmetry: bool,
     trace_out: Option<PathBuf>,
     /// The property `--trace-of` named, resolved to the model's name for it.
     trace_of: Option<&'static str>,
@@ -63,10 +66,27 @@ impl Plan {
                 target_max_depth: a.max_depth,
                 stop_at_first_violation: !a.keep_going,
             },
+            symmetry: a.symmetry,
             trace_out: a.trace_out.clone(),
             trace_of,
             explore,
         })
+    }
+
+    /// The search's settings, one line each as their flags name them (the explorer takes only
+    /// `--threads`).
+    fn lines(&self) -> Vec<Line> {
+        let o = &self.options;
+        let mut lines = vec![("threads", o.threads.to_string())];
+        if self.explore.is_none() {
+            lines.extend([
+                ("dfs", (o.strategy == Strategy::Dfs).to_string()),
+                ("symmetry", self.symmetry.to_string()),
+                ("max_depth", optional(o.target_max_depth)),
+                ("keep_going", (!o.stop_at_first_violation).to_string()),
+            ]);
+        }
+        lines
     }
 }
 
@@ -98,37 +118,31 @@ fn resolve_property(name: &str, names: &[&'static str]) -> Result<&'static str, 
 /// A checker run: [`check`] or [`kvrelay_model_check::check_with_symmetry`].
 pub(super) type CheckFn<M> = fn(M, &CheckOptions, &mut dyn FnMut(&Progress)) -> CheckReport;
 
-/// Runs (or explores) `model` as `plan` says with `run` (`check`, or `check_with_symmetry` for
-/// a model whose state has a representative), prints the report and writes the trace.
+/// Runs (or explores) `model`, described by `title` and its configuration's lines, as `plan`
+/// says with `run` (`check`, or `check_with_symmetry` for a model whose state has a
+/// representative), prints the report and writes the trace.
 pub(super) fn execute<M: Explain>(
     model: M,
-    config: &str,
+    title: &str,
+    config: &[Line],
     plan: Plan,
     run: CheckFn<M>,
 ) -> Result<ExitCode, CheckError> {
+    eprintln!("kvrelay check: {title}");
+    for (key, value) in config.iter().chain(&plan.lines()) {
+        eprintln!("  {key} = {value}");
+    }
     if let Some(addr) = plan.explore {
         let threads = plan.options.threads;
-        let err = serve_explorer(model, addr, threads, |url| {
-            println!("kvrelay check: serving the explorer of {config} on {url} (Ctrl-C to stop)");
+        let Err(err) = serve_explorer(model, addr, threads, |url| {
+            println!(
+                "kvrelay check: serving the explorer of the {title} on {url} (Ctrl-C to stop)"
+            );
             let _ = std::io::stdout().flush();
-        })
-        .unwrap_err();
+        });
         return Err(CheckError::Explore(err));
     }
     let o = &plan.options;
-    eprintln!(
-        "kvrelay check: {config}; {}, {} thread{}{}{}",
-        o.strategy,
-        o.threads,
-        if o.threads == 1 { "" } else { "s" },
-        o.target_max_depth
-            .map_or_else(String::new, |d| format!(", max depth {d}")),
-        if o.stop_at_first_violation {
-            ""
-        } else {
-            ", keep going after violations"
-        }
-    );
     let mut printed = false;
     let mut on_progress = |p: &Progress| {
         let line = format!(
