@@ -65,6 +65,15 @@ fn a_faulty_configuration_exits_1_and_writes_its_counterexample_diagram() {
         "numbered counterexample lines: {stdout}"
     );
     assert!(stderr.contains("wrote the counterexample"), "{stderr}");
+    for line in [
+        "kvrelay check: completion model\n",
+        "  model = completion\n",
+        "  faulty_double_report = true\n",
+        "  faulty_bind_first = false\n",
+        "  threads = 1\n",
+    ] {
+        assert!(stderr.contains(line), "{line:?} in {stderr}");
+    }
     let diagram = std::fs::read_to_string(&out_file).expect("the trace file was written");
     let _ = std::fs::remove_file(&out_file);
     assert!(diagram.starts_with("sequenceDiagram\n"), "{diagram}");
@@ -137,7 +146,8 @@ fn flags_that_cannot_apply_are_refused_before_checking() {
                 "--fault",
                 "lookup-ignores-jobs",
             ][..],
-            "at most one scheduler-side --fault",
+            "at most one scheduler-side --fault can be injected, not both \
+             drop-zero-external-alloc and lookup-ignores-jobs",
         ),
         (
             &["--trace-of", "no such property", "--trace-out", "x.mmd"][..],
@@ -189,11 +199,12 @@ fn flags_that_cannot_apply_are_refused_before_checking() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
-    // Contradictory flags are clap errors (also status 2).
+    // Contradictory or unknown flags are clap errors (also status 2); breadth-first is the
+    // default, and has no flag.
     for args in [
-        &["--bfs", "--dfs"][..],
         &["--explore", "127.0.0.1:1", "--dfs"][..],
         &["--allow-remote"][..],
+        &["--bfs"][..],
         &["--trace-of", "I-21"][..],
         &["--fault", "no-such-fault"][..],
         &["--policy", "fifo"][..],
@@ -302,7 +313,8 @@ fn a_system_fault_exits_1_and_writes_its_counterexample_diagram() {
     );
 }
 
-/// The system model's override flags reach its configuration (echoed on stderr before the run).
+/// The system model's override flags reach its configuration, echoed on stderr before the run as
+/// `key = value` lines named after the flags.
 #[test]
 fn system_flags_override_the_preset() {
     let out = kvrelay_check(
@@ -356,40 +368,55 @@ fn system_flags_override_the_preset() {
     );
     let stderr = text(&out.stderr);
     assert!(matches!(out.status.code(), Some(0 | 1)), "{stderr}");
-    for field in [
-        "offloading with fault LookupIgnoresJobs",
-        "ranks: 1,",
-        "requests: 1,",
-        "prompt_tokens: 4,",
-        "shared_tokens: 2,",
-        "max_tokens: 1,",
-        "block_size: 1,",
-        "prefix_caching: false,",
-        "gpu_blocks: 9,",
-        "max_batched_tokens: 4,",
-        "sliding_window: Some(2),",
-        "blocks_per_chunk: 2,",
-        "cpu_chunks: 2,",
-        "policy: Arc,",
-        "async_depth: 1,",
-        "mode: Strict,",
-        "aborts: 0,",
-        "resets: 0,",
-        "ordered_completions: false,",
-        "idle_steps: 1,",
-        "bind_first: false, skip_handle_preemptions: false, one_rank_output: false",
-        "max depth 4",
+    for line in [
+        "kvrelay check: system model of the offloading connector\n",
+        "  model = system\n",
+        "  config = deep\n",
+        "  ranks = 1\n",
+        "  requests = 1\n",
+        "  mode = strict\n",
+        "  connector = offloading\n",
+        "  gpu_blocks = 9\n",
+        "  block_size = 1\n",
+        "  no_prefix_caching = true\n",
+        "  cpu_chunks = 2\n",
+        "  blocks_per_chunk = 2\n",
+        "  prompt_tokens = 4\n",
+        "  shared_tokens = 2\n",
+        "  max_tokens = 1\n",
+        "  max_batched_tokens = 4\n",
+        "  async_depth = 1\n",
+        "  aborts = 0\n",
+        "  resets = 0\n",
+        "  load_failures = 0\n",
+        "  idle_steps = 1\n",
+        "  policy = arc\n",
+        "  sliding_window = 2\n",
+        "  unordered_completions = true\n",
+        "  faults = lookup-ignores-jobs\n",
+        "  threads = 1\n",
+        "  dfs = false\n",
+        "  symmetry = false\n",
+        "  max_depth = 4\n",
+        "  keep_going = false\n",
     ] {
-        assert!(stderr.contains(field), "{field:?} in {stderr}");
+        assert!(stderr.contains(line), "{line:?} in {stderr}");
     }
+    assert!(!stderr.contains("pd_role"), "{stderr}");
 }
 
 #[test]
 fn connectors_run_and_their_faults_are_found_or_refused() {
     // The P/D connector's ci configuration holds (exit 0) ...
     let out = kvrelay_check(&["--connector", "pd"], LIMIT);
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(text(&out.stdout).contains("a load fails and the request recomputes"));
+    assert!(
+        stderr.contains("  connector = pd\n  pd_role = both\n"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("  load_failures = 1\n"), "{stderr}");
     // ... two senders without their extra saves are caught (exit 1) ...
     let out = kvrelay_check(
         &[

@@ -14,23 +14,29 @@
 //!
 //! Completions reach the scheduler only through the worker's `get_finished` (head-of-line per
 //! queue), the worker metadata and the aggregator, as in vLLM.
+//!
+//! The `engine` harness (`engine.rs`) builds an [`OffloadEngine`] for an `engine` case whose
+//! `connector` is `{"offloading": {…}}` and maps each call of the case onto one of its methods;
+//! the `render_*` functions here give their results' JSON. This file knows nothing of the
+//! case's calls: it imports only the case's error type and the shared JSON helpers.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use kvrelay_core::{
     AggregatedOutput, BlockId, ChunkId, EngineCore, Interner, JobId, KeyLookup, ManagerConfig,
-    Meta, Mode, NULL_BLOCK, OffloadKey, OffloadingConfig, OffloadingConnector,
-    OffloadingConnectorMeta, OffloadingWorker, OffloadingWorkerConfig, PolicyKind, Rank,
-    RankAction, RankConfig, RankDriver, RequestId, RequestSpec, ScheduledStep, SchedulerConfig,
-    SchedulerConnector, SchedulerError, StepId, StepPoint, StepResult, Token, Transfer,
-    TransferDirection, TransferDone, TransferJob, WorkerOutput, hash_block,
+    Meta, NULL_BLOCK, OffloadKey, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta,
+    OffloadingWorker, OffloadingWorkerConfig, PolicyKind, Rank, RankAction, RankConfig, RankDriver,
+    RequestId, RequestSpec, ScheduledStep, Scheduler, SchedulerConfig, SchedulerConnector,
+    SchedulerError, StepId, StepPoint, StepResult, Token, Transfer, TransferDirection,
+    TransferDone, TransferJob, WorkerOutput, hash_block,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::{
-    CaseError, EngineOp, EngineOut, err, render_aggregated, render_id, render_opt_ids,
-    render_opt_meta, render_step_result, render_tables, request_of, scheduled_fields, state_of,
+use super::case::{CaseError, err};
+use super::json::{
+    render_aggregated, render_id, render_opt_ids, render_opt_meta, render_step_result,
+    render_tables, scheduled_fields,
 };
 
 /// The `{"offloading": {…}}` value of the engine's `connector` config key.
@@ -170,11 +176,9 @@ pub struct OffloadEngine {
     added: Vec<RequestId>,
 }
 
-const WRONG: &str = "wrong_connector";
-
 impl OffloadEngine {
     /// A fresh engine from the scheduler config and the `{"offloading": …}` object.
-    pub fn new(sc: SchedulerConfig, v: &Value, mode: Mode) -> Result<Self, CaseError> {
+    pub fn new(sc: SchedulerConfig, v: &Value) -> Result<Self, CaseError> {
         let c: JOffloading = serde_json::from_value(v.clone())
             .map_err(|e| CaseError(format!("connector.offloading: {e}")))?;
         let policy = match c.policy.as_str() {
@@ -200,7 +204,6 @@ impl OffloadEngine {
         off.sync_load_budget_tokens = c.sync_load_budget_tokens;
         off.offload_prompt_only = c.offload_prompt_only;
         let conn = OffloadingConnector::new(off, &sc).map_err(|e| CaseError(e.to_string()))?;
-        debug_assert_eq!(sc.mode, mode);
         let rank_config = RankConfig {
             layers: 1,
             block_size: sc.block_size,
@@ -252,88 +255,8 @@ impl OffloadEngine {
         Ok(())
     }
 
-    /// Runs one call.
-    pub fn apply(&mut self, op: &EngineOp) -> Result<EngineOut, &'static str> {
-        let kind = |e: SchedulerError| e.kind();
-        match op {
-            EngineOp::AddRequest {
-                spec,
-                lookup,
-                delay_free,
-            } => {
-                if lookup.is_some() || delay_free.is_some() {
-                    return Err(WRONG);
-                }
-                self.add(spec.clone()).map_err(kind)?;
-                Ok(EngineOut::Ok)
-            }
-            EngineOp::SetLookup(..)
-            | EngineOp::SetDelayFree(..)
-            | EngineOp::SetDelayAll(_)
-            | EngineOp::SetFinishParams(..)
-            | EngineOp::SetPendingBlockFrees(_)
-            | EngineOp::SetPushWork(_)
-            | EngineOp::ConnectorCalls => Err(WRONG),
-            EngineOp::Abort(id) => self
-                .engine
-                .abort(*id)
-                .map(EngineOut::Bool)
-                .map_err(|e| e.kind()),
-            EngineOp::Schedule => self
-                .schedule()
-                .map(|x| EngineOut::OffloadScheduled(Box::new(x))),
-            EngineOp::Execute(step) => self
-                .execute(*step)
-                .map(|x| EngineOut::Executed(Box::new(x))),
-            EngineOp::ApplyOutput {
-                step,
-                sampled,
-                kv_given,
-                ..
-            } => {
-                if *kv_given {
-                    return Err(WRONG);
-                }
-                self.apply_output(*step, sampled).map(EngineOut::Applied)
-            }
-            EngineOp::RunStep => self
-                .run_step()
-                .map(|(a, b, c)| EngineOut::StepRun(Box::new((a, b, c)))),
-            EngineOp::Drain(max) => self.drain(*max).map(EngineOut::Count),
-            EngineOp::Hold { rank, value } => {
-                let slot = self
-                    .held
-                    .get_mut(*rank as usize)
-                    .ok_or("rank_out_of_range")?;
-                *slot = *value;
-                Ok(EngineOut::Ok)
-            }
-            EngineOp::Complete { rank, jobs } => self
-                .complete(*rank as usize, jobs.as_deref())
-                .map(EngineOut::Jobs),
-            EngineOp::Lookup { id, prompt } => {
-                let tokens = match (id, prompt) {
-                    (Some(id), _) => id
-                        .and_then(|id| self.prompts.get(&id))
-                        .ok_or("unknown_request")?
-                        .clone(),
-                    (None, Some(p)) => p.clone(),
-                    (None, None) => Vec::new(),
-                };
-                Ok(EngineOut::Lookups(self.lookup(&tokens)))
-            }
-            EngineOp::OffloadState => Ok(EngineOut::OffloadState(Box::new(self.state()))),
-            EngineOp::ResetCache => self
-                .engine
-                .reset_connector_cache()
-                .map(EngineOut::Reset)
-                .map_err(|e| e.kind()),
-            EngineOp::Request(id) => Ok(request_of(self.engine.scheduler(), *id)),
-            EngineOp::State => Ok(state_of(self.engine.scheduler())),
-        }
-    }
-
-    fn add(&mut self, spec: RequestSpec) -> Result<(), SchedulerError> {
+    /// `add_request`: the scheduler admits the request; its prompt is kept for `lookup`.
+    pub fn add(&mut self, spec: RequestSpec) -> Result<(), SchedulerError> {
         let (id, prompt) = (spec.id, spec.prompt.clone());
         self.engine.scheduler_mut().add_request(spec)?;
         self.prompts.insert(id, prompt);
@@ -341,8 +264,39 @@ impl OffloadEngine {
         Ok(())
     }
 
-    /// `schedule()`, then the tables and job records.
-    fn schedule(&mut self) -> Result<OffloadScheduled, &'static str> {
+    /// `abort`: whether the request was known.
+    pub fn abort(&mut self, id: RequestId) -> Result<bool, &'static str> {
+        self.engine.abort(id).map_err(|e| e.kind())
+    }
+
+    /// `hold`: while `rank` is held, its transfers in flight do not complete at the end of its
+    /// worker step.
+    pub fn hold(&mut self, rank: u32, value: bool) -> Result<(), &'static str> {
+        let slot = self
+            .held
+            .get_mut(rank as usize)
+            .ok_or("rank_out_of_range")?;
+        *slot = value;
+        Ok(())
+    }
+
+    /// `reset_cache`: `reset_connector_cache()`.
+    pub fn reset_cache(&mut self) -> Result<Option<bool>, &'static str> {
+        self.engine.reset_connector_cache().map_err(|e| e.kind())
+    }
+
+    /// The scheduler, for `request` and `state`.
+    pub fn scheduler(&self) -> &Scheduler<OffloadingConnector> {
+        self.engine.scheduler()
+    }
+
+    /// The prompt of request `id`, if it was added.
+    pub fn prompt(&self, id: RequestId) -> Option<&[Token]> {
+        self.prompts.get(&id).map(Vec::as_slice)
+    }
+
+    /// `schedule`: `schedule()`, then the tables and job records.
+    pub fn schedule(&mut self) -> Result<OffloadScheduled, &'static str> {
         let st = self.engine.schedule().map_err(|e| e.kind())?.step;
         let s = self.engine.scheduler();
         let groups = s.config().groups.len();
@@ -526,8 +480,8 @@ impl OffloadEngine {
         }
     }
 
-    /// Every rank's worker step for the oldest step not executed yet.
-    fn execute(&mut self, step: Option<StepId>) -> Result<Executed, &'static str> {
+    /// `execute`: every rank's worker step for the oldest step not executed yet.
+    pub fn execute(&mut self, step: Option<StepId>) -> Result<Executed, &'static str> {
         let Some(front) = self.to_execute.front() else {
             return Err("not_scheduled");
         };
@@ -552,7 +506,9 @@ impl OffloadEngine {
         })
     }
 
-    fn apply_output(
+    /// `apply_output`: the oldest step's sampled tokens (the fake sampler's, overridden by
+    /// `sampled`) and its aggregated connector output applied.
+    pub fn apply_output(
         &mut self,
         step: Option<StepId>,
         sampled: &[(RequestId, Vec<Token>)],
@@ -578,7 +534,8 @@ impl OffloadEngine {
             .map_err(|e| e.kind())
     }
 
-    fn run_step(&mut self) -> Result<(OffloadScheduled, Executed, StepResult), &'static str> {
+    /// `run_step`: `schedule`, `execute`, `apply_output`, with no step in flight before.
+    pub fn run_step(&mut self) -> Result<(OffloadScheduled, Executed, StepResult), &'static str> {
         if self.engine.steps_in_flight().next().is_some() {
             return Err("step_out_of_order");
         }
@@ -588,7 +545,8 @@ impl OffloadEngine {
         Ok((a, b, c))
     }
 
-    fn drain(&mut self, max: u32) -> Result<u32, &'static str> {
+    /// `drain`: `run_step` until no request is left, at most `max` steps; the steps run.
+    pub fn drain(&mut self, max: u32) -> Result<u32, &'static str> {
         if self.engine.steps_in_flight().next().is_some() {
             return Err("step_out_of_order");
         }
@@ -603,7 +561,9 @@ impl OffloadEngine {
         Ok(n)
     }
 
-    fn complete(
+    /// `complete`: the transfers in flight on `rank` complete (`jobs`, each after those ahead
+    /// of it in its queue; `None`: all of them). Returns the jobs completed, in order.
+    pub fn complete(
         &mut self,
         rank: usize,
         jobs: Option<&[JobId]>,
@@ -630,8 +590,8 @@ impl OffloadEngine {
         Ok(done)
     }
 
-    /// The manager's answer for every complete chunk of `tokens`, per group.
-    fn lookup(&self, tokens: &[Token]) -> Vec<Vec<KeyLookup>> {
+    /// `lookup`: the manager's answer for every complete chunk of `tokens`, per group.
+    pub fn lookup(&self, tokens: &[Token]) -> Vec<Vec<KeyLookup>> {
         let c = self.engine.scheduler().config();
         let bs = c.block_size as usize;
         let bpc = self
@@ -663,7 +623,8 @@ impl OffloadEngine {
             .collect()
     }
 
-    fn state(&self) -> OffloadState {
+    /// `offload_state`: the connector's jobs, requests and fences, and every rank's transfers.
+    pub fn state(&self) -> OffloadState {
         let c = self.engine.scheduler().connector();
         OffloadState {
             jobs: c
@@ -844,29 +805,6 @@ pub fn render_state(s: &OffloadState, ids: &Interner) -> Value {
     })
 }
 
-/// The connector a case's `connector` key names.
-#[derive(Debug)]
-pub enum ConnectorChoice {
-    /// The scripted connector (the default).
-    Scripted,
-    /// The offloading connector, with its `{…}` object.
-    Offloading(Value),
-}
-
-/// Parses the `connector` config value.
-pub fn parse_connector(v: Option<&Value>) -> Result<ConnectorChoice, CaseError> {
-    match v {
-        None => Ok(ConnectorChoice::Scripted),
-        Some(Value::String(s)) if s == "scripted" => Ok(ConnectorChoice::Scripted),
-        Some(Value::Object(o)) if o.len() == 1 && o.contains_key("offloading") => {
-            Ok(ConnectorChoice::Offloading(o["offloading"].clone()))
-        }
-        Some(other) => err(format!(
-            "connector {other}: expected \"scripted\" or {{\"offloading\": {{…}}}}"
-        )),
-    }
-}
-
 /// A rank runner's historical bug in the harness's rank driver (model-checking builds only).
 #[cfg(feature = "scheduler-faults")]
 impl OffloadEngine {
@@ -892,7 +830,7 @@ mod tests {
             ..SchedulerConfig::default()
         };
         let v = json!({"blocks_per_chunk": 1, "capacity_chunks": 8, "ranks": 2});
-        let mut e = OffloadEngine::new(sc, &v, Mode::Compat).unwrap();
+        let mut e = OffloadEngine::new(sc, &v).unwrap();
         let spec = RequestSpec {
             id: RequestId(0),
             prompt: (1..=8).collect(),
@@ -900,19 +838,11 @@ mod tests {
             stop_token: None,
             kv_transfer_params: None,
         };
-        let add = EngineOp::AddRequest {
-            spec,
-            lookup: None,
-            delay_free: None,
-        };
-        assert!(e.apply(&add).is_ok());
-        assert!(e.apply(&EngineOp::RunStep).is_ok(), "a correct runner");
+        assert!(e.add(spec).is_ok());
+        assert!(e.run_step().is_ok(), "a correct runner");
         e.inject_rank_fault(1, kvrelay_core::RankFault::BindFirst);
-        assert!(e.apply(&EngineOp::Schedule).is_ok());
-        assert_eq!(
-            e.apply(&EngineOp::Execute(None)).err(),
-            Some("protocol_violation")
-        );
+        assert!(e.schedule().is_ok());
+        assert_eq!(e.execute(None).err(), Some("protocol_violation"));
         let why = e.check_invariants().unwrap_err();
         assert!(why.contains("rank 1") && why.contains("bind"), "{why}");
     }

@@ -8,6 +8,8 @@
 //! `kv_transfer_params` values may be any JSON value: each is carried through the core as its
 //! JSON text (the core's `Params` maps strings to strings) and rendered back, so values compare
 //! exactly as written.
+//!
+//! Run by `kvrelay conformance` for a case with `"machine": "multi"`.
 
 use std::collections::BTreeMap;
 
@@ -20,10 +22,8 @@ use kvrelay_core::{
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::{
-    CaseError, Harness, arg, err, id_set, only, parse_meta, render_ids, render_opt_meta,
-    unknown_call,
-};
+use super::case::{CaseError, Harness, err};
+use super::json::{arg, id_set, only, parse_meta, render_ids, render_opt_meta, unknown_call};
 
 const CALLS: [&str; 7] = [
     "request_finished",

@@ -3,6 +3,8 @@
 //! Key strings and request strings are interned in the case's [`Interner`]; a key named `n`
 //! becomes `OffloadKey { hash: BlockHash(id(n)), group: 0 }`, so the mapping is deterministic
 //! per case and renders back to the same names.
+//!
+//! Run by `kvrelay conformance` for a case with `"machine": "offload_manager"`.
 
 use std::collections::BTreeSet;
 
@@ -12,7 +14,8 @@ use kvrelay_core::{
 };
 use serde_json::{Map, Value, json};
 
-use super::{CaseError, Harness, arg, err, only, unknown_call};
+use super::case::{CaseError, Harness, err};
+use super::json::{arg, only, unknown_call};
 
 const CALLS: [&str; 9] = [
     "lookup",
