@@ -1,30 +1,44 @@
 //! kvrelay-core: the pure, deterministic state machines of the KV-cache connector lifecycle.
 //!
 //! The behaviour is vLLM 0.33.0's KV-connector API (`shared/spec/SEMANTICS.md`), restated as
-//! sans-IO machines: inputs are `handle_*`-style method calls, outputs are returned values, time
-//! and randomness never enter. The same code runs in the engine (`kvrelay-runtime`), in the model
-//! checker (`kvrelay-model-check`) and under property tests (`kvrelay-tests`).
+//! sans-IO machines. An input is a method call on a machine — named after the vLLM call it
+//! stands for (`schedule`, `update_from_output`, `get_num_new_matched_tokens`, `start_load_kv`,
+//! …) or after the event it reports (`rank_output`, `transfer_done`) — and everything a machine
+//! wants done outside itself comes back as a returned value: a [`ScheduledStep`], a
+//! [`RankAction`], a [`TransferCommand`]. Nothing here performs IO, reads a clock or draws a
+//! random number, so the same code runs in the engine (`kvrelay-runtime`), in the model checker
+//! (`kvrelay-model-check`) and under property tests (`kvrelay-tests`).
 //!
-//! # Machines
+//! # Where to start
 //!
-//! | machine | vLLM counterpart | spec |
-//! | --- | --- | --- |
-//! | [`Aggregator`] | `KVOutputAggregator` (executor side) | §4.1–§4.2, I-21…I-27 |
-//! | [`WorkerMeta`] / [`Meta`] | `KVConnectorWorkerMetadata.aggregate` | §4.3–§4.4, I-25, I-31 |
-//! | [`EventAccumulator`] | the scheduler connector's `KVConnectorKVEvents` | §4.5 |
-//! | [`WorkerProtocol`] | the order of one rank's connector calls per step | §2.4, I-1…I-6 |
-//! | [`MultiConnector`] + [`MultiWorker`] | `MultiConnector` (both roles) | §1.7, §4.3, I-28…I-32 |
-//! | [`CpuOffloadingManager`] | `CPUOffloadingManager` + its LRU/ARC policies | §5.2–§5.4, I-40 |
-//! | [`OffloadingConnector`] + [`OffloadingWorker`] | `OffloadingConnector` (both roles) | §1.8, §5.5–§5.7, §6.4, I-38…I-47 |
-//! | [`Scheduler`] + [`BlockPool`] | vLLM's `Scheduler` and `BlockPool`, as connectors see them | §1.2, §2.2–§2.3, §2.7–§2.9, §6.1, I-14…I-20, I-33…I-37 |
+//! An engine drives [`EngineCore`] and one [`RankDriver`] per rank; `engine/mod.rs` lists what to
+//! call when. Everything else is what those two compose.
+//!
+//! # Rooms and machines
+//!
+//! | room | machine | vLLM counterpart | spec |
+//! | --- | --- | --- | --- |
+//! | [`engine`] | [`EngineCore`], [`RankDriver`] | `EngineCore` + executor; one worker's `execute_model` | §2, §4 |
+//! | [`scheduler`] | [`Scheduler`] + [`BlockPool`] | vLLM's `Scheduler` and `BlockPool`, as connectors see them | §1.2, §2.2–§2.3, §2.7–§2.9, §6.1, I-14…I-20, I-33…I-37 |
+//! | [`worker`] | [`WorkerProtocol`], [`GuardedWorker`] | the order of one rank's connector calls per step | §2.4, I-1…I-6 |
+//! | (root) | [`Aggregator`] | `KVOutputAggregator` (executor side) | §4.1–§4.2, I-21…I-27 |
+//! | [`messages`] | [`WorkerMeta`] / [`Meta`] | `KVConnectorWorkerMetadata.aggregate` | §4.3–§4.4, I-25, I-31 |
+//! | [`messages`] | [`EventAccumulator`] | the scheduler connector's `KVConnectorKVEvents` | §4.5 |
+//! | [`offloading`] | [`OffloadingConnector`] + [`OffloadingWorker`] | `OffloadingConnector` (both roles) | §1.8, §5.5–§5.7, §6.4, I-38…I-47 |
+//! | [`offloading`] | [`CpuOffloadingManager`] | `CPUOffloadingManager` + its LRU/ARC policies | §5.2–§5.4, I-40 |
+//! | [`compose`] | [`MultiConnector`] + [`MultiWorker`] | `MultiConnector` (both roles) | §1.7, §4.3, I-28…I-32 |
+//!
+//! Rooms depend downwards only: `ids`/`tokens`/`sorted_set` ← [`messages`] ← [`scheduler`] ←
+//! [`worker`] ← the aggregator ← [`offloading`], [`compose`] ← [`engine`]; `testing` (behind the
+//! `testing` feature) may use them all.
 //!
 //! # The connector contract
 //!
 //! [`SchedulerConnector`] and [`WorkerConnector`] are the two roles of a connector. The scheduler
 //! lends a connector a read-only [`SchedulerView`] for each call and applies the [`Intent`]s the
 //! connector returns; [`GuardedWorker`] puts the worker side behind the step protocol.
-//! [`ScriptedConnector`] answers from a table set by tests ([`ScriptedWorker`] is its worker
-//! twin); [`NoopConnector`] does nothing.
+//! [`NoopConnector`] does nothing. With the `testing` feature, `ScriptedConnector` answers from
+//! a table set by tests (`ScriptedWorker` is its worker twin).
 //!
 //! # Ids
 //!
@@ -41,8 +55,10 @@
 //! # Invariants
 //!
 //! Every machine has a `check_invariants()` that returns the first broken invariant, named after
-//! the spec id (`I-xx`). Tests, property tests and the model checker call it after every
-//! transition. A broken invariant is a bug in this crate, never a consequence of bad input.
+//! the spec id (`I-xx`). Debug builds check it at the end of every public transition; tests,
+//! property tests and the model checker call it after every transition. A broken invariant is
+//! a bug in this crate, never a consequence of bad input (a machine stopped by a peer that broke
+//! its contract is exempt: it returns the sticky error instead).
 
 #![no_std]
 #![forbid(unsafe_code)]

@@ -10,7 +10,7 @@
 //! # When the scheduler calls what
 //!
 //! * `get_num_new_matched_tokens`: the longest prefix of ready chunks beyond the local hit
-//!   (sliding-window groups need only their last window). [`Lookup::Pending`] while the request
+//!   (sliding-window groups need only their last window). [`crate::Lookup::Pending`] while the request
 //!   still has jobs in flight (issue #46014), while a key it would load is write-pending, or while
 //!   another request is loading one of those keys.
 //! * `update_state_after_alloc`: records every allocated block (fence detection, issue #46951);
@@ -29,7 +29,7 @@
 //!
 //! Where vLLM asserts (an acknowledgement for an unknown job, a count that would drive a job
 //! below zero, a manager refusing to pin a key it reported as a hit), the connector keeps a
-//! description and hands it to the scheduler through [`SchedulerConnector::take_error`]; the
+//! description and hands it to the scheduler through [`crate::SchedulerConnector::take_error`]; the
 //! scheduler then stops with the sticky [`crate::SchedulerError::ConnectorContract`].
 
 //!
@@ -38,7 +38,7 @@
 //! | file | what |
 //! | --- | --- |
 //! | `config.rs`, `meta.rs` | the configuration; the metadata shipped to the workers |
-//! | `connector.rs` | the scheduler's calls ([`SchedulerConnector`]) |
+//! | `connector.rs` | the scheduler's calls ([`crate::SchedulerConnector`]) |
 //! | `lookup.rs` | hits: the ready chunks beyond the local hit |
 //! | `store.rs` | stores, fences, per-request bookkeeping |
 //! | `invariants.rs` | `check_invariants()` |

@@ -5,7 +5,7 @@ use alloc::vec::Vec;
 use crate::ids::BlockId;
 
 /// A change to scheduler-owned state that a connector asks for (SEMANTICS.md §7.3). Drained with
-/// [`SchedulerConnector::take_intents`] after every mutable call and applied by the scheduler;
+/// [`crate::SchedulerConnector::take_intents`] after every mutable call and applied by the scheduler;
 /// an intent the scheduler cannot apply is the sticky error
 /// [`crate::SchedulerError::IntentRejected`].
 #[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]

@@ -5,10 +5,10 @@
 //! # When to call what
 //!
 //! * [`Scheduler::add_request`] when a request arrives (calls `on_new_request`).
-//! * [`Scheduler::schedule`] once per engine step: returns the step's [`SchedulerOutput`] and the
+//! * [`Scheduler::schedule`] once per engine step: returns the step's [`crate::SchedulerOutput`] and the
 //!   connector metadata for the workers. Up to `async_depth` steps may be scheduled before the
 //!   oldest one's output is applied (async scheduling, I-12).
-//! * [`Scheduler::update_from_output`] with the executed step's [`ModelOutput`] (sampled tokens
+//! * [`Scheduler::update_from_output`] with the executed step's [`crate::ModelOutput`] (sampled tokens
 //!   and the *aggregated* connector output), oldest step first.
 //! * [`Scheduler::abort`] between steps (client disconnect).
 //! * [`Scheduler::has_requests`] to decide whether the engine keeps stepping.

@@ -47,7 +47,7 @@ pub struct RequestOutput {
     pub kv_transfer_params: Option<Params>,
 }
 
-/// The result of [`Scheduler::update_from_output`].
+/// The result of [`crate::Scheduler::update_from_output`].
 #[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StepResult {
     /// Per-request outputs, in scheduling order, then errored requests.

@@ -124,7 +124,7 @@ impl TransferResults {
 
 /// The worker side of a connector, one per rank (SEMANTICS.md §2.4, §3.2), sans-IO.
 ///
-/// Hooks are called in the order [`WorkerProtocol`] admits; use [`GuardedWorker`] to enforce it.
+/// Hooks are called in the order [`crate::WorkerProtocol`] admits; use [`crate::GuardedWorker`] to enforce it.
 pub trait WorkerConnector: Debug {
     /// The scheduler connector's per-step metadata.
     type Meta;

@@ -34,7 +34,7 @@ pub struct MultiWorker<W> {
 }
 
 impl<W: WorkerConnector<WorkerMeta = Meta>> MultiWorker<W> {
-    /// Composes `children` (one per child of the scheduler-side [`MultiConnector`], same order).
+    /// Composes `children` (one per child of the scheduler-side [`crate::MultiConnector`], same order).
     pub fn new(children: Vec<W>) -> Self {
         Self {
             children,
