@@ -765,9 +765,8 @@ mod tests {
 
     #[test]
     fn strict_counts_reporters_beyond_64_ranks() {
-        // Ranks 64 and up live in `RankBits::high`; the invariant check counts reporters across
-        // both words (a cargo-mutants survivor: `low − high` instead of `low + high` went
-        // unnoticed below 65 ranks).
+        // Protects I-22 beyond 64 ranks: ranks 64 and up live in `RankBits::high`, and the
+        // invariant check counts reporters across both words.
         let mut a: Aggregator = Aggregator::new(66, Mode::Strict);
         let mut outputs = vec![None; 66];
         outputs[0] = sending(&[5]);
@@ -792,8 +791,8 @@ mod tests {
 
     #[test]
     fn check_invariants_rejects_a_corrupt_aggregator() {
-        // The model checker calls check_invariants after every action; it must see each kind of
-        // corruption (a cargo-mutants survivor: the check replaced by Ok(()) went unnoticed).
+        // Protects I-21…I-27 as the model checker sees them (it calls check_invariants after
+        // every action): each kind of corruption is reported.
         let mut healthy: Aggregator = Aggregator::new(2, Mode::Strict);
         healthy.aggregate(&[sending(&[1]), None], Rank(0)).unwrap();
         healthy.check_invariants().unwrap();

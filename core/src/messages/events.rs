@@ -119,8 +119,8 @@ mod tests {
 
     #[test]
     fn check_invariants_rejects_corrupt_accumulations() {
-        // A cargo-mutants survivor: `update` cannot build these states, so only a corrupted
-        // accumulator shows that the check looks at all.
+        // Protects the event quorum (§4.5) as the model checker sees it: `update` cannot build
+        // these states, so only a corrupted accumulator shows that the check looks at all.
         let mut acc = EventAccumulator::new();
         acc.update(Some(&KvEvents::from_worker(alloc::vec![KvEvent(
             "e".into()

@@ -431,7 +431,7 @@ mod tests {
 
     #[test]
     fn offload_meta_counts_distinct_jobs() {
-        // A cargo-mutants survivor: a constant `len` went unnoticed.
+        // Protects I-25's counting: an offload meta holds one entry per distinct job.
         let m = OffloadMeta::from_counts([(JobId(2), 1), (JobId(1), 1), (JobId(2), 1)]);
         assert_eq!(m.len(), 2);
         assert_eq!(
@@ -443,8 +443,8 @@ mod tests {
 
     #[test]
     fn offload_meta_count_reads_recorded_counts() {
-        // A cargo-mutants survivor: the merge law `count(a + b) = count(a) + count(b)` holds for
-        // a constant-0 `count`, so read counts against what was recorded.
+        // Protects I-25: counts read back what was recorded (the merge law
+        // `count(a + b) = count(a) + count(b)` alone also holds for a constant 0).
         let m = OffloadMeta::from_counts([(JobId(3), 1), (JobId(1), 2), (JobId(3), 1)]);
         assert_eq!(m.count(JobId(1)), 2);
         assert_eq!(m.count(JobId(3)), 2);
@@ -456,7 +456,7 @@ mod tests {
 
     #[test]
     fn mismatched_forms_are_named_in_the_error() {
-        // A cargo-mutants survivor: no test read the form names the error reports.
+        // Protects the typed meta_mismatch error: it names both forms.
         let offload = Meta::Offload(OffloadMeta::new());
         let set = Meta::Set(SortedSet::default());
         let multi = Meta::Multi(alloc::vec![None]);

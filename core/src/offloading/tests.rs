@@ -201,8 +201,8 @@ fn sealing_sorts_and_dedups_the_allocated_blocks() {
 
 #[test]
 fn check_invariants_rejects_corrupt_job_tables() {
-    // cargo-mutants survivors: the public calls never build these states, so only a
-    // corrupted connector shows that each check looks at all.
+    // Protects I-38…I-45 as the model checker sees them: the public calls never build these
+    // states, so only a corrupted connector shows that each check looks at all.
     // Stores plus a sync load are fine.
     assert_eq!(with_jobs("ssy").check_invariants(), Ok(()));
     let mut unlisted = with_jobs("s");

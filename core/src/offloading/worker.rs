@@ -384,8 +384,8 @@ mod tests {
 
     #[test]
     fn check_invariants_rejects_a_corrupt_worker() {
-        // The model checker calls check_invariants after every action (a cargo-mutants
-        // survivor: the check replaced by Ok(()) went unnoticed).
+        // Protects I-46 and I-47 as the model checker sees them (it calls check_invariants after
+        // every action): each kind of corruption is reported.
         let fresh = OffloadingWorker::new(OffloadingWorkerConfig {
             blocks_per_chunk: 1,
             is_store_writer: true,

@@ -385,7 +385,7 @@ mod tests {
     fn lru_eviction_prefers_least_recently_freed() {
         let mut pool = BlockPool::new(5);
         // The scheduler's I-20 check walks blocks 1..num_blocks: the count includes the null
-        // block (a cargo-mutants survivor: a constant count went unnoticed).
+        // block, and it is the pool's real size.
         assert_eq!(pool.num_blocks(), 5);
         assert_eq!(pool.num_free(), 4);
         let a = pool.get_new_blocks(2).unwrap();
@@ -473,8 +473,8 @@ mod tests {
         pool.check_invariants().unwrap();
     }
 
-    /// cargo-mutants survivors: the null block never gets a key, a cached block keeps its key,
-    /// and among blocks with the same key a hit takes the one cached first (vLLM's
+    /// Protects vLLM's prefix-cache keys: the null block never gets a key, a cached block keeps
+    /// its key, and among blocks with the same key a hit takes the one cached first (vLLM's
     /// `get_one_block`: the dict's insertion order).
     #[test]
     fn cache_keys_stick_and_the_oldest_duplicate_wins() {

@@ -70,8 +70,7 @@ fn at(s: &Scheduler<ScriptedConnector>, r: &Request, group: u8, i: usize) -> Blo
 fn a_sliding_window_hit_is_the_last_run_of_window_blocks() {
     // vLLM's `SlidingWindowManager.find_longest_cache_hit`: scanning back from the longest
     // prefix, the first run of `cdiv(window - 1, block_size)` cached blocks ends the hit;
-    // blocks before the run are null. (cargo-mutants survivors: no test looked up a
-    // sliding-window group with holes in its cache.)
+    // blocks before the run are null. Protects the sliding-window hit on a cache with holes.
     let n = NULL_BLOCK;
     // Window 8 = a run of 2 blocks: blocks 4 and 5 (6 and 7 are not cached).
     let (s, r) = cached(8, &[], &[0, 1, 2, 4, 5]);

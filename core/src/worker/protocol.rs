@@ -386,8 +386,8 @@ mod tests {
 
     #[test]
     fn check_invariants_rejects_a_corrupt_protocol() {
-        // The model checker calls check_invariants after every action (a cargo-mutants
-        // survivor: the check replaced by Ok(()) went unnoticed).
+        // Protects I-1…I-6 as the model checker sees them (it calls check_invariants after
+        // every action): each kind of corruption is reported.
         let mut p = WorkerProtocol::new();
         p.check_invariants().unwrap();
         p.begin_step(StepShape {

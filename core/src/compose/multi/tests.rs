@@ -13,8 +13,8 @@ use crate::{ScriptedConnector, ScriptedWorker};
 
 #[test]
 fn check_invariants_rejects_corrupt_scheduler_state() {
-    // A cargo-mutants survivor: the public calls never build these states, so only a
-    // corrupted connector shows that the check looks at all.
+    // Protects I-28 and I-29 as the model checker sees them: the public calls never build
+    // these states, so only a corrupted connector shows that the check looks at all.
     let healthy = MultiConnector::new(alloc::vec![ScriptedConnector::quiet(); 2]).unwrap();
     assert_eq!(healthy.check_invariants(), Ok(()));
     let mut stray_loader = healthy.clone();
@@ -29,7 +29,8 @@ fn check_invariants_rejects_corrupt_scheduler_state() {
 
 #[test]
 fn a_boxed_connector_forwards_every_answer() {
-    // cargo-mutants survivors: the `Box<T>` forwarding impl was only ever asked defaults.
+    // Protects boxed children (heterogeneous MultiConnector children): a `Box<T>` answers
+    // exactly what `T` answers, for every method, not only the defaults.
     let scheduler =
         crate::Scheduler::new(crate::SchedulerConfig::default(), crate::NoopConnector).unwrap();
     let view = scheduler.view();
@@ -107,7 +108,7 @@ impl WorkerConnector for Recorder {
 
 #[test]
 fn a_boxed_worker_connector_forwards_every_call() {
-    // cargo-mutants survivors: the worker side of the `Box<T>` forwarding impl.
+    // Protects boxed worker children: a `Box<T>` forwards every hook to `T`.
     let mut boxed = alloc::boxed::Box::new(Recorder::default());
     boxed.bind(&1);
     let done = TransferDone {
@@ -134,7 +135,7 @@ fn a_boxed_worker_connector_forwards_every_call() {
 
 #[test]
 fn worker_check_invariants_rejects_corrupt_renumbering() {
-    // A cargo-mutants survivor, like the scheduler side's check above.
+    // Protects I-28 and the job renumbering's bijection, as the scheduler side's check above.
     let healthy = MultiWorker::new(alloc::vec![ScriptedWorker::new(); 2]);
     assert_eq!(healthy.check_invariants(), Ok(()));
     let mut zero_saves = healthy.clone();
