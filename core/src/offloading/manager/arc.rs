@@ -1,0 +1,283 @@
+//! The ARC policy (vLLM 0.33.0's `ARCCachePolicy`): adaptive replacement between recency and
+//! frequency.
+//!
+//! Stored keys sit in T1 (seen once) or T2 (seen again); evicted keys stay as ghosts (nodes
+//! without a chunk) in B1 or B2, each bounded by the capacity. A touch or store miss of a ghost
+//! moves the T1 target size towards the list it came from; eviction takes idle keys from T1
+//! while T1 is at or above its target, else from T2, else from T1. Every list is in recency
+//! order, least recent first. Unlike LRU, pinned and write-pending keys stay in their lists;
+//! eviction skips them.
+
+use alloc::collections::BTreeSet;
+use alloc::vec::Vec;
+
+use super::arena::{Arena, List, NIL, Node, Place};
+use super::types::{ChunkId, OffloadKey};
+use crate::{InvariantViolation, ensure_invariant};
+
+/// The ARC's own state: the heads of its four lists, threaded through the arena's nodes.
+#[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(super) struct Arc {
+    t1: List,
+    t2: List,
+    b1: List,
+    b2: List,
+    /// `target_t1_size`, an f64 kept as its bits so the manager stays `Eq + Hash`.
+    target_bits: u64,
+}
+
+impl Arc {
+    pub(super) fn new() -> Self {
+        Self {
+            t1: List::EMPTY,
+            t2: List::EMPTY,
+            b1: List::EMPTY,
+            b2: List::EMPTY,
+            target_bits: 0f64.to_bits(),
+        }
+    }
+
+    /// `touch`, processed tail to head so the head ends most recent: a ready key in T1 moves to
+    /// T2, a write-pending one (just prepared to be stored) stays in T1 as most recent, a key in
+    /// T2 becomes its most recent, and a ghost adapts the target.
+    pub(super) fn touch(&mut self, arena: &mut Arena, keys: &[OffloadKey], capacity: u32) {
+        let nodes = &mut arena.nodes;
+        for k in keys.iter().rev() {
+            let Some(s) = arena.index.get(k) else {
+                continue;
+            };
+            let n = &nodes[s as usize];
+            let ready = n.chunk.is_some_and(|c| c.ref_cnt >= 0);
+            match n.place {
+                Place::T1 if ready => {
+                    self.t1.unlink(nodes, s);
+                    self.t2.push_back(nodes, s, Place::T2);
+                }
+                // Just prepared to be stored, not really touched twice.
+                Place::T1 => self.t1.move_to_back(nodes, s),
+                Place::T2 => self.t2.move_to_back(nodes, s),
+                _ => self.ghost_hit(nodes, capacity, s),
+            }
+        }
+    }
+
+    /// A store miss of a key: a ghost adapts the T1 target.
+    pub(super) fn on_store_miss(&mut self, arena: &mut Arena, k: &OffloadKey, capacity: u32) {
+        let Some(s) = arena.slot(k) else {
+            return;
+        };
+        self.ghost_hit(&mut arena.nodes, capacity, s);
+    }
+
+    /// A store miss or touch of a ghost adapts the T1 target (no-op for other nodes).
+    fn ghost_hit(&mut self, nodes: &mut [Node], capacity: u32, s: u32) {
+        let capacity = f64::from(capacity);
+        let target = f64::from_bits(self.target_bits);
+        match nodes[s as usize].place {
+            Place::B1 => {
+                let delta = (f64::from(self.b2.len) / f64::from(self.b1.len)).max(1.0);
+                self.target_bits = (target + delta).min(capacity).to_bits();
+                self.b1.move_to_back(nodes, s);
+            }
+            Place::B2 => {
+                let delta = (f64::from(self.b1.len) / f64::from(self.b2.len)).max(1.0);
+                self.target_bits = (target - delta).max(0.0).to_bits();
+                self.b2.move_to_back(nodes, s);
+            }
+            _ => {}
+        }
+    }
+
+    /// A key just reserved for a store (a fresh node or a ghost that got its chunk back) enters
+    /// T1 as most recent.
+    pub(super) fn insert(&mut self, nodes: &mut [Node], s: u32) {
+        match nodes[s as usize].place {
+            Place::B1 => self.b1.unlink(nodes, s),
+            Place::B2 => self.b2.unlink(nodes, s),
+            _ => {}
+        }
+        self.t1.push_back(nodes, s, Place::T1);
+    }
+
+    /// A key whose store failed leaves T1/T2 (the manager then frees its node).
+    pub(super) fn remove(&mut self, nodes: &mut [Node], s: u32) {
+        match nodes[s as usize].place {
+            Place::T1 => self.t1.unlink(nodes, s),
+            Place::T2 => self.t2.unlink(nodes, s),
+            _ => {}
+        }
+    }
+
+    /// Evicts exactly `n` idle keys outside `protected` (sorted), frees their chunks and moves
+    /// them to the ghost lists (trimmed to `capacity`), returning them in eviction order; `None`
+    /// (nothing changed) if there are fewer.
+    pub(super) fn evict(
+        &mut self,
+        arena: &mut Arena,
+        free: &mut Vec<ChunkId>,
+        n: usize,
+        protected: &[OffloadKey],
+        capacity: u32,
+    ) -> Option<Vec<OffloadKey>> {
+        let mut victims = Vec::with_capacity(n);
+        let Self {
+            t1,
+            t2,
+            b1,
+            b2,
+            target_bits,
+        } = self;
+        let target = f64::from_bits(*target_bits) as usize;
+        let chosen = {
+            let nodes = &arena.nodes;
+            let idle = |s: u32| {
+                let n = &nodes[s as usize];
+                n.chunk.is_some_and(|c| c.ref_cnt == 0) && protected.binary_search(&n.key).is_err()
+            };
+            // The next idle node from a cursor, advancing it past that node.
+            let next_idle = |cursor: &mut u32| {
+                while *cursor != NIL {
+                    let s = *cursor;
+                    *cursor = nodes[s as usize].next;
+                    if idle(s) {
+                        return Some(s);
+                    }
+                }
+                None
+            };
+            let mut virtual_t1 = t1.len as usize;
+            let (mut c1, mut c2) = (t1.head, t2.head);
+            let mut chosen: Vec<(u32, bool)> = Vec::with_capacity(n);
+            for _ in 0..n {
+                let mut pick = None;
+                if virtual_t1 >= target
+                    && let Some(s) = next_idle(&mut c1)
+                {
+                    pick = Some((s, true));
+                    virtual_t1 -= 1;
+                }
+                if pick.is_none()
+                    && let Some(s) = next_idle(&mut c2)
+                {
+                    pick = Some((s, false));
+                }
+                if pick.is_none() {
+                    let s = next_idle(&mut c1)?;
+                    pick = Some((s, true));
+                    virtual_t1 -= 1;
+                }
+                chosen.extend(pick);
+            }
+            chosen
+        };
+        for (s, in_t1) in chosen {
+            if in_t1 {
+                t1.unlink(&mut arena.nodes, s);
+                b1.push_back(&mut arena.nodes, s, Place::B1);
+            } else {
+                t2.unlink(&mut arena.nodes, s);
+                b2.push_back(&mut arena.nodes, s, Place::B2);
+            }
+            let node = &mut arena.nodes[s as usize];
+            let chunk = node.chunk.take().expect("idle keys are stored");
+            victims.push(node.key);
+            free.push(chunk.chunk);
+            arena.stored -= 1;
+        }
+        for ghost in [b1, b2] {
+            while ghost.len > capacity {
+                let s = ghost.head;
+                ghost.unlink(&mut arena.nodes, s);
+                arena.release(s);
+            }
+        }
+        Some(victims)
+    }
+
+    /// `on_request_finished`: the request's keys, tail to head in prefix order: reused keys are
+    /// promoted from T1 or become T2's most recent; keys it only inserted are refreshed in their
+    /// list.
+    pub(super) fn on_request_finished(
+        &mut self,
+        arena: &mut Arena,
+        ordered: &[OffloadKey],
+        inserted: &BTreeSet<OffloadKey>,
+        reused: &BTreeSet<OffloadKey>,
+    ) {
+        let nodes = &mut arena.nodes;
+        for k in ordered.iter().rev() {
+            let Some(s) = arena.index.get(k) else {
+                continue;
+            };
+            let place = nodes[s as usize].place;
+            let reused = reused.contains(k);
+            if inserted.contains(k) && !reused {
+                // Insert-only: refreshed in its list.
+                match place {
+                    Place::T1 => self.t1.move_to_back(nodes, s),
+                    Place::T2 => self.t2.move_to_back(nodes, s),
+                    _ => {}
+                }
+            } else if reused {
+                // From T1, or to T2's most recent end.
+                match place {
+                    Place::T1 => {
+                        self.t1.unlink(nodes, s);
+                        self.t2.push_back(nodes, s, Place::T2);
+                    }
+                    Place::T2 => self.t2.move_to_back(nodes, s),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Whether a node sits where ARC puts it: a stored key in T1 or T2, a ghost in B1 or B2.
+    pub(super) fn placed(n: &Node) -> bool {
+        match n.chunk {
+            Some(_) => matches!(n.place, Place::T1 | Place::T2),
+            None => matches!(n.place, Place::B1 | Place::B2),
+        }
+    }
+
+    /// I-40, ARC part: the four lists are well linked, T1/T2 hold the `stored` keys and B1/B2 the
+    /// other `live` nodes (the ghosts), each ghost list and the target within `capacity`.
+    pub(super) fn check_invariants(
+        &self,
+        nodes: &[Node],
+        live: usize,
+        stored: usize,
+        capacity: u32,
+    ) -> Result<(), InvariantViolation> {
+        let (t1, t2, b1, b2) = (&self.t1, &self.t2, &self.b1, &self.b2);
+        let lists = [
+            (t1, Place::T1),
+            (t2, Place::T2),
+            (b1, Place::B1),
+            (b2, Place::B2),
+        ];
+        for (list, place) in lists {
+            ensure_invariant!(
+                list.holds(nodes, place).is_some(),
+                "I-40",
+                "ARC list {place:?} broken"
+            );
+        }
+        ensure_invariant!(
+            (t1.len + t2.len) as usize == stored && (b1.len + b2.len) as usize == live - stored,
+            "I-40",
+            "ARC lists do not hold exactly the present keys and ghosts"
+        );
+        let target = f64::from_bits(self.target_bits);
+        ensure_invariant!(
+            b1.len <= capacity
+                && b2.len <= capacity
+                && (0.0..=f64::from(capacity)).contains(&target),
+            "I-40",
+            "ARC ghosts {} + {} or target {target} beyond capacity {capacity}",
+            b1.len,
+            b2.len
+        );
+        Ok(())
+    }
+}

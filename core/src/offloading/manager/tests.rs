@@ -1,0 +1,100 @@
+//! Unit tests that reach inside the manager: the list walk the invariants rely on, and I-40 on
+//! deliberately corrupted managers. The behaviour is tested from outside, against reference
+//! models (`tests/tests/offload_manager*.rs`) and by the conformance cases.
+
+use super::arena::{List, Node, Place};
+use super::policy::Policy;
+use super::*;
+
+/// Nodes 0, 1, 2 linked in that order.
+fn three() -> (List, Vec<Node>) {
+    let mut nodes = alloc::vec![Node::FREE; 3];
+    let mut list = List::EMPTY;
+    for s in 0..3 {
+        list.push_back(&mut nodes, s, Place::IdleList);
+    }
+    (list, nodes)
+}
+
+#[test]
+fn collect_walks_a_list_and_rejects_broken_links() {
+    // cargo-mutants survivors: the invariant check's walk only ever saw healthy lists.
+    let (list, nodes) = three();
+    assert_eq!(list.collect(&nodes), Some(alloc::vec![0, 1, 2]));
+    // A back link that does not point at the predecessor.
+    let mut bad_prev = nodes.clone();
+    bad_prev[2].prev = 0;
+    assert_eq!(list.collect(&bad_prev), None);
+    // A tail that is not where the walk ends.
+    let bad_tail = List { tail: 1, ..list };
+    assert_eq!(bad_tail.collect(&nodes), None);
+    // A length that the walk does not match.
+    let short = List { len: 2, ..list };
+    assert_eq!(short.collect(&nodes), None);
+}
+
+/// An LRU manager with `k(1)`, `k(2)` stored and `k(3)` write-pending, and the slot of `k(3)`.
+fn lru_with_a_pending_key() -> (CpuOffloadingManager, u32) {
+    let k = |n| OffloadKey {
+        hash: crate::BlockHash(n),
+        group: 0,
+    };
+    let mut m = CpuOffloadingManager::new(ManagerConfig {
+        capacity_chunks: 4,
+        policy: PolicyKind::Lru,
+        store_threshold: 1,
+    })
+    .expect("a valid config");
+    m.prepare_store(&[k(1), k(2)], Access::default())
+        .expect("room for two");
+    m.complete_store(&[k(1), k(2)], true);
+    m.prepare_store(&[k(3)], Access::default())
+        .expect("room for one more");
+    let pending = m.arena.slot(&k(3)).expect("k(3) has a node");
+    m.check_invariants().expect("a healthy manager");
+    (m, pending)
+}
+
+#[test]
+fn check_invariants_reports_a_corrupt_manager() {
+    // cargo-mutants survivors (`check_invariants -> Ok(())`, and `&&` → `||` in the LRU
+    // placement check): no test had ever handed I-40 a broken manager.
+    type Corrupt = fn(&mut CpuOffloadingManager, u32);
+    let corruptions: [(&str, Corrupt); 6] = [
+        ("more chunks handed out than the pool holds", |m, _| {
+            m.next_fresh = m.config.capacity_chunks + 1;
+        }),
+        ("a held chunk also on the free list", |m, s| {
+            let chunk = m.arena.nodes[s as usize].chunk.expect("stored").chunk;
+            m.free.push(chunk);
+        }),
+        // Not idle, so it must be unlinked: an LRU key cannot sit in an ARC list.
+        ("a write-pending LRU key placed in T1", |m, s| {
+            m.arena.nodes[s as usize].place = Place::T1;
+        }),
+        ("an idle key taken out of the idle order", |m, _| {
+            let Policy::Lru(lru) = &mut m.policy else {
+                unreachable!("built as LRU")
+            };
+            let idle = lru.idle_mut();
+            let head = idle.head;
+            idle.unlink(&mut m.arena.nodes, head);
+        }),
+        ("a write-pending key counted as evictable", |m, _| {
+            m.evictable += 1;
+        }),
+        // Only ARC keeps keys without a chunk (its ghosts).
+        ("an LRU key without a chunk", |m, _| {
+            m.arena.alloc(OffloadKey {
+                hash: crate::BlockHash(9),
+                group: 0,
+            });
+        }),
+    ];
+    for (what, corrupt) in corruptions {
+        let (mut m, pending) = lru_with_a_pending_key();
+        corrupt(&mut m, pending);
+        let err = m.check_invariants().expect_err(what);
+        assert_eq!(err.id, "I-40", "{what}: {}", err.detail);
+    }
+}
