@@ -20,24 +20,13 @@ use alloc::vec::Vec;
 use crate::Mode;
 use crate::ids::{BlockId, Rank, RequestId};
 use crate::messages::AggregatedOutput;
+use crate::messages::Direction;
 use crate::messages::KvEvents;
 use crate::messages::Meta;
 use crate::messages::MetaMismatch;
 use crate::messages::WorkerMeta;
 use crate::messages::WorkerOutput;
 use crate::sorted_set::SortedSet;
-
-/// A transfer direction, as counted by the aggregator.
-#[derive(
-    Clone, Copy, Debug, Eq, Hash, Ord, PartialEq, PartialOrd, serde::Serialize, serde::Deserialize,
-)]
-#[serde(rename_all = "snake_case")]
-pub enum Direction {
-    /// `finished_sending`: async send/save completions.
-    Send,
-    /// `finished_recving`: async recv/load completions.
-    Recv,
-}
 
 /// Why an [`Aggregator`] call was rejected. A rejected call changes nothing.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, thiserror::Error)]

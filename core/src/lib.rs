@@ -78,7 +78,7 @@ pub mod testing;
 mod tokens;
 pub mod worker;
 
-pub use aggregator::{AggregateError, Aggregator, Direction};
+pub use aggregator::{AggregateError, Aggregator};
 pub use compose::{
     ExtraAsyncSaves, MultiConnector, MultiError, MultiMeta, MultiWorker, NoopConnector,
     combine_finished_counts, route_worker_meta,
@@ -91,9 +91,9 @@ pub use engine::{
 pub use engine::{EngineFault, RankFault};
 pub use ids::{BlockId, Interner, JobId, NULL_BLOCK, Rank, RequestId, StepId};
 pub use messages::{
-    AggregatedOutput, CachedRequestData, EventAccumulator, KvEvent, KvEvents, MAX_META_DEPTH, Meta,
-    MetaMismatch, ModelOutput, NewRequestData, OffloadMeta, ScheduledRequest, ScheduledStep,
-    SchedulerOutput, WorkerMeta, WorkerOutput, build_multi, merge,
+    AggregatedOutput, CachedRequestData, Direction, EventAccumulator, KvEvent, KvEvents,
+    MAX_META_DEPTH, Meta, MetaMismatch, ModelOutput, NewRequestData, OffloadMeta, ScheduledRequest,
+    ScheduledStep, SchedulerOutput, WorkerMeta, WorkerOutput, build_multi, merge,
 };
 pub use offloading::{
     Access, ChunkId, CpuOffloadingManager, GpuSpec, KeyLookup, ManagerConfig, ManagerError,
@@ -104,9 +104,9 @@ pub use offloading::{
 #[cfg(feature = "fault-injection")]
 pub use scheduler::SchedulerFault;
 pub use scheduler::{
-    BlockPool, Completion, FinishDecision, FinishReason, GroupKind, Intent, LoadFailurePolicy,
-    Lookup, MAX_REQUEST_ID, Params, RequestOutput, RequestSpec, RequestStatus, RequestView,
-    Scheduler, SchedulerConfig, SchedulerConnector, SchedulerError, SchedulerView, StepResult,
+    BlockPool, FinishDecision, FinishReason, GroupKind, Intent, LoadFailurePolicy, Lookup,
+    MAX_REQUEST_ID, Params, RequestOutput, RequestSpec, RequestStatus, RequestView, Scheduler,
+    SchedulerConfig, SchedulerConnector, SchedulerError, SchedulerView, StepResult,
 };
 pub use sorted_set::SortedSet;
 #[cfg(any(test, feature = "testing"))]

@@ -18,7 +18,7 @@ mod step;
 
 pub use events::{EventAccumulator, KvEvent, KvEvents};
 pub use meta::{MAX_META_DEPTH, Meta, MetaMismatch, OffloadMeta, WorkerMeta, build_multi, merge};
-pub use output::{AggregatedOutput, WorkerOutput};
+pub use output::{AggregatedOutput, Direction, WorkerOutput};
 pub use step::{
     CachedRequestData, ModelOutput, NewRequestData, ScheduledRequest, ScheduledStep,
     SchedulerOutput,

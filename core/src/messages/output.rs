@@ -6,6 +6,20 @@ use super::meta::Meta;
 use crate::ids::{BlockId, RequestId};
 use crate::sorted_set::SortedSet;
 
+/// Which of a worker output's two completion sets: `finished_sending` (async sends and saves)
+/// or `finished_recving` (async receives and loads). The aggregator counts each direction's
+/// quorum apart; the scheduler applies each direction's completions by its own rules.
+#[derive(
+    Clone, Copy, Debug, Eq, Hash, Ord, PartialEq, PartialOrd, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Direction {
+    /// `finished_sending`: async send/save completions.
+    Send,
+    /// `finished_recving`: async recv/load completions.
+    Recv,
+}
+
 /// One rank's connector output for one step (vLLM's `KVConnectorOutput`).
 ///
 /// Built by the worker side after `build_connector_worker_meta`, handed to the executor's

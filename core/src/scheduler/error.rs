@@ -6,16 +6,7 @@ use alloc::string::String;
 use super::RequestStatus;
 use super::intent::Intent;
 use crate::ids::{BlockId, RequestId, StepId};
-
-/// Which completion direction an error is about.
-#[derive(Clone, Copy, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Completion {
-    /// `finished_sending`.
-    Sending,
-    /// `finished_recving`.
-    Recving,
-}
+use crate::messages::Direction;
 
 /// Errors of the scheduler. See the module docs for which ones stick.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, thiserror::Error)]
@@ -71,7 +62,7 @@ pub enum SchedulerError {
         /// The request.
         id: RequestId,
         /// Which completion.
-        direction: Completion,
+        direction: Direction,
         /// Its status.
         status: RequestStatus,
     },
@@ -82,7 +73,7 @@ pub enum SchedulerError {
         /// The request.
         id: RequestId,
         /// Which completion.
-        direction: Completion,
+        direction: Direction,
     },
     /// A second `finished_recving` for a load already reported (strict mode; sticks).
     #[error("duplicate {direction:?} completion for request {id:?}")]
@@ -90,7 +81,7 @@ pub enum SchedulerError {
         /// The request.
         id: RequestId,
         /// Which completion.
-        direction: Completion,
+        direction: Direction,
     },
     /// The connector answered something the contract forbids (sticks).
     #[error("connector broke its contract: {0}")]

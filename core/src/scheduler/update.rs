@@ -9,12 +9,10 @@ use super::LoadFailurePolicy;
 use super::SchedulerConnector;
 use super::State;
 use super::kv_cache::cdiv;
-use super::{
-    Completion, FinishReason, RequestOutput, RequestStatus, Scheduler, SchedulerError, StepResult,
-};
+use super::{FinishReason, RequestOutput, RequestStatus, Scheduler, SchedulerError, StepResult};
 use crate::Mode;
 use crate::ids::{BlockId, RequestId, StepId};
-use crate::messages::ModelOutput;
+use crate::messages::{Direction, ModelOutput};
 use crate::sorted_set::SortedSet;
 use crate::tokens::Token;
 
@@ -233,10 +231,10 @@ impl<C: SchedulerConnector> Scheduler<C> {
                 .update_connector_output(&self.state.view(), kv);
             self.apply_intents()?;
             for &id in kv.finished_recving.iter().flat_map(|s| s.iter()) {
-                self.apply_completion(id, Completion::Recving)?;
+                self.apply_completion(id, Direction::Recv)?;
             }
             for &id in kv.finished_sending.iter().flat_map(|s| s.iter()) {
-                self.apply_completion(id, Completion::Sending)?;
+                self.apply_completion(id, Direction::Send)?;
             }
         }
 
@@ -249,11 +247,11 @@ impl<C: SchedulerConnector> Scheduler<C> {
     pub(super) fn apply_completion(
         &mut self,
         id: RequestId,
-        dir: Completion,
+        dir: Direction,
     ) -> Result<(), SchedulerError> {
         let strict = self.state.config.mode == Mode::Strict;
         let st = &mut self.state;
-        if dir == Completion::Recving
+        if dir == Direction::Recv
             && !st.requests.contains_key(&id)
             && st.frees_aborted_loads_at_once()
         {
@@ -264,7 +262,7 @@ impl<C: SchedulerConnector> Scheduler<C> {
             // asserts and crashes.
             return Err(self.fail(SchedulerError::StaleCompletion { id, direction: dir }));
         };
-        if dir == Completion::Recving && r.status == RequestStatus::WaitingForRemoteKvs {
+        if dir == Direction::Recv && r.status == RequestStatus::WaitingForRemoteKvs {
             if !st.finished_recving_kv_req_ids.insert(id) && strict {
                 return Err(self.fail(SchedulerError::DuplicateCompletion { id, direction: dir }));
             }
@@ -280,8 +278,8 @@ impl<C: SchedulerConnector> Scheduler<C> {
         }
         if strict {
             let pending = match dir {
-                Completion::Recving => &mut r.held_for_recv,
-                Completion::Sending => &mut r.held_for_send,
+                Direction::Recv => &mut r.held_for_recv,
+                Direction::Send => &mut r.held_for_send,
             };
             if !*pending {
                 return Err(self.fail(SchedulerError::StaleCompletion { id, direction: dir }));
