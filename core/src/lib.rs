@@ -80,7 +80,7 @@ pub mod worker;
 
 pub use aggregator::{AggregateError, Aggregator};
 pub use compose::{
-    ExtraAsyncSaves, MultiConnector, MultiError, MultiMeta, MultiWorker, NoopConnector,
+    ExtraAsyncSaves, MultiConnector, MultiMeta, MultiWorker, NoopConnector,
     combine_finished_counts, route_worker_meta,
 };
 pub use engine::{
@@ -104,9 +104,9 @@ pub use offloading::{
 #[cfg(feature = "fault-injection")]
 pub use scheduler::SchedulerFault;
 pub use scheduler::{
-    BlockPool, FinishDecision, FinishReason, GroupKind, Intent, LoadFailurePolicy, Lookup,
-    MAX_REQUEST_ID, Params, RequestOutput, RequestSpec, RequestStatus, RequestView, Scheduler,
-    SchedulerConfig, SchedulerConnector, SchedulerError, SchedulerView, StepResult,
+    BlockPool, ConnectorError, FinishDecision, FinishReason, GroupKind, Intent, LoadFailurePolicy,
+    Lookup, MAX_REQUEST_ID, Params, RequestOutput, RequestSpec, RequestStatus, RequestView,
+    Scheduler, SchedulerConfig, SchedulerConnector, SchedulerError, SchedulerView, StepResult,
 };
 pub use sorted_set::SortedSet;
 #[cfg(any(test, feature = "testing"))]

@@ -113,7 +113,7 @@ impl SchedulerConnector for Child {
     fn take_intents(&mut self) -> Vec<Intent> {
         each!(self, c => c.take_intents())
     }
-    fn take_error(&mut self) -> Option<String> {
+    fn take_error(&mut self) -> Option<kvrelay_core::ConnectorError> {
         each!(self, c => c.take_error())
     }
     fn has_pending_block_frees(&self, view: &SchedulerView<'_>) -> bool {

@@ -366,7 +366,7 @@ macro_rules! forward_scheduler_calls {
         }
     };
     (@one $f:ident take_error) => {
-        fn take_error(&mut self) -> Option<String> {
+        fn take_error(&mut self) -> Option<kvrelay_core::ConnectorError> {
             self.$f.take_error()
         }
     };

@@ -151,7 +151,7 @@ fn issue_46014_readmission_with_unacknowledged_stores() {
         },
         readmission_config(),
     );
-    found(&r, p::CORE, 28, "with jobs in flight");
+    found(&r, p::CORE, 28, "for RequestId(1) next to job");
     let r = run(OffloadingPair::default(), readmission_config());
     assert!(r.passed(), "{:#?}", r.properties);
 }

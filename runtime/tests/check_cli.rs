@@ -508,7 +508,7 @@ fn the_readmission_fault_is_found_with_the_prefix_cache_off() {
     let out = kvrelay_check(&args, LIMIT);
     let stdout = text(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
-    assert!(stdout.contains("with jobs in flight"), "{stdout}");
+    assert!(stdout.contains("for RequestId(1) next to job"), "{stdout}");
     // The prefix-cache flag belongs to the system model.
     let out = kvrelay_check(&["--model", "completion", "--no-prefix-caching"], LIMIT);
     assert_eq!(out.status.code(), Some(2));

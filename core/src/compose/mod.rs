@@ -7,7 +7,7 @@ mod multi;
 mod noop;
 
 pub use multi::{
-    ExtraAsyncSaves, MultiConnector, MultiError, MultiMeta, MultiWorker, combine_finished_counts,
+    ExtraAsyncSaves, MultiConnector, MultiMeta, MultiWorker, combine_finished_counts,
     route_worker_meta,
 };
 pub use noop::NoopConnector;

@@ -20,6 +20,7 @@ use crate::messages::AggregatedOutput;
 use crate::messages::KvEvent;
 use crate::messages::Meta;
 use crate::messages::SchedulerOutput;
+use crate::scheduler::ConnectorError;
 use crate::scheduler::FinishDecision;
 use crate::scheduler::Lookup;
 use crate::scheduler::RequestStatus;
@@ -29,7 +30,7 @@ use crate::sorted_set::SortedSet;
 use crate::tokens::BlockHash;
 use alloc::collections::BTreeMap;
 use alloc::format;
-use alloc::string::String;
+use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 
 impl SchedulerConnector for OffloadingConnector {
@@ -110,7 +111,10 @@ impl SchedulerConnector for OffloadingConnector {
         let tpc = self.tpc();
         let sync = self.batch.sync_loads.contains(&request);
         let Some(st) = self.requests.get_mut(&request) else {
-            self.fail(format!("load for untracked request {request:?}"));
+            self.fail(ConnectorError::UntrackedRequest {
+                call: "update_state_after_alloc".into(),
+                request,
+            });
             return;
         };
         let local = st.num_locally_computed_tokens;
@@ -155,7 +159,12 @@ impl SchedulerConnector for OffloadingConnector {
         ) {
             Ok(h) => h,
             Err(e) => {
-                self.fail(format!("prepare_load for {request:?} failed: {e:?}"));
+                self.fail(ConnectorError::StoreRefused {
+                    op: "prepare_load".into(),
+                    request,
+                    kind: e.kind().into(),
+                    detail: e.to_string(),
+                });
                 return;
             }
         };
@@ -165,11 +174,13 @@ impl SchedulerConnector for OffloadingConnector {
             chunks.push(it.by_ref().take(n).collect::<Vec<ChunkId>>());
         }
         let job = self.new_job_id();
-        if !self.requests[&request].jobs.is_empty() {
+        if let Some(&other) = self.requests[&request].jobs.iter().next() {
             // A load is created only for a request without jobs (I-39; vLLM asserts).
-            self.fail(format!(
-                "load job {job:?} for {request:?} with jobs in flight"
-            ));
+            self.fail(ConnectorError::JobConflict {
+                request,
+                job,
+                other,
+            });
         }
         let st = self.requests.get_mut(&request).expect("looked up above");
         st.jobs.insert(job);
@@ -260,14 +271,17 @@ impl SchedulerConnector for OffloadingConnector {
             None => return,
             Some(Meta::Offload(m)) => m,
             Some(other) => {
-                let why = format!("worker metadata of form `{}`", other.form());
-                self.fail(why);
+                self.fail(ConnectorError::WorkerMetaShape {
+                    found: String::from(other.form()),
+                    expected: String::from("offload"),
+                });
                 return;
             }
         };
         for (job, count) in meta.completed_jobs() {
             if count == 0 {
-                self.fail(format!("job {job:?} acknowledged with count 0"));
+                let due = self.jobs.get(&job).map_or(0, |j| j.pending);
+                self.fail(ConnectorError::BadAcknowledgement { job, count, due });
                 continue;
             }
             if job.0 < self.stale_job_threshold {
@@ -283,12 +297,12 @@ impl SchedulerConnector for OffloadingConnector {
                 continue;
             }
             let Some(j) = self.jobs.get_mut(&job) else {
-                self.fail(format!("acknowledgement for unknown job {job:?}"));
+                self.fail(ConnectorError::UnknownJob { job });
                 continue;
             };
             if count > j.pending {
-                let why = format!("job {job:?} acknowledged {count} times, {} due", j.pending);
-                self.fail(why);
+                let due = j.pending;
+                self.fail(ConnectorError::BadAcknowledgement { job, count, due });
                 continue;
             }
             j.pending -= count;
@@ -300,7 +314,12 @@ impl SchedulerConnector for OffloadingConnector {
                 self.manager.complete_store(&j.keys, true);
             } else {
                 if let Err(e) = self.manager.complete_load(&j.keys) {
-                    self.fail(format!("complete_load of job {job:?} failed: {e:?}"));
+                    self.fail(ConnectorError::StoreRefused {
+                        op: "complete_load".into(),
+                        request: j.request,
+                        kind: e.kind().into(),
+                        detail: e.to_string(),
+                    });
                 }
                 if let Some(loading) = &mut self.chunks_being_loaded {
                     for k in &j.keys {
@@ -385,7 +404,7 @@ impl SchedulerConnector for OffloadingConnector {
         out
     }
 
-    fn take_error(&mut self) -> Option<String> {
+    fn take_error(&mut self) -> Option<ConnectorError> {
         self.error.take()
     }
 

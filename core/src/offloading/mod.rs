@@ -47,6 +47,7 @@
 //!
 //! This file holds the connector's state.
 
+use crate::scheduler::ConnectorError;
 use crate::scheduler::GroupKind;
 use crate::scheduler::SchedulerConfig;
 use crate::scheduler::SchedulerView;
@@ -200,7 +201,7 @@ pub struct OffloadingConnector {
     allocation_failures: u64,
     /// `on_reset_flushed` notifications (the manager has no such hook; counted here).
     resets_flushed: u64,
-    error: Option<String>,
+    error: Option<ConnectorError>,
 }
 
 fn cdiv(a: u32, b: u32) -> u32 {
@@ -351,7 +352,7 @@ impl OffloadingConnector {
         self.config.blocks_per_chunk as usize
     }
 
-    fn fail(&mut self, why: String) {
+    fn fail(&mut self, why: ConnectorError) {
         if self.error.is_none() {
             self.error = Some(why);
         }

@@ -13,10 +13,10 @@ use crate::ids::JobId;
 use crate::ids::NULL_BLOCK;
 use crate::ids::RequestId;
 use crate::messages::SchedulerOutput;
+use crate::scheduler::ConnectorError;
 use crate::scheduler::GroupKind;
 use crate::scheduler::SchedulerView;
 use alloc::collections::BTreeMap;
-use alloc::format;
 use alloc::vec::Vec;
 
 impl OffloadingConnector {
@@ -168,8 +168,12 @@ impl OffloadingConnector {
             && let Some(o) = self.jobs.get(other)
             && !(o.is_store || o.is_sync_load)
         {
-            let why = format!("store job {job:?} for {id:?} next to async load {other:?}");
-            self.fail(why);
+            let other = *other;
+            self.fail(ConnectorError::JobConflict {
+                request: id,
+                job,
+                other,
+            });
         }
         let st = self.requests.get_mut(&id).expect("looked up above");
         st.jobs.insert(job);

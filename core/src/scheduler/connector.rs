@@ -13,11 +13,10 @@
 //! Metadata crossing a process boundary (the step metadata to the workers, the worker metadata
 //! back) is serde-serialisable; the runtime encodes it with postcard.
 
-use alloc::string::String;
 use alloc::vec::Vec;
 use core::fmt::Debug;
 
-use super::{Intent, Params, SchedulerView};
+use super::{ConnectorError, Intent, Params, SchedulerView};
 use crate::InvariantViolation;
 use crate::ids::{BlockId, RequestId};
 use crate::messages::{AggregatedOutput, KvEvent, SchedulerOutput, WorkerMeta};
@@ -137,10 +136,11 @@ pub trait SchedulerConnector: Debug {
 
     /// A breach of the connector contract that the connector itself detected during its last
     /// call (draining), e.g. two children of a [`crate::MultiConnector`] setting the same
-    /// `kv_transfer_params` key, where vLLM raises. The methods above have no error channel;
-    /// the scheduler calls this with [`SchedulerConnector::take_intents`] and stops with the
-    /// sticky [`crate::SchedulerError::ConnectorContract`].
-    fn take_error(&mut self) -> Option<String> {
+    /// `kv_transfer_params` key, where vLLM raises. The methods above have no error channel of
+    /// their own; the scheduler calls this after every call, with
+    /// [`SchedulerConnector::take_intents`], and stops with the sticky
+    /// [`crate::SchedulerError::ConnectorContract`].
+    fn take_error(&mut self) -> Option<ConnectorError> {
         None
     }
 
@@ -251,7 +251,7 @@ impl<T: SchedulerConnector + ?Sized> SchedulerConnector for alloc::boxed::Box<T>
     fn take_intents(&mut self) -> Vec<Intent> {
         (**self).take_intents()
     }
-    fn take_error(&mut self) -> Option<String> {
+    fn take_error(&mut self) -> Option<ConnectorError> {
         (**self).take_error()
     }
     fn has_pending_block_frees(&self, view: &SchedulerView<'_>) -> bool {

@@ -76,9 +76,9 @@ use alloc::vec::Vec;
 pub use block_pool::BlockPool;
 pub use config::{GroupKind, LoadFailurePolicy, SchedulerConfig};
 pub use connector::{FinishDecision, Lookup, SchedulerConnector};
-pub use error::SchedulerError;
 #[cfg(feature = "fault-injection")]
 pub use error::SchedulerFault;
+pub use error::{ConnectorError, SchedulerError};
 pub use intent::Intent;
 pub use output::{FinishReason, RequestOutput, StepResult};
 pub use request::{Params, RequestSpec, RequestStatus};

@@ -12,10 +12,11 @@
 //! A [`Pass`] carries what the phases build together: the token budget and the step's lists.
 
 use alloc::collections::VecDeque;
-use alloc::format;
 use alloc::vec::Vec;
 
-use super::{InFlightStep, RequestStatus, ScheduledEntry, Scheduler, SchedulerError};
+use super::{
+    ConnectorError, InFlightStep, RequestStatus, ScheduledEntry, Scheduler, SchedulerError,
+};
 use super::{Lookup, SchedulerConnector};
 use crate::Mode;
 use crate::ids::{BlockId, RequestId, StepId};
@@ -357,19 +358,21 @@ impl<C: SchedulerConnector> Scheduler<C> {
         };
         let r = &self.state.requests[&id];
         if load_async && tokens == 0 {
-            return Err(self.fail(SchedulerError::ConnectorContract(format!(
-                "lookup for {id:?} answered an async load of 0 tokens"
-            ))));
+            return Err(self.fail(SchedulerError::ConnectorContract(
+                ConnectorError::AsyncLoadOfNothing { request: id },
+            )));
         }
         // A sync load must leave a token to compute (vLLM asserts it).
         let limit = u64::from(r.num_tokens()) - u64::from(!load_async);
         if u64::from(local.1) + u64::from(tokens) > limit {
-            return Err(self.fail(SchedulerError::ConnectorContract(format!(
-                "lookup for {id:?} answered {tokens} tokens beyond a local hit of {} for a \
-                 request of {} tokens",
-                local.1,
-                r.num_tokens()
-            ))));
+            return Err(self.fail(SchedulerError::ConnectorContract(
+                ConnectorError::HitBeyondRequest {
+                    request: id,
+                    local: local.1,
+                    external: tokens,
+                    num_tokens: r.num_tokens(),
+                },
+            )));
         }
         let num_computed = local.1 + tokens;
         Ok(Some(Hit {

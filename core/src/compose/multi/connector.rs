@@ -1,7 +1,6 @@
 //! [`MultiConnector`]: the scheduler side.
 
 use super::ExtraAsyncSaves;
-use super::MultiError;
 use super::MultiMeta;
 use super::combine_finished_counts;
 use super::route_worker_meta;
@@ -13,6 +12,7 @@ use crate::messages::AggregatedOutput;
 use crate::messages::KvEvent;
 use crate::messages::Meta;
 use crate::messages::SchedulerOutput;
+use crate::scheduler::ConnectorError;
 use crate::scheduler::FinishDecision;
 use crate::scheduler::Intent;
 use crate::scheduler::Lookup;
@@ -20,7 +20,6 @@ use crate::scheduler::SchedulerConnector;
 use crate::scheduler::SchedulerView;
 use alloc::collections::BTreeMap;
 use alloc::string::String;
-use alloc::string::ToString;
 use alloc::vec::Vec;
 /// The scheduler side of vLLM's MultiConnector over children `C` (see the module docs).
 ///
@@ -36,7 +35,7 @@ pub struct MultiConnector<C> {
     /// The finished count checked at construction.
     pub(super) finished_count: Option<u32>,
     /// The first error met (sticky), and whether the scheduler has been told.
-    pub(super) error: Option<MultiError>,
+    pub(super) error: Option<ConnectorError>,
     pub(super) error_reported: bool,
 }
 
@@ -46,7 +45,7 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> MultiConnector<C> {
     /// vLLM reads `get_finished_count` once, at executor start, and raises if children
     /// disagree; here that check runs now, and [`SchedulerConnector::get_finished_count`]
     /// answers the value checked here.
-    pub fn new(children: Vec<C>) -> Result<Self, MultiError> {
+    pub fn new(children: Vec<C>) -> Result<Self, ConnectorError> {
         let finished_count = combine_finished_counts(children.iter().map(C::get_finished_count))?;
         Ok(Self {
             children,
@@ -79,20 +78,20 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> MultiConnector<C> {
     }
 
     /// The first error met, if any (it stays).
-    pub fn error(&self) -> Option<&MultiError> {
+    pub fn error(&self) -> Option<&ConnectorError> {
         self.error.as_ref()
     }
 
     /// `get_finished_count` over the children's current answers (the trait method answers the
     /// value checked at construction).
-    pub fn finished_count(&self) -> Result<Option<u32>, MultiError> {
+    pub fn finished_count(&self) -> Result<Option<u32>, ConnectorError> {
         combine_finished_counts(self.children.iter().map(C::get_finished_count))
     }
 
     /// `request_finished`: every child in order; the free is delayed iff some child delays it,
     /// and with `n > 1` delaying children `extra_async_saves[request] = n − 1` is recorded for
     /// the next metadata. Params are merged; a key set by two children is
-    /// [`MultiError::ParamsConflict`], returned as soon as the clashing child answered (later
+    /// [`ConnectorError::ParamsConflict`], returned as soon as the clashing child answered (later
     /// children are not called, nothing is recorded and the loader is kept, as when vLLM
     /// raises). On success the remembered loader is forgotten.
     pub fn try_request_finished(
@@ -100,7 +99,7 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> MultiConnector<C> {
         view: &SchedulerView<'_>,
         request: RequestId,
         blocks: &[Vec<BlockId>],
-    ) -> Result<FinishDecision, MultiError> {
+    ) -> Result<FinishDecision, ConnectorError> {
         let out = self.try_request_finished_unchecked(view, request, blocks);
         crate::debug_assert_invariants!(self);
         out
@@ -111,7 +110,7 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> MultiConnector<C> {
         view: &SchedulerView<'_>,
         request: RequestId,
         blocks: &[Vec<BlockId>],
-    ) -> Result<FinishDecision, MultiError> {
+    ) -> Result<FinishDecision, ConnectorError> {
         let mut saves = 0u32;
         let mut merged: Option<crate::Params> = None;
         for c in &mut self.children {
@@ -124,7 +123,7 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> MultiConnector<C> {
                     let keys: Vec<String> =
                         p.keys().filter(|k| m.contains_key(*k)).cloned().collect();
                     if !keys.is_empty() {
-                        return Err(MultiError::ParamsConflict { request, keys });
+                        return Err(ConnectorError::ParamsConflict { request, keys });
                     }
                     m.extend(p);
                 }
@@ -146,7 +145,7 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> MultiConnector<C> {
         &mut self,
         view: &SchedulerView<'_>,
         output: &AggregatedOutput<Meta>,
-    ) -> Result<(), MultiError> {
+    ) -> Result<(), ConnectorError> {
         let out = self.try_update_connector_output_unchecked(view, output);
         crate::debug_assert_invariants!(self);
         out
@@ -156,7 +155,7 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> MultiConnector<C> {
         &mut self,
         view: &SchedulerView<'_>,
         output: &AggregatedOutput<Meta>,
-    ) -> Result<(), MultiError> {
+    ) -> Result<(), ConnectorError> {
         if output.worker_meta.is_none() {
             for c in &mut self.children {
                 c.update_connector_output(view, output);
@@ -172,7 +171,7 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> MultiConnector<C> {
         Ok(())
     }
 
-    pub(super) fn record(&mut self, e: MultiError) {
+    pub(super) fn record(&mut self, e: ConnectorError) {
         if self.error.is_none() {
             self.error = Some(e);
         }
@@ -311,11 +310,11 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> SchedulerConnector for MultiConne
     }
 
     /// This connector's error once (the first one met), else the first child's.
-    fn take_error(&mut self) -> Option<String> {
+    fn take_error(&mut self) -> Option<ConnectorError> {
         let mut found = None;
         if let (Some(e), false) = (&self.error, self.error_reported) {
             self.error_reported = true;
-            found = Some(e.to_string());
+            found = Some(e.clone());
         }
         for c in &mut self.children {
             if let Some(e) = c.take_error() {

@@ -21,7 +21,7 @@
 //!
 //! # Errors
 //!
-//! Where vLLM raises, this module returns a [`MultiError`]: two children setting the same
+//! Where vLLM raises, this module returns a [`ConnectorError`]: two children setting the same
 //! `kv_transfer_params` key (I-32), children disagreeing on the finished count, a worker
 //! metadata that is not one slot per child. The trait methods have no error channel of their
 //! own, so [`MultiConnector`] keeps the error and hands it to the scheduler through
@@ -31,11 +31,12 @@
 
 use alloc::collections::BTreeMap;
 use alloc::format;
-use alloc::string::{String, ToString};
+use alloc::string::ToString;
 use alloc::vec::Vec;
 
 use crate::ids::RequestId;
 use crate::messages::Meta;
+use crate::scheduler::ConnectorError;
 
 mod connector;
 mod worker;
@@ -61,57 +62,12 @@ pub struct MultiMeta<M> {
     pub extra_async_saves: Option<ExtraAsyncSaves>,
 }
 
-/// What vLLM's MultiConnector raises, as a value.
-#[derive(
-    Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize, thiserror::Error,
-)]
-#[serde(rename_all = "snake_case")]
-pub enum MultiError {
-    /// Two children returned `kv_transfer_params` with a common key (I-32). Kind
-    /// `params_conflict`.
-    #[error(
-        "children of the MultiConnector set the same kv_transfer_params keys {keys:?} for {request:?}"
-    )]
-    ParamsConflict {
-        /// The finishing request.
-        request: RequestId,
-        /// The clashing keys, sorted.
-        keys: Vec<String>,
-    },
-    /// Children answered different finished counts. Kind `finished_count_conflict`.
-    #[error("MultiConnector children returned incompatible finished counts: {counts:?}")]
-    FinishedCountConflict {
-        /// The distinct counts, sorted.
-        counts: Vec<u32>,
-    },
-    /// The aggregated worker metadata is not a `multi` tuple with a slot for every child.
-    /// Kind `meta_mismatch`.
-    #[error("worker metadata {found} cannot be routed to {children} children")]
-    WorkerMetaShape {
-        /// What was found: a form name or `"multi with N slots"`.
-        found: String,
-        /// The number of children.
-        children: usize,
-    },
-}
-
-impl MultiError {
-    /// The snake_case error kind used by conformance cases.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            MultiError::ParamsConflict { .. } => "params_conflict",
-            MultiError::FinishedCountConflict { .. } => "finished_count_conflict",
-            MultiError::WorkerMetaShape { .. } => "meta_mismatch",
-        }
-    }
-}
-
 /// vLLM's `get_finished_count` over the children's answers: `None` if any child answers
 /// `None`, else their common value; two different values are
-/// [`MultiError::FinishedCountConflict`].
+/// [`ConnectorError::FinishedCountConflict`].
 pub fn combine_finished_counts(
     counts: impl IntoIterator<Item = Option<u32>>,
-) -> Result<Option<u32>, MultiError> {
+) -> Result<Option<u32>, ConnectorError> {
     let mut distinct: Vec<u32> = Vec::new();
     for c in counts {
         let Some(c) = c else { return Ok(None) };
@@ -121,7 +77,7 @@ pub fn combine_finished_counts(
     }
     if distinct.len() > 1 {
         distinct.sort_unstable();
-        return Err(MultiError::FinishedCountConflict { counts: distinct });
+        return Err(ConnectorError::FinishedCountConflict { counts: distinct });
     }
     Ok(distinct.first().copied())
 }
@@ -129,24 +85,24 @@ pub fn combine_finished_counts(
 /// Splits an aggregated worker metadata into what each of `children` children observes in
 /// `update_connector_output`: `None` gives every child `None`; a `multi` tuple gives child `i`
 /// slot `i` (slots beyond the children are ignored, as in vLLM); anything else, or a tuple
-/// with fewer slots than children, is [`MultiError::WorkerMetaShape`].
+/// with fewer slots than children, is [`ConnectorError::WorkerMetaShape`].
 pub fn route_worker_meta(
     meta: Option<Meta>,
     children: usize,
-) -> Result<Vec<Option<Meta>>, MultiError> {
+) -> Result<Vec<Option<Meta>>, ConnectorError> {
     match meta {
         None => Ok(alloc::vec![None; children]),
         Some(Meta::Multi(mut slots)) if slots.len() >= children => {
             slots.truncate(children);
             Ok(slots)
         }
-        Some(Meta::Multi(slots)) => Err(MultiError::WorkerMetaShape {
+        Some(Meta::Multi(slots)) => Err(ConnectorError::WorkerMetaShape {
             found: format!("multi with {} slots", slots.len()),
-            children,
+            expected: format!("multi with {children} slots"),
         }),
-        Some(other) => Err(MultiError::WorkerMetaShape {
+        Some(other) => Err(ConnectorError::WorkerMetaShape {
             found: other.form().to_string(),
-            children,
+            expected: format!("multi with {children} slots"),
         }),
     }
 }

@@ -52,7 +52,7 @@ fn a_boxed_connector_forwards_every_answer() {
     );
     assert_ne!(plain.reset_cache(), Some(false));
     let mut multi = MultiConnector::new(alloc::vec![ScriptedConnector::quiet()]).unwrap();
-    multi.record(MultiError::FinishedCountConflict {
+    multi.record(ConnectorError::FinishedCountConflict {
         counts: alloc::vec![1, 2],
     });
     let mut boxed = alloc::boxed::Box::new(multi);
