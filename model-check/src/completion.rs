@@ -18,7 +18,7 @@ use kvrelay_core::{
 };
 use stateright::{Model, Property};
 
-use crate::runner::Explain;
+use crate::explain::Explain;
 use crate::trace::TraceStep;
 
 /// The names of the properties of [`CompletionModel`], as they appear in a
