@@ -19,6 +19,7 @@ use kvrelay_core::{
     AggregateError, AggregatedOutput, Aggregator, Direction, KvEvents, Meta, Mode, Rank, RequestId,
     SortedSet, WorkerOutput, merge,
 };
+use kvrelay_tests::build::ids;
 use kvrelay_tests::laws::{
     OutputSpace, arb_outputs, arb_worker_output_with, config, offload_meta_strategy,
     set_meta_strategy,
@@ -443,7 +444,6 @@ prop_state_machine! {
 /// quorum, and the real aggregator agrees (SEMANTICS.md S2 plus a strict duplicate).
 #[test]
 fn the_model_reproduces_scenario_s2_and_a_strict_duplicate() {
-    let ids = |xs: &[u32]| -> SortedSet<RequestId> { xs.iter().copied().map(RequestId).collect() };
     let out = |send: &[u32], recv: &[u32], invalid: &[u64], failed: &[u32]| {
         Some(WorkerOutput {
             finished_sending: (!send.is_empty()).then(|| ids(send)),

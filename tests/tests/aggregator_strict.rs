@@ -11,11 +11,12 @@ use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvrelay_core::{
-    AggregateError, Aggregator, Direction, Meta, Mode, Rank, RequestId, SortedSet, WorkerOutput,
+    AggregateError, Aggregator, Direction, Meta, Mode, Rank, RequestId, WorkerOutput,
 };
-use kvrelay_tests::laws::{OutputSpace, arb_outputs, arb_worker_output_with, config};
+use kvrelay_tests::build::ids;
+use kvrelay_tests::laws::{OutputSpace, arb_outputs, arb_worker_output_with};
+use kvrelay_tests::runner::check_cases;
 use proptest::prelude::*;
-use proptest::test_runner::TestRunner;
 
 #[derive(Clone, Debug)]
 enum Call {
@@ -177,19 +178,15 @@ fn check(run: &Run, seen: &Seen) -> Result<(), TestCaseError> {
 #[test]
 fn strict_emits_only_after_quorum_distinct_ranks_and_duplicates_change_nothing() {
     let seen = Seen::default();
-    let mut runner = TestRunner::new(config());
-    let outcome = runner.run(&runs(), |run| check(&run, &seen));
-    if let Err(e) = outcome {
-        panic!("{e}");
-    }
+    check_cases(&runs(), |run| check(&run, &seen));
     // Not vacuous: both outcomes occurred (hundreds of times each at 256 cases).
     assert!(seen.emitted.get() > 0, "no emission in any run");
     assert!(seen.duplicates.get() > 0, "no duplicate report in any run");
 }
 
-fn sending(ids: &[u32]) -> Option<WorkerOutput<Meta>> {
+fn sending(ns: &[u32]) -> Option<WorkerOutput<Meta>> {
     Some(WorkerOutput {
-        finished_sending: Some(ids.iter().copied().map(RequestId).collect::<SortedSet<_>>()),
+        finished_sending: Some(ids(ns)),
         ..WorkerOutput::default()
     })
 }

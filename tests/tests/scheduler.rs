@@ -6,94 +6,39 @@ use kvrelay_core::{
     Mode, ModelOutput, RequestId, RequestSpec, RequestStatus, Scheduler, SchedulerConfig,
     SchedulerError, ScriptedConnector, SortedSet, StepId, fake_token,
 };
-
-fn rid(n: u32) -> RequestId {
-    RequestId(n)
-}
-
-fn spec(id: u32, len: u32, max_tokens: u32) -> RequestSpec {
-    RequestSpec {
-        id: rid(id),
-        prompt: (0..len).map(|i| 1000 * id + i + 1).collect(),
-        max_tokens,
-        stop_token: None,
-        kv_transfer_params: None,
-    }
-}
+use kvrelay_tests::build::{empty_aggregated, hit, ids, rid, spec, spec_with};
+use kvrelay_tests::drive::{apply, check, computed, schedule, step};
 
 fn sched(config: SchedulerConfig) -> Scheduler<ScriptedConnector> {
     Scheduler::new(config, ScriptedConnector::new()).unwrap()
 }
 
-fn check(s: &Scheduler<ScriptedConnector>) {
-    s.check_invariants().unwrap();
-}
-
-fn agg() -> AggregatedOutput {
+fn recv(ns: &[u32]) -> AggregatedOutput {
     AggregatedOutput {
-        finished_sending: None,
-        finished_recving: None,
-        invalid_block_ids: SortedSet::new(),
-        failed_recving: SortedSet::new(),
-        worker_meta: None,
-        kv_events: None,
-        expected_finished_count: 1,
+        finished_recving: Some(ids(ns)),
+        ..empty_aggregated()
     }
 }
 
-fn recv(ids: &[u32]) -> AggregatedOutput {
+fn send(ns: &[u32]) -> AggregatedOutput {
     AggregatedOutput {
-        finished_recving: Some(SortedSet::from_vec(ids.iter().map(|&i| rid(i)).collect())),
-        ..agg()
+        finished_sending: Some(ids(ns)),
+        ..empty_aggregated()
     }
-}
-
-fn send(ids: &[u32]) -> AggregatedOutput {
-    AggregatedOutput {
-        finished_sending: Some(SortedSet::from_vec(ids.iter().map(|&i| rid(i)).collect())),
-        ..agg()
-    }
-}
-
-/// Runs one step: schedule, fake-sample, apply `kv`.
-fn step(
-    s: &mut Scheduler<ScriptedConnector>,
-    kv: Option<AggregatedOutput>,
-) -> (kvrelay_core::SchedulerOutput, kvrelay_core::StepResult) {
-    let st = s.schedule().unwrap();
-    check(s);
-    let sampled = s.fake_sample(st.output.step);
-    let res = s
-        .update_from_output(
-            st.output.step,
-            ModelOutput {
-                sampled,
-                kv_connector_output: kv,
-            },
-        )
-        .unwrap();
-    check(s);
-    (st.output, res)
 }
 
 #[test]
 fn s19_async_load_happy_path() {
     let mut s = sched(SchedulerConfig::default());
     for id in [1, 2] {
-        s.connector_mut().set_lookup(
-            rid(id),
-            Lookup::Hit {
-                tokens: 16,
-                load_async: true,
-            },
-        );
+        s.connector_mut().set_lookup(rid(id), hit(16, true));
         s.add_request(spec(id, 32, 4)).unwrap();
     }
     let (out, _) = step(&mut s, None);
     assert_eq!(out.total_num_scheduled_tokens, 0);
     for id in [1, 2] {
         assert_eq!(s.status(rid(id)), Some(RequestStatus::WaitingForRemoteKvs));
-        assert_eq!(s.view().request(rid(id)).unwrap().num_computed_tokens(), 16);
+        assert_eq!(computed(&s, id), 16);
     }
     let calls = s.connector_mut().take_calls();
     let lookups = calls
@@ -312,13 +257,7 @@ fn external_blocks_come_before_new_blocks_in_every_group() {
         groups: vec![GroupKind::FullAttention; 2],
         ..SchedulerConfig::default()
     });
-    s.connector_mut().set_lookup(
-        rid(1),
-        Lookup::Hit {
-            tokens: 8,
-            load_async: false,
-        },
-    );
+    s.connector_mut().set_lookup(rid(1), hit(8, false));
     s.add_request(spec(1, 20, 4)).unwrap();
     let (out, _) = step(&mut s, None);
     let new = &out.scheduled_new_reqs[0];
@@ -548,7 +487,7 @@ fn bad_inputs_are_typed_errors() {
     assert_eq!(e.kind(), "step_out_of_order");
     let bad = AggregatedOutput {
         invalid_block_ids: SortedSet::from_vec(vec![BlockId(10_000)]),
-        ..agg()
+        ..empty_aggregated()
     };
     let e = s
         .update_from_output(
@@ -610,7 +549,7 @@ fn an_unknown_id_in_failed_recving_is_ignored_in_compat_and_rejected_in_strict()
             sampled: s.fake_sample(st.output.step),
             kv_connector_output: Some(AggregatedOutput {
                 failed_recving: SortedSet::from_vec(vec![rid(9)]),
-                ..agg()
+                ..empty_aggregated()
             }),
         };
         let r = s.update_from_output(st.output.step, output);
@@ -680,7 +619,7 @@ fn lookup_answers_beyond_the_request_are_contract_errors() {
             ..SchedulerConfig::default()
         });
         s.connector_mut()
-            .set_lookup(rid(1), Lookup::Hit { tokens, load_async });
+            .set_lookup(rid(1), hit(tokens, load_async));
         s.add_request(spec(1, 8, 4)).unwrap();
         let r = s.schedule().map(|st| st.output.num_scheduled_tokens);
         (s, r)
@@ -712,20 +651,8 @@ fn a_contract_error_mid_pass_leaves_the_skipped_requests_queued() {
             ..SchedulerConfig::default()
         });
         s.connector_mut().set_lookup(rid(1), Lookup::Pending);
-        s.connector_mut().set_lookup(
-            rid(2),
-            Lookup::Hit {
-                tokens: 8,
-                load_async: true,
-            },
-        );
-        s.connector_mut().set_lookup(
-            rid(3),
-            Lookup::Hit {
-                tokens: 0,
-                load_async: true,
-            },
-        );
+        s.connector_mut().set_lookup(rid(2), hit(8, true));
+        s.connector_mut().set_lookup(rid(3), hit(0, true));
         for id in 1..=3 {
             s.add_request(spec(id, 8, 4)).unwrap();
         }
@@ -740,45 +667,6 @@ fn a_contract_error_mid_pass_leaves_the_skipped_requests_queued() {
         assert_eq!(waiting, [rid(2), rid(1), rid(3)], "{mode:?}");
         assert_eq!(s.schedule().map(|_| ()), Err(e), "sticky");
     }
-}
-
-fn spec_with(id: u32, prompt: Vec<u32>, max_tokens: u32) -> RequestSpec {
-    RequestSpec {
-        id: rid(id),
-        prompt,
-        max_tokens,
-        stop_token: None,
-        kv_transfer_params: None,
-    }
-}
-
-fn computed(s: &Scheduler<ScriptedConnector>, id: u32) -> u32 {
-    s.view().request(rid(id)).unwrap().num_computed_tokens()
-}
-
-fn schedule(s: &mut Scheduler<ScriptedConnector>) -> kvrelay_core::SchedulerOutput {
-    let out = s.schedule().unwrap().output;
-    check(s);
-    out
-}
-
-fn apply(
-    s: &mut Scheduler<ScriptedConnector>,
-    step: StepId,
-    kv: Option<AggregatedOutput>,
-) -> kvrelay_core::StepResult {
-    let sampled = s.fake_sample(step);
-    let r = s
-        .update_from_output(
-            step,
-            ModelOutput {
-                sampled,
-                kv_connector_output: kv,
-            },
-        )
-        .unwrap();
-    check(s);
-    r
 }
 
 /// Nothing left but finished ids not yet delivered: one empty step delivers them (vLLM's
@@ -887,13 +775,7 @@ fn abort_while_loading_holds_blocks_until_the_load_reports() {
     let mut s = sched(SchedulerConfig::default());
     let free0 = s.block_pool().num_free();
     for id in [1, 2] {
-        s.connector_mut().set_lookup(
-            rid(id),
-            Lookup::Hit {
-                tokens: 32,
-                load_async: true,
-            },
-        );
+        s.connector_mut().set_lookup(rid(id), hit(32, true));
         s.add_request(spec(id, 40, 4)).unwrap();
     }
     step(&mut s, None);
@@ -950,13 +832,7 @@ fn strict_mode_rejects_stale_and_duplicate_completions() {
             async_depth: 2,
             ..SchedulerConfig::default()
         });
-        s.connector_mut().set_lookup(
-            rid(1),
-            Lookup::Hit {
-                tokens: 16,
-                load_async: true,
-            },
-        );
+        s.connector_mut().set_lookup(rid(1), hit(16, true));
         s.add_request(spec(1, 20, 4)).unwrap();
         let a = schedule(&mut s);
         let out = schedule(&mut s);
@@ -1034,7 +910,7 @@ fn recompute_policy_truncates_the_first_claimant_only() {
     let (mut s, step_id, shared) = shared_prefix(LoadFailurePolicy::Recompute);
     let bad = AggregatedOutput {
         invalid_block_ids: SortedSet::from_vec(vec![shared]),
-        ..agg()
+        ..empty_aggregated()
     };
     let res = apply(&mut s, step_id, Some(bad));
     assert!(
@@ -1055,7 +931,7 @@ fn fail_policy_errors_affected_requests_and_evicts() {
     let (mut s, step_id, shared) = shared_prefix(LoadFailurePolicy::Fail);
     let bad = AggregatedOutput {
         invalid_block_ids: SortedSet::from_vec(vec![shared]),
-        ..agg()
+        ..empty_aggregated()
     };
     let res = apply(&mut s, step_id, Some(bad));
     let errors: Vec<_> = res
@@ -1081,13 +957,7 @@ fn failed_recving_with_recompute_restarts_the_request() {
         ],
         ..SchedulerConfig::default()
     });
-    s.connector_mut().set_lookup(
-        rid(1),
-        Lookup::Hit {
-            tokens: 32,
-            load_async: true,
-        },
-    );
+    s.connector_mut().set_lookup(rid(1), hit(32, true));
     s.add_request(spec(1, 40, 4)).unwrap();
     step(&mut s, None);
     let failed = AggregatedOutput {
@@ -1122,7 +992,7 @@ fn invalid_blocks_with_two_groups_is_an_error() {
     let out = schedule(&mut s);
     let bad = AggregatedOutput {
         invalid_block_ids: SortedSet::from_vec(vec![BlockId(1)]),
-        ..agg()
+        ..empty_aggregated()
     };
     let before = s.clone();
     let e = s
@@ -1209,22 +1079,10 @@ fn an_async_load_leaves_room_for_the_prefills_in_flight() {
             ..SchedulerConfig::default()
         });
         if loaded > 0 {
-            s.connector_mut().set_lookup(
-                rid(1),
-                Lookup::Hit {
-                    tokens: loaded,
-                    load_async: false,
-                },
-            );
+            s.connector_mut().set_lookup(rid(1), hit(loaded, false));
         }
         s.add_request(spec(1, 16, 1)).unwrap();
-        s.connector_mut().set_lookup(
-            rid(2),
-            Lookup::Hit {
-                tokens: 8,
-                load_async: true,
-            },
-        );
+        s.connector_mut().set_lookup(rid(2), hit(8, true));
         s.add_request(spec(2, 12, 1)).unwrap();
         // Request 1 computes 4-token chunks (1 block each, after its `loaded` tokens); request
         // 2's load needs 2 blocks.
@@ -1280,13 +1138,7 @@ fn the_long_prefill_cap_applies_only_with_company() {
     assert_eq!(schedule(&mut s).num_scheduled_tokens, vec![(rid(1), 16)]);
     // Request 1 loads asynchronously (it waits in the loading queue); request 2 is capped.
     let mut s = sched(config);
-    s.connector_mut().set_lookup(
-        rid(1),
-        Lookup::Hit {
-            tokens: 8,
-            load_async: true,
-        },
-    );
+    s.connector_mut().set_lookup(rid(1), hit(8, true));
     s.add_request(spec(1, 16, 4)).unwrap();
     step(&mut s, None);
     assert_eq!(s.status(rid(1)), Some(RequestStatus::WaitingForRemoteKvs));
@@ -1418,13 +1270,7 @@ fn a_stale_drop_outlives_a_preemption_only_while_its_output_is_in_flight() {
         |s: &Scheduler<ScriptedConnector>, id| s.view().request(rid(id)).unwrap().tokens().len();
     // Request 1 runs ahead of request 2, whose first 8 tokens load synchronously.
     s.add_request(spec(1, 7, 20)).unwrap();
-    s.connector_mut().set_lookup(
-        rid(2),
-        Lookup::Hit {
-            tokens: 8,
-            load_async: false,
-        },
-    );
+    s.connector_mut().set_lookup(rid(2), hit(8, false));
     s.add_request(spec(2, 12, 20)).unwrap();
     let zero = schedule(&mut s); // 1: 7 tokens, 2 blocks; 2: 4 tokens, 3 blocks
     let one = schedule(&mut s); // 1 decodes slot 7; 2 decodes slot 12 (a 4th block): pool full
@@ -1435,7 +1281,7 @@ fn a_stale_drop_outlives_a_preemption_only_while_its_output_is_in_flight() {
         zero.step,
         Some(AggregatedOutput {
             invalid_block_ids: SortedSet::from_vec(vec![loaded]),
-            ..agg()
+            ..empty_aggregated()
         }),
     );
     // Strict rolls request 2 back to 0 computed tokens and drops step 1's output for it.
@@ -1583,12 +1429,8 @@ fn head_of_line_after_failed_load(mode: Mode) -> Scheduler<ScriptedConnector> {
         mode,
         ..SchedulerConfig::default()
     });
-    let load = |tokens| Lookup::Hit {
-        tokens,
-        load_async: true,
-    };
-    s.connector_mut().set_lookup(rid(1), load(64));
-    s.connector_mut().set_lookup(rid(2), load(24));
+    s.connector_mut().set_lookup(rid(1), hit(64, true));
+    s.connector_mut().set_lookup(rid(2), hit(24, true));
     s.add_request(spec(1, 65, 1)).unwrap();
     s.add_request(spec(2, 25, 1)).unwrap();
     let out = schedule(&mut s);
