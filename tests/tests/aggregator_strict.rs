@@ -14,25 +14,14 @@ use kvrelay_core::{
     AggregateError, Aggregator, Direction, Meta, Mode, Rank, RequestId, WorkerOutput,
 };
 use kvrelay_tests::build::ids;
-use kvrelay_tests::laws::{OutputSpace, arb_outputs, arb_worker_output_with};
+use kvrelay_tests::laws::{AggregatorCall, OutputSpace, arb_outputs, arb_worker_output_with};
 use kvrelay_tests::runner::check_cases;
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]
-enum Call {
-    Aggregate {
-        outputs: Vec<Option<WorkerOutput>>,
-        output_rank: Rank,
-    },
-    Salvage {
-        outputs: Vec<Option<WorkerOutput>>,
-    },
-}
-
-#[derive(Clone, Debug)]
 struct Run {
     quorum: u32,
-    calls: Vec<Call>,
+    calls: Vec<AggregatorCall>,
 }
 
 fn runs() -> impl Strategy<Value = Run> {
@@ -46,11 +35,11 @@ fn runs() -> impl Strategy<Value = Run> {
         };
         let outputs = || arb_outputs(world, arb_worker_output_with(space, Just(None).boxed()));
         let call = prop_oneof![
-            4 => (outputs(), 0..world as u32).prop_map(|(outputs, r)| Call::Aggregate {
+            4 => (outputs(), 0..world as u32).prop_map(|(outputs, r)| AggregatorCall::Aggregate {
                 outputs,
                 output_rank: Rank(r),
             }),
-            1 => outputs().prop_map(|outputs| Call::Salvage { outputs }),
+            1 => outputs().prop_map(|outputs| AggregatorCall::Salvage { outputs }),
         ];
         proptest::collection::vec(call, 1..25).prop_map(move |calls| Run { quorum, calls })
     })
@@ -87,7 +76,7 @@ fn check(run: &Run, seen: &Seen) -> Result<(), TestCaseError> {
     let mut since: BTreeMap<(Direction, RequestId), BTreeSet<Rank>> = BTreeMap::new();
     for (i, call) in run.calls.iter().enumerate() {
         match call {
-            Call::Salvage { outputs } => {
+            AggregatorCall::Salvage { outputs } => {
                 agg.salvage(outputs.clone());
                 for (r, o) in outputs.iter().enumerate() {
                     if let Some(o) = o {
@@ -95,7 +84,7 @@ fn check(run: &Run, seen: &Seen) -> Result<(), TestCaseError> {
                     }
                 }
             }
-            Call::Aggregate {
+            AggregatorCall::Aggregate {
                 outputs,
                 output_rank,
             } => {
