@@ -216,8 +216,9 @@ fn params_of_children_merge_and_empty_params_are_not_none() {
 
 #[test]
 fn scripted_delay_all_delays_every_free_until_cleared() {
-    // A cargo-mutants survivor: `set_delay_all` (the P/D producer switch of conformance cases)
-    // was exercised by no test.
+    // Protects the scripted P/D producer of the conformance cases (`set_delay_all`): while on,
+    // `request_finished` delays every free, as a vLLM P/D producer holds a finished request's
+    // blocks until its KV is sent (I-15); once off, it delays none.
     let s = idle();
     let v = s.view();
     let mut c = ScriptedConnector::quiet();
@@ -231,7 +232,8 @@ fn scripted_delay_all_delays_every_free_until_cleared() {
 
 #[test]
 fn scripted_finish_params_are_returned_until_cleared() {
-    // A cargo-mutants survivor: `clear_finish_params` was exercised by no test.
+    // Protects the scripted connector's finish parameters (`request_finished`'s
+    // `kv_transfer_params`, §3.1), which conformance cases set and clear per request.
     let s = idle();
     let v = s.view();
     let mut c = ScriptedConnector::quiet();

@@ -104,8 +104,8 @@ fn store_threshold_admits_on_the_nth_offer() {
 /// chunk per copy and leak all but the last; the connector never offers a key twice.)
 #[test]
 fn a_key_offered_twice_in_one_call_is_stored_once() {
-    // cargo-mutants survivors: the duplicate check (`==` → `!=`, `&&` → `||`) had only ever
-    // seen offers without duplicates.
+    // Protects I-40 on an offer with repeats: one chunk per distinct key, so
+    // `write_pending_count` counts the distinct keys and no chunk is left allocated to nothing.
     for p in POLICIES {
         let mut m = cpu_manager(p, 4, 1);
         let same = m.prepare_store(&[k(1), k(1)], Access::default()).unwrap();

@@ -1450,8 +1450,8 @@ fn strict_invalid_blocks_under_async_scheduling_drop_in_flight_output() {
 /// and sample, then 1 decode step, and the request is stuck as above.
 #[test]
 fn compat_a_recompute_chunk_short_of_a_kept_placeholder_samples_nothing() {
-    // cargo-mutants survivor (`+` → `-` in `is_prefill_chunk`): the recompute above was never
-    // chunked.
+    // Protects vLLM's `is_prefill_chunk` (`num_computed_tokens + num_scheduled_tokens <
+    // num_tokens + num_output_placeholders`) on a chunked recompute, as compat reproduces it.
     let (mut s, id) = truncated_under_async_scheduling(Mode::Compat, 12);
     let mut in_flight: Vec<StepId> = s.steps_in_flight().collect();
     let mut steps = Vec::new();
