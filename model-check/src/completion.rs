@@ -18,7 +18,7 @@ use kvrelay_core::{
 };
 use stateright::{Model, Property};
 
-use crate::runner::Explain;
+use crate::explain::Explain;
 use crate::trace::TraceStep;
 
 /// The names of the properties of [`CompletionModel`], as they appear in a
@@ -452,15 +452,16 @@ impl fmt::Display for CompletionAction {
 ///
 /// **What it checks.** W ranks each finish, in any order and at any time, one load and one save
 /// per request (a load may fail). Each rank runs its connector steps through the real
-/// [`WorkerProtocol`] (`begin_step`, `handle_preemptions`, `bind`, per-layer hooks if forward,
-/// `start_load_kv` after the forward — the steps have async loads, which are what produce
-/// `finished_recving` —, `wait_for_save`, `get_finished`, `get_block_ids_with_load_errors`,
-/// `get_stats`, `get_events`, `build_worker_meta`, `clear`); `get_finished` reports every
-/// completion the rank has not reported yet. Once all ranks ran the step the real [`Aggregator`]
-/// folds their outputs (output rank 0) and the next step begins. The properties (see
-/// [`property_names`]) are that every completion is emitted at most once and only after every
-/// rank reported it (I-21), that failed loads are emitted exactly with their recv (I-24), that the
-/// protocol guard accepts the runner's order, and that the core's `check_invariants()` hold.
+/// [`WorkerProtocol`](kvrelay_core::WorkerProtocol) (`begin_step`, `handle_preemptions`, `bind`,
+/// per-layer hooks if forward, `start_load_kv` after the forward — the steps have async loads,
+/// which are what produce `finished_recving` —, `wait_for_save`, `get_finished`,
+/// `get_block_ids_with_load_errors`, `get_stats`, `get_events`, `build_worker_meta`, `clear`);
+/// `get_finished` reports every completion the rank has not reported yet. Once all ranks ran the
+/// step the real [`Aggregator`] folds their outputs (output rank 0) and the next step begins.
+/// The properties (see [`property_names`]) are that every completion is emitted at most once and
+/// only after every rank reported it (I-21), that failed loads are emitted exactly with their
+/// recv (I-24), that the protocol guard accepts the runner's order, and that the core's
+/// `check_invariants()` hold.
 ///
 /// **Why.** The aggregator's quorum counting is only correct if every rank reports every
 /// completion exactly once (§4.2: no per-rank dedup in vLLM). The model shows the real code

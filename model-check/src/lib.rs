@@ -55,8 +55,33 @@
 //! let report = check_completions(CompletionConfig::ci(), 2, &mut |_| {});
 //! assert!(report.complete && report.properties.iter().all(|p| p.holds));
 //! ```
+//!
+//! # Modules and their dependencies
+//!
+//! The modules form layers; each imports only from the layers below it, so there is no import
+//! circle (everything is re-exported here, at the root, which is the only place that sees all
+//! of them):
+//!
+//! | module | holds | imports from |
+//! | --- | --- | --- |
+//! | `trace` | [`TraceStep`], [`mermaid`], [`escape_label`] | — |
+//! | `explain` | [`Explain`], what a model says about itself | `trace` |
+//! | `runner` | [`check`], [`check_with_symmetry`], [`serve_explorer`], [`CheckReport`] | `explain`, `trace` |
+//! | `completion` | [`CompletionModel`] | `explain`, `trace` |
+//! | `system` | [`SystemModel`], [`Connectors`], [`OffloadingPair`], [`remote_slot`] | `explain`, `trace` |
+//! | `pd` | [`PdPair`] | `system` |
+//! | `multi_pair` | [`MultiPair`] | `pd`, `system` |
+//! | crate root | the re-exports, [`check_completions`] | all |
+//!
+//! When to call what: build a model (a `*Config` preset, then [`CompletionModel::new`] or
+//! [`SystemModel::new`] with a [`Connectors`] pair), then hand it to the runner ([`check`], or
+//! [`check_with_symmetry`] for the system model's rank symmetry); [`check_completions`] does both
+//! for the completion model. A new model implements [`Explain`] and depends on `explain` and
+//! `trace` only; a new connector pair implements [`Connectors`] and depends on `system`. A
+//! shorthand that joins a model with the runner belongs at the root, not in either module.
 
 mod completion;
+mod explain;
 mod multi_pair;
 mod pd;
 mod runner;
@@ -67,19 +92,38 @@ pub use completion::{
     CompletionAction, CompletionConfig, CompletionModel, CompletionState, Ghost, RankState,
     ReportingWorker, Transfer, property_names,
 };
+pub use explain::Explain;
 pub use multi_pair::{
     Child, ChildKind, ChildMeta, ChildWorker, FaultyMulti, MultiFault, MultiPair,
 };
-pub use pd::{
-    PdConnector, PdCopy, PdFault, PdMeta, PdPair, PdRole, PdWorker, is_remote_slot, remote_slot,
-};
+pub use pd::{PdConnector, PdCopy, PdFault, PdMeta, PdPair, PdRole, PdWorker};
 pub use runner::{
-    CheckOptions, CheckReport, Explain, ExploreError, Progress, PropertyResult, Stop, Strategy,
-    check, check_completions, check_with_symmetry, explorer_address, explorer_url, serve_explorer,
+    CheckOptions, CheckReport, ExploreError, Progress, PropertyResult, Stop, Strategy, check,
+    check_with_symmetry, explorer_address, explorer_url, serve_explorer,
 };
 pub use system::{
     Connectors, CoreFault, Counted, EnvFaults, Faulty, InFlight, OffloadingPair, PendingStep,
     RankState as SystemRank, SchedFault, SystemAction, SystemConfig, SystemModel, SystemState,
-    WMeta, property_names as system_properties,
+    WMeta, is_remote_slot, property_names as system_properties, remote_slot,
 };
 pub use trace::{TraceStep, escape_label, mermaid};
+
+/// Model-checks the completion model of `config` breadth-first on `threads` threads (at least
+/// one), stopping at the first violation; [`check`] with [`CheckOptions`] for the rest.
+///
+/// It lives here, at the crate root, because it joins a model ([`CompletionModel`]) with the
+/// runner ([`check`]): neither module depends on the other.
+///
+/// # Panics
+/// If `config` is invalid ([`CompletionConfig::validate`]).
+pub fn check_completions(
+    config: CompletionConfig,
+    threads: usize,
+    on_progress: &mut dyn FnMut(&Progress),
+) -> CheckReport {
+    let options = CheckOptions {
+        threads,
+        ..CheckOptions::default()
+    };
+    check(CompletionModel::new(config), &options, on_progress)
+}

@@ -23,6 +23,7 @@ use kvrelay_core::{
 use crate::pd::{PdConnector, PdMeta, PdPair, PdRole, PdWorker};
 use crate::system::{
     Connectors, Faulty, OffloadingPair, SchedFault, SystemConfig, forward_scheduler_calls,
+    is_remote_slot, property_names,
 };
 
 /// Which connector a child is.
@@ -377,7 +378,7 @@ impl Connectors for MultiPair {
 
     /// The P/D child's remote loads may fail; the offloading child's cannot.
     fn load_may_fail(&self, load: &Transfer) -> bool {
-        load.external.iter().copied().all(crate::pd::is_remote_slot)
+        load.external.iter().copied().all(is_remote_slot)
     }
 
     fn describe_meta(&self, meta: &MultiMeta<ChildMeta>) -> String {
@@ -403,7 +404,7 @@ impl Connectors for MultiPair {
     /// Preemption and a clean end; a delayed free when a child sends; a failed load
     /// recomputed when a child loads remotely and loads may fail.
     fn expected_examples(&self, config: &SystemConfig) -> Vec<&'static str> {
-        use crate::system_properties as n;
+        use property_names as n;
         let mut v = vec![n::PREEMPTED, n::ALL_DONE];
         if self.pd_roles().any(|r| r.send) {
             v.push(n::DELAYED_FREE);

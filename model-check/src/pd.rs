@@ -13,8 +13,9 @@
 //! scheduler, aggregator, worker protocol and MultiConnector around it.
 //!
 //! The remote prefill instance holds every prompt block of every request at
-//! [`remote_slot`]`(request, index)`; the system model seeds those slots with the blocks'
-//! contents when a request arrives ([`crate::Connectors::remote_prefill`]).
+//! [`remote_slot`]`(request, index)` (an address the system model defines); the system model
+//! seeds those slots with the blocks' contents when a request arrives
+//! ([`Connectors::remote_prefill`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -24,15 +25,7 @@ use kvrelay_core::{
     TransferDone, TransferResults, WorkerConnector,
 };
 
-/// The external location of prompt block `index` of `request` on the remote prefill instance.
-pub fn remote_slot(request: RequestId, index: u32) -> u64 {
-    (1 << 62) | (u64::from(request.0) << 32) | u64::from(index)
-}
-
-/// Whether `slot` is on the remote prefill instance ([`remote_slot`]).
-pub fn is_remote_slot(slot: u64) -> bool {
-    slot & (1 << 62) != 0
-}
+use crate::system::{Connectors, SystemConfig, is_remote_slot, property_names, remote_slot};
 
 /// The external location a finished request's block `index` is sent to (the decode instance).
 fn send_slot(request: RequestId, index: u32) -> u64 {
@@ -394,7 +387,7 @@ impl Default for PdPair {
     }
 }
 
-impl crate::Connectors for PdPair {
+impl Connectors for PdPair {
     type Sched = PdConnector;
     type Worker = PdWorker;
 
@@ -408,7 +401,7 @@ impl crate::Connectors for PdPair {
     fn scheduler_connector(
         &self,
         _config: &kvrelay_core::SchedulerConfig,
-        model: &crate::SystemConfig,
+        model: &SystemConfig,
     ) -> Result<PdConnector, String> {
         if self.role.failures_as_blocks && model.sliding_window.is_some() {
             return Err(
@@ -421,7 +414,7 @@ impl crate::Connectors for PdPair {
         Ok(PdConnector::new(self.role))
     }
 
-    fn worker(&self, _rank: u32, _model: &crate::SystemConfig) -> PdWorker {
+    fn worker(&self, _rank: u32, _model: &SystemConfig) -> PdWorker {
         let mut w = PdWorker::new(self.role.failures_as_blocks);
         w.swallow_failures = self.fault == Some(PdFault::SwallowLoadFailures);
         w
@@ -457,8 +450,8 @@ impl crate::Connectors for PdPair {
 
     /// Preemption, a clean end, a send holding a finished request's blocks (when sending), a
     /// failed load recomputed (when the configuration allows failures).
-    fn expected_examples(&self, config: &crate::SystemConfig) -> Vec<&'static str> {
-        use crate::system_properties as n;
+    fn expected_examples(&self, config: &SystemConfig) -> Vec<&'static str> {
+        use property_names as n;
         let mut v = vec![n::PREEMPTED, n::ALL_DONE];
         if self.role.send {
             v.push(n::DELAYED_FREE);

@@ -2,11 +2,15 @@
 //! callbacks, returning a [`CheckReport`] whose discoveries come as readable lines, raw actions
 //! and sequence-diagram arrows (see [`crate::mermaid`]); and the web explorer behind a loopback
 //! guard ([`explorer_address`], [`serve_explorer`]).
+//!
+//! The runner knows no model: it takes any `M: Explain` (the trait of the `explain` module), so
+//! the models never depend on it and it never depends on them. Call [`check`] for a plain run,
+//! [`check_with_symmetry`] when the state has a `stateright::Representative` (rank symmetry),
+//! [`serve_explorer`] to browse the state space; shorthands that pick a model and its options
+//! (`check_completions`) live at the crate root, above both.
 
 use core::convert::Infallible;
 use core::fmt;
-use std::fmt::Debug;
-use std::hash::Hash;
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
@@ -14,40 +18,13 @@ use stateright::{
     Checker, CheckerBuilder, Expectation, HasDiscoveries, Model, Path, Representative,
 };
 
-use crate::completion::{CompletionConfig, CompletionModel};
+use crate::explain::Explain;
 use crate::trace::{TraceStep, mermaid_with_final_note};
 
 /// How often `on_progress` is called while a check runs.
 const PROGRESS_EVERY: Duration = Duration::from_millis(200);
 /// How often the runner looks whether the checker is done.
 const POLL_EVERY: Duration = Duration::from_millis(10);
-
-/// What the runner and `kvrelay check` need from a model beyond [`stateright::Model`]: readable
-/// counterexample lines and the arrows of a sequence diagram.
-///
-/// The bounds on states and actions are what stateright's checkers and explorer need; they are
-/// implied wherever `M: Explain` is.
-pub trait Explain:
-    Model<
-        State: Clone + Debug + Hash + PartialEq + Send + Sync + 'static,
-        Action: Clone + Debug + PartialEq + Send + Sync + 'static,
-    > + Send
-    + Sync
-    + 'static
-{
-    /// `action` taken in `state`: one readable line naming the action and the state change that
-    /// matters (what a rank reported, what the aggregator emitted, which error a call returned).
-    fn describe(&self, state: &Self::State, action: &Self::Action) -> String;
-
-    /// The participants of the model's sequence diagrams, left to right (e.g. `"scheduler"`,
-    /// `"rank 0"`, `"rank 1"`, `"aggregator"`, `"env"`). [`TraceStep::from`] and
-    /// [`TraceStep::to`] index this list.
-    fn participants(&self) -> Vec<String>;
-
-    /// `action` taken in `state` as one arrow of a sequence diagram: who acts, on whom, with
-    /// what label, and an optional note (an error, a fault, a violation).
-    fn arrow(&self, state: &Self::State, action: &Self::Action) -> TraceStep;
-}
 
 /// Breadth-first or depth-first search.
 #[derive(Clone, Copy, Debug, Default, Eq, Hash, PartialEq)]
@@ -217,7 +194,8 @@ impl CheckReport {
 /// The verdict on one property.
 #[derive(Clone, Debug, Eq, PartialEq)]
 pub struct PropertyResult {
-    /// The property's name (see [`crate::property_names`]).
+    /// The property's name, as the model's `stateright::Property` names it (the models of this
+    /// crate list theirs in a `property_names` module).
     pub name: &'static str,
     /// `"always"`, `"sometimes"` or `"eventually"`.
     pub expectation: &'static str,
@@ -266,7 +244,7 @@ impl Progress {
 ///
 /// Breadth-first search makes counterexamples short: with `threads == 1` a property's path is
 /// a shortest one *if the model reports its first discovery only* (stateright 0.31 overwrites a
-/// recorded path with later discoveries; [`CompletionModel`] guards against that), and with more
+/// recorded path with later discoveries; the models of this crate guard against that), and with more
 /// threads at most as deep as the threads had got when it was found.
 pub fn check<M: Explain + Send + Sync + 'static>(
     model: M,
@@ -314,23 +292,6 @@ where
         true,
         on_progress,
     )
-}
-
-/// Model-checks the completion model of `config` breadth-first on `threads` threads (at least
-/// one), stopping at the first violation; [`check`] with [`CheckOptions`] for the rest.
-///
-/// # Panics
-/// If `config` is invalid ([`CompletionConfig::validate`]).
-pub fn check_completions(
-    config: CompletionConfig,
-    threads: usize,
-    on_progress: &mut dyn FnMut(&Progress),
-) -> CheckReport {
-    let options = CheckOptions {
-        threads,
-        ..CheckOptions::default()
-    };
-    check(CompletionModel::new(config), &options, on_progress)
 }
 
 fn configure<M: Explain>(builder: CheckerBuilder<M>, options: &CheckOptions) -> CheckerBuilder<M> {
@@ -550,7 +511,7 @@ pub fn explorer_url(addr: SocketAddr) -> String {
 /// with an error.
 ///
 /// The explorer evaluates the properties state by state; a model that reports only its first
-/// discovery per property (like [`CompletionModel`]) shows each discovery once.
+/// discovery per property (as the models of this crate do) shows each discovery once.
 pub fn serve_explorer<M: Explain>(
     model: M,
     addr: SocketAddr,

@@ -67,7 +67,7 @@ use kvrelay_core::{
 };
 use stateright::{Expectation, Model, Property};
 
-use crate::runner::Explain;
+use crate::explain::Explain;
 use crate::trace::TraceStep;
 
 /// The names of the properties of [`SystemModel`], as they appear in a [`crate::CheckReport`].
@@ -174,7 +174,7 @@ pub trait Connectors: Clone + fmt::Debug + Eq + core::hash::Hash + Send + Sync +
         false
     }
     /// Whether a remote prefill instance holds every request's prompt KV at
-    /// [`crate::remote_slot`]`(request, index)` (P/D decode side): the model then seeds those
+    /// [`remote_slot`]`(request, index)` (P/D decode side): the model then seeds those
     /// slots, on every rank, with the prompt blocks' contents when the request arrives.
     fn remote_prefill(&self) -> bool {
         false
@@ -184,6 +184,18 @@ pub trait Connectors: Clone + fmt::Debug + Eq + core::hash::Hash + Send + Sync +
     fn load_may_fail(&self, _load: &Transfer) -> bool {
         false
     }
+}
+
+/// The external location of prompt block `index` of `request` on the remote prefill instance
+/// that the model seeds for a pair with [`Connectors::remote_prefill`] (a P/D connector's decode
+/// side loads from there).
+pub fn remote_slot(request: RequestId, index: u32) -> u64 {
+    (1 << 62) | (u64::from(request.0) << 32) | u64::from(index)
+}
+
+/// Whether `slot` is on the remote prefill instance ([`remote_slot`]).
+pub fn is_remote_slot(slot: u64) -> bool {
+    slot & (1 << 62) != 0
 }
 
 /// kvrelay's CPU offloading connector ([`OffloadingConnector`] + [`OffloadingWorker`]).
@@ -1304,7 +1316,7 @@ impl<P: Connectors> SystemModel<P> {
         let seeds: Vec<(u64, u64)> = (0..prompt_blocks)
             .filter_map(|i| {
                 let h = req.block_hashes().get(i as usize)?;
-                Some((crate::remote_slot(id, i), prompt_content(h.0)))
+                Some((remote_slot(id, i), prompt_content(h.0)))
             })
             .collect();
         for r in &mut s.ranks {

@@ -46,13 +46,14 @@
 //! [`meta_strategy`] and [`meta_with_shape`] generate [`Meta`] values that are all mergeable with
 //! one another; [`any_meta_strategy`] mixes forms and tuple lengths, so that mismatches occur.
 //! [`arb_worker_output`], [`arb_worker_output_with`] and [`arb_outputs`] generate one rank's
-//! [`WorkerOutput`] and one step's outputs for aggregator tests.
+//! [`WorkerOutput`] and one step's outputs for aggregator tests; [`AggregatorCall`] is one call of
+//! a generated aggregator run.
 
 use std::any::type_name;
 use std::fmt;
 
 use kvrelay_core::{
-    BlockId, JobId, KvEvent, KvEvents, Meta, OffloadMeta, RequestId, SortedSet, WorkerMeta,
+    BlockId, JobId, KvEvent, KvEvents, Meta, OffloadMeta, Rank, RequestId, SortedSet, WorkerMeta,
     WorkerOutput, merge,
 };
 use proptest::collection::vec;
@@ -487,4 +488,22 @@ where
     M: Clone + fmt::Debug + 'static,
 {
     vec(option::weighted(0.8, output), world).boxed()
+}
+
+/// One call on an [`Aggregator`](kvrelay_core::Aggregator) in a generated run: aggregate one
+/// step's outputs (index = rank) with an output rank, or salvage outputs for the next call.
+#[derive(Clone, Debug)]
+pub enum AggregatorCall<M = Meta> {
+    /// `Aggregator::aggregate(outputs, output_rank)`.
+    Aggregate {
+        /// The ranks' outputs, index = rank.
+        outputs: Vec<Option<WorkerOutput<M>>>,
+        /// The rank whose output the call waits for.
+        output_rank: Rank,
+    },
+    /// `Aggregator::salvage(outputs)`.
+    Salvage {
+        /// The ranks' outputs, index = rank.
+        outputs: Vec<Option<WorkerOutput<M>>>,
+    },
 }

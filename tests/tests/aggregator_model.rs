@@ -19,9 +19,10 @@ use kvrelay_core::{
     AggregateError, AggregatedOutput, Aggregator, Direction, KvEvents, Meta, Mode, Rank, RequestId,
     SortedSet, WorkerOutput, merge,
 };
+use kvrelay_tests::build::ids;
 use kvrelay_tests::laws::{
-    OutputSpace, arb_outputs, arb_worker_output_with, config, offload_meta_strategy,
-    set_meta_strategy,
+    AggregatorCall, OutputSpace, arb_outputs, arb_worker_output_with, config,
+    offload_meta_strategy, set_meta_strategy,
 };
 use proptest::prelude::*;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
@@ -208,17 +209,6 @@ struct RefState {
     last: Option<CallResult>,
 }
 
-#[derive(Clone, Debug)]
-enum Transition {
-    Aggregate {
-        outputs: Vec<Option<WorkerOutput>>,
-        output_rank: Rank,
-    },
-    Salvage {
-        outputs: Vec<Option<WorkerOutput>>,
-    },
-}
-
 /// Offload metadata (always mergeable), or none; with `mismatch`, a set now and then.
 fn meta(mismatch: bool) -> BoxedStrategy<Option<Meta>> {
     let offload = || offload_meta_strategy().prop_map(|m| Some(Meta::Offload(m)));
@@ -252,13 +242,13 @@ fn outputs(world: usize, mismatch: bool) -> BoxedStrategy<Vec<Option<WorkerOutpu
 
 /// Aggregates (output rank out of range one time in 13) and salvages. Salvaged outputs never
 /// carry mismatching metadata: it would stay in the stash and reject every later call.
-fn transitions(world: usize) -> BoxedStrategy<Transition> {
+fn transitions(world: usize) -> BoxedStrategy<AggregatorCall> {
     let ranks = world as u32;
     let output_rank = prop_oneof![12 => 0..ranks, 1 => Just(ranks)].prop_map(Rank);
     prop_oneof![
         4 => (outputs(world, true), output_rank)
-            .prop_map(|(outputs, output_rank)| Transition::Aggregate { outputs, output_rank }),
-        1 => outputs(world, false).prop_map(|outputs| Transition::Salvage { outputs }),
+            .prop_map(|(outputs, output_rank)| AggregatorCall::Aggregate { outputs, output_rank }),
+        1 => outputs(world, false).prop_map(|outputs| AggregatorCall::Salvage { outputs }),
     ]
     .boxed()
 }
@@ -274,13 +264,13 @@ fn init(mode: Mode) -> BoxedStrategy<RefState> {
         .boxed()
 }
 
-fn apply_ref(mut state: RefState, t: &Transition) -> RefState {
+fn apply_ref(mut state: RefState, t: &AggregatorCall) -> RefState {
     state.last = match t {
-        Transition::Aggregate {
+        AggregatorCall::Aggregate {
             outputs,
             output_rank,
         } => Some(state.model.aggregate(outputs, *output_rank)),
-        Transition::Salvage { outputs } => {
+        AggregatorCall::Salvage { outputs } => {
             state.model.salvage(outputs);
             None
         }
@@ -300,9 +290,9 @@ fn init_sut(state: &RefState, mode: Mode) -> Sut {
 }
 
 /// Runs `t` on the real aggregators and compares them with the model's result.
-fn apply_sut((mut sut, mut presized): Sut, state: &RefState, t: Transition) -> Sut {
+fn apply_sut((mut sut, mut presized): Sut, state: &RefState, t: AggregatorCall) -> Sut {
     match t {
-        Transition::Aggregate {
+        AggregatorCall::Aggregate {
             outputs,
             output_rank,
         } => {
@@ -316,7 +306,7 @@ fn apply_sut((mut sut, mut presized): Sut, state: &RefState, t: Transition) -> S
                 assert_eq!(sut, before, "a call without result changed the aggregator");
             }
         }
-        Transition::Salvage { outputs } => {
+        AggregatorCall::Salvage { outputs } => {
             sut.salvage(outputs.clone());
             presized.salvage(outputs);
         }
@@ -363,47 +353,37 @@ fn check_sut((sut, _): &Sut, state: &RefState) {
     }
 }
 
-struct CompatModel;
+/// The naive model, in strict mode if `STRICT`, else in compat mode.
+struct NaiveModel<const STRICT: bool>;
 
-impl ReferenceStateMachine for CompatModel {
+fn mode(strict: bool) -> Mode {
+    if strict { Mode::Strict } else { Mode::Compat }
+}
+
+impl<const STRICT: bool> ReferenceStateMachine for NaiveModel<STRICT> {
     type State = RefState;
-    type Transition = Transition;
+    type Transition = AggregatorCall;
     fn init_state() -> BoxedStrategy<RefState> {
-        init(Mode::Compat)
+        init(mode(STRICT))
     }
-    fn transitions(state: &RefState) -> BoxedStrategy<Transition> {
+    fn transitions(state: &RefState) -> BoxedStrategy<AggregatorCall> {
         transitions(state.world)
     }
-    fn apply(state: RefState, t: &Transition) -> RefState {
+    fn apply(state: RefState, t: &AggregatorCall) -> RefState {
         apply_ref(state, t)
     }
 }
 
-struct StrictModel;
+/// The real aggregators against [`NaiveModel`] in the same mode.
+struct RealAggregator<const STRICT: bool>;
 
-impl ReferenceStateMachine for StrictModel {
-    type State = RefState;
-    type Transition = Transition;
-    fn init_state() -> BoxedStrategy<RefState> {
-        init(Mode::Strict)
-    }
-    fn transitions(state: &RefState) -> BoxedStrategy<Transition> {
-        transitions(state.world)
-    }
-    fn apply(state: RefState, t: &Transition) -> RefState {
-        apply_ref(state, t)
-    }
-}
-
-struct CompatAggregator;
-
-impl StateMachineTest for CompatAggregator {
+impl<const STRICT: bool> StateMachineTest for RealAggregator<STRICT> {
     type SystemUnderTest = Sut;
-    type Reference = CompatModel;
+    type Reference = NaiveModel<STRICT>;
     fn init_test(state: &RefState) -> Sut {
-        init_sut(state, Mode::Compat)
+        init_sut(state, mode(STRICT))
     }
-    fn apply(sut: Sut, state: &RefState, t: Transition) -> Sut {
+    fn apply(sut: Sut, state: &RefState, t: AggregatorCall) -> Sut {
         apply_sut(sut, state, t)
     }
     fn check_invariants(sut: &Sut, state: &RefState) {
@@ -411,21 +391,8 @@ impl StateMachineTest for CompatAggregator {
     }
 }
 
-struct StrictAggregator;
-
-impl StateMachineTest for StrictAggregator {
-    type SystemUnderTest = Sut;
-    type Reference = StrictModel;
-    fn init_test(state: &RefState) -> Sut {
-        init_sut(state, Mode::Strict)
-    }
-    fn apply(sut: Sut, state: &RefState, t: Transition) -> Sut {
-        apply_sut(sut, state, t)
-    }
-    fn check_invariants(sut: &Sut, state: &RefState) {
-        check_sut(sut, state);
-    }
-}
+type CompatAggregator = RealAggregator<false>;
+type StrictAggregator = RealAggregator<true>;
 
 prop_state_machine! {
     #![proptest_config(config())]
@@ -443,7 +410,6 @@ prop_state_machine! {
 /// quorum, and the real aggregator agrees (SEMANTICS.md S2 plus a strict duplicate).
 #[test]
 fn the_model_reproduces_scenario_s2_and_a_strict_duplicate() {
-    let ids = |xs: &[u32]| -> SortedSet<RequestId> { xs.iter().copied().map(RequestId).collect() };
     let out = |send: &[u32], recv: &[u32], invalid: &[u64], failed: &[u32]| {
         Some(WorkerOutput {
             finished_sending: (!send.is_empty()).then(|| ids(send)),

@@ -4,52 +4,19 @@
 //! contract each of them relies on.
 
 use kvrelay_core::{
-    EngineCore, EngineError, GroupKind, JobId, Meta, OffloadingWorker, OffloadingWorkerConfig,
-    Rank, RankAction, RankConfig, RankDriver, RankError, RequestId, RequestSpec, ScheduledStep,
-    SchedulerConfig, SchedulerOutput, ScriptedConnector, ScriptedMeta, ScriptedWorker, SortedSet,
-    StepId, StepPoint, Transfer, TransferDirection, TransferDone, WorkerError, WorkerOutput,
+    EngineCore, EngineError, JobId, OffloadingWorker, OffloadingWorkerConfig, Rank, RankAction,
+    RankDriver, RankError, ScheduledStep, SchedulerConfig, SchedulerOutput, ScriptedConnector,
+    ScriptedMeta, ScriptedWorker, SortedSet, StepId, StepPoint, Transfer, TransferDirection,
+    TransferDone, WorkerError, WorkerOutput,
 };
-
-fn rid(n: u32) -> RequestId {
-    RequestId(n)
-}
-
-fn spec(id: u32, len: u32, max_tokens: u32) -> RequestSpec {
-    RequestSpec {
-        id: rid(id),
-        prompt: (0..len).map(|i| 1000 * id + i + 1).collect(),
-        max_tokens,
-        stop_token: None,
-        kv_transfer_params: None,
-    }
-}
+use kvrelay_tests::build::{rank_config, rid, spec};
+use kvrelay_tests::drive::run_rank_step;
 
 fn config() -> SchedulerConfig {
     SchedulerConfig {
         block_size: 4,
         num_gpu_blocks: 32,
         ..SchedulerConfig::default()
-    }
-}
-
-fn rank_config(layers: u32) -> RankConfig {
-    RankConfig {
-        layers,
-        block_size: 4,
-        groups: vec![GroupKind::FullAttention],
-    }
-}
-
-/// Polls `driver` to the end of its step, returning every action but the last, and the output.
-fn run(driver: &mut RankDriver<ScriptedWorker>) -> (Vec<RankAction<Meta>>, WorkerOutput<Meta>) {
-    let mut seen = Vec::new();
-    loop {
-        match driver.poll().unwrap() {
-            RankAction::Done(out) => return (seen, out),
-            RankAction::Wait(jobs) => panic!("unexpected wait for {jobs:?}"),
-            a => seen.push(a),
-        }
-        driver.check_invariants().unwrap();
     }
 }
 
@@ -62,7 +29,7 @@ fn a_step_hands_out_its_layers_accesses_then_the_async_load_then_the_output() {
     e.add_request(spec(1, 10, 2)).unwrap();
     let step0 = e.schedule().unwrap().step;
     assert_eq!(step0.output.num_scheduled_tokens, vec![(rid(1), 10)]);
-    let mut d = RankDriver::new(rank_config(2), ScriptedWorker::new());
+    let mut d = RankDriver::new(rank_config(&config(), 2), ScriptedWorker::new());
     let load = Transfer {
         job: JobId(4),
         direction: TransferDirection::Load,
@@ -72,7 +39,7 @@ fn a_step_hands_out_its_layers_accesses_then_the_async_load_then_the_output() {
     };
     d.worker_mut().push_load(load.clone());
     d.begin(&step0).unwrap();
-    let (actions, out) = run(&mut d);
+    let (actions, out) = run_rank_step(&mut d);
     let shape: Vec<&str> = actions
         .iter()
         .map(|a| match a {
@@ -119,7 +86,7 @@ fn a_step_hands_out_its_layers_accesses_then_the_async_load_then_the_output() {
     e.apply_fake().unwrap();
     let step1 = e.schedule().unwrap().step;
     d.begin(&step1).unwrap();
-    let (actions, _) = run(&mut d);
+    let (actions, _) = run_rank_step(&mut d);
     let RankAction::Forward(pass) = &actions[0] else {
         panic!("{actions:?}")
     };
@@ -143,7 +110,7 @@ fn a_step_hands_out_its_layers_accesses_then_the_async_load_then_the_output() {
 /// time, and a wait names only jobs still in flight on the rank.
 #[test]
 fn a_wait_blocks_until_its_jobs_complete() {
-    let mut d = RankDriver::new(rank_config(1), ScriptedWorker::new());
+    let mut d = RankDriver::new(rank_config(&config(), 1), ScriptedWorker::new());
     let step = |n: u64| ScheduledStep {
         output: SchedulerOutput {
             step: StepId(n),
@@ -161,7 +128,7 @@ fn a_wait_blocks_until_its_jobs_complete() {
     d.worker_mut().push_load(load(1));
     d.worker_mut().push_load(load(2));
     d.begin(&step(0)).unwrap();
-    run(&mut d);
+    run_rank_step(&mut d);
     // Job 2 completes between steps; the next step's handle_preemptions waits for 1 and 2.
     d.transfer_done(TransferDone {
         job: JobId(2),
@@ -183,7 +150,7 @@ fn a_wait_blocks_until_its_jobs_complete() {
         ok: true,
     })
     .unwrap();
-    let (_, out) = run(&mut d);
+    let (_, out) = run_rank_step(&mut d);
     assert_eq!(out.finished_recving, None);
     assert!(d.in_flight().is_empty());
     assert_eq!(
@@ -197,7 +164,7 @@ fn a_wait_blocks_until_its_jobs_complete() {
 /// the driver as a typed, sticky error (not a side getter).
 #[test]
 fn errors_come_through_the_driver_and_stick() {
-    let mut d = RankDriver::new(rank_config(1), ScriptedWorker::new());
+    let mut d = RankDriver::new(rank_config(&config(), 1), ScriptedWorker::new());
     let step = ScheduledStep {
         output: SchedulerOutput {
             step: StepId(1),
@@ -214,7 +181,7 @@ fn errors_come_through_the_driver_and_stick() {
     );
     // An offloading worker told of a completion it never started stops, and so does the rank.
     let mut off = RankDriver::new(
-        rank_config(1),
+        rank_config(&config(), 1),
         OffloadingWorker::new(OffloadingWorkerConfig {
             blocks_per_chunk: 1,
             is_store_writer: true,

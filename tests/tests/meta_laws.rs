@@ -4,10 +4,12 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use kvrelay_core::{JobId, Meta, MetaMismatch, OffloadMeta, WorkerMeta, build_multi, merge};
+use kvrelay_tests::build::set_meta;
 use kvrelay_tests::laws::{
     self, Law, MetaShape, any_meta_strategy, check_laws_on, check_worker_meta_laws, config,
     meta_strategy, meta_with_shape, offload_meta_strategy,
 };
+use kvrelay_tests::runner::check_cases;
 use proptest::prelude::*;
 
 #[test]
@@ -36,23 +38,19 @@ fn meta_obeys_the_laws_on_mixed_forms_and_lengths() {
 fn compatible_strategy_values_always_merge_and_mixed_ones_sometimes_fail() {
     // The strategies do what the suites above rely on: compatible values never mismatch, the
     // mixed strategy does mismatch (otherwise the error laws would be checked on nothing).
-    let mut runner = proptest::test_runner::TestRunner::new(config());
-    runner
-        .run(&(meta_strategy(), meta_strategy()), |(a, b)| {
-            prop_assert!(merge(Some(a), Some(b)).is_ok());
-            Ok(())
-        })
-        .unwrap();
+    check_cases(&(meta_strategy(), meta_strategy()), |(a, b)| {
+        prop_assert!(merge(Some(a), Some(b)).is_ok());
+        Ok(())
+    });
     let failures = std::cell::Cell::new(0u32);
-    // A fresh runner: a used one counts its earlier successes and would run no case.
-    proptest::test_runner::TestRunner::new(config())
-        .run(&(any_meta_strategy(), any_meta_strategy()), |(a, b)| {
-            if merge(Some(a), Some(b)).is_err() {
-                failures.set(failures.get() + 1);
-            }
-            Ok(())
-        })
-        .unwrap();
+    // check_cases takes a fresh runner: a used one counts its earlier successes and would run no
+    // case.
+    check_cases(&(any_meta_strategy(), any_meta_strategy()), |(a, b)| {
+        if merge(Some(a), Some(b)).is_err() {
+            failures.set(failures.get() + 1);
+        }
+        Ok(())
+    });
     assert!(
         failures.get() > 0,
         "any_meta_strategy never produced a mismatch"
@@ -106,7 +104,7 @@ fn s9_and_s11_examples() {
         ]),
         off(&[(42, 3), (43, 2), (7, 2), (8, 2)])
     );
-    let set = |xs: &[&str]| Some(Meta::Set(xs.iter().map(|s| s.to_string()).collect()));
+    let set = |xs: &[&str]| Some(set_meta(xs));
     let multi = |slots: Vec<Option<Meta>>| Some(Meta::Multi(slots));
     assert_eq!(
         fold(vec![

@@ -7,23 +7,17 @@
 use kvrelay_core::{
     AggregatedOutput, BlockId, ConnectorCall, ConnectorError, EngineCore, FinishDecision, Intent,
     JobId, KvEvent, Lookup, Meta, MultiConnector, MultiMeta, MultiWorker, NoopConnector,
-    OffloadMeta, Params, Rank, RankAction, RankConfig, RankDriver, RequestId, RequestSpec,
-    RequestStatus, ScheduledStep, Scheduler, SchedulerConfig, SchedulerConnector, SchedulerError,
-    SchedulerOutput, SchedulerView, ScriptedConnector, ScriptedMeta, ScriptedWorker, SortedSet,
-    Transfer, TransferCommand, TransferDirection, TransferDone, WorkerConnector, WorkerOutput,
-    combine_finished_counts, route_worker_meta,
+    OffloadMeta, Params, Rank, RankDriver, RequestId, RequestStatus, ScheduledStep, Scheduler,
+    SchedulerConfig, SchedulerConnector, SchedulerError, SchedulerOutput, SchedulerView,
+    ScriptedConnector, ScriptedMeta, ScriptedWorker, SortedSet, Transfer, TransferCommand,
+    TransferDirection, TransferDone, WorkerConnector, WorkerOutput, combine_finished_counts,
+    route_worker_meta,
 };
+use kvrelay_tests::build::{empty_aggregated, hit, ids, params, rank_config, rid, set_meta, spec};
+use kvrelay_tests::drive::run_rank_step;
 use proptest::prelude::*;
 
 type Multi = MultiConnector<ScriptedConnector>;
-
-fn rid(n: u32) -> RequestId {
-    RequestId(n)
-}
-
-fn ids(v: &[u32]) -> SortedSet<RequestId> {
-    v.iter().map(|&i| rid(i)).collect()
-}
 
 /// An idle scheduler: only its view is used, by direct calls on a MultiConnector.
 fn idle() -> Scheduler<NoopConnector> {
@@ -38,30 +32,14 @@ fn worker(k: usize) -> MultiWorker<ScriptedWorker> {
     MultiWorker::new(vec![ScriptedWorker::new(); k])
 }
 
-fn hit(tokens: u32, load_async: bool) -> Lookup {
-    Lookup::Hit { tokens, load_async }
-}
-
-fn params(kv: &[(&str, &str)]) -> Params {
-    kv.iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
-}
-
+/// An aggregated output with a finished send and an invalid block, and `meta`.
 fn empty_output(meta: Option<Meta>) -> AggregatedOutput {
     AggregatedOutput {
         finished_sending: Some(ids(&[7])),
-        finished_recving: None,
         invalid_block_ids: [BlockId(3)].into_iter().collect(),
-        failed_recving: SortedSet::new(),
         worker_meta: meta,
-        kv_events: None,
-        expected_finished_count: 1,
+        ..empty_aggregated()
     }
-}
-
-fn set(items: &[&str]) -> Meta {
-    Meta::Set(items.iter().map(|s| s.to_string()).collect())
 }
 
 /// Child `i`'s logged calls, drained.
@@ -239,8 +217,9 @@ fn params_of_children_merge_and_empty_params_are_not_none() {
 
 #[test]
 fn scripted_delay_all_delays_every_free_until_cleared() {
-    // A cargo-mutants survivor: `set_delay_all` (the P/D producer switch of conformance cases)
-    // was exercised by no test.
+    // Protects the scripted P/D producer of the conformance cases (`set_delay_all`): while on,
+    // `request_finished` delays every free, as a vLLM P/D producer holds a finished request's
+    // blocks until its KV is sent (I-15); once off, it delays none.
     let s = idle();
     let v = s.view();
     let mut c = ScriptedConnector::quiet();
@@ -254,7 +233,8 @@ fn scripted_delay_all_delays_every_free_until_cleared() {
 
 #[test]
 fn scripted_finish_params_are_returned_until_cleared() {
-    // A cargo-mutants survivor: `clear_finish_params` was exercised by no test.
+    // Protects the scripted connector's finish parameters (`request_finished`'s
+    // `kv_transfer_params`, §3.1), which conformance cases set and clear per request.
     let s = idle();
     let v = s.view();
     let mut c = ScriptedConnector::quiet();
@@ -352,7 +332,7 @@ fn each_child_observes_its_own_worker_meta_slot_and_everything_else_unchanged() 
     let v = s.view();
     let mut m = multi(3);
     let offload = Meta::Offload(OffloadMeta::from_counts([(JobId(3), 2)]));
-    let multi_meta = Meta::Multi(vec![Some(set(&["a"])), None, Some(offload.clone())]);
+    let multi_meta = Meta::Multi(vec![Some(set_meta(&["a"])), None, Some(offload.clone())]);
     let out = empty_output(Some(multi_meta));
     let before = out.clone();
     m.update_connector_output(&v, &out);
@@ -362,7 +342,7 @@ fn each_child_observes_its_own_worker_meta_slot_and_everything_else_unchanged() 
         .iter()
         .map(|c| c.observed_worker_meta().cloned())
         .collect();
-    assert_eq!(seen, vec![Some(set(&["a"])), None, Some(offload)]);
+    assert_eq!(seen, vec![Some(set_meta(&["a"])), None, Some(offload)]);
     for i in 0..3 {
         let got = calls(&mut m, i);
         assert_eq!(
@@ -388,21 +368,24 @@ fn each_child_observes_its_own_worker_meta_slot_and_everything_else_unchanged() 
 fn worker_meta_that_is_not_one_slot_per_child_reaches_no_child() {
     assert_eq!(route_worker_meta(None, 2), Ok(vec![None, None]));
     assert_eq!(
-        route_worker_meta(Some(Meta::Multi(vec![Some(set(&["x"])), None, None])), 2),
-        Ok(vec![Some(set(&["x"])), None]),
+        route_worker_meta(
+            Some(Meta::Multi(vec![Some(set_meta(&["x"])), None, None])),
+            2
+        ),
+        Ok(vec![Some(set_meta(&["x"])), None]),
         "extra slots are ignored, as in vLLM"
     );
     let s = idle();
     let v = s.view();
     let mut m = multi(2);
-    for bad in [set(&["x"]), Meta::Multi(vec![None])] {
+    for bad in [set_meta(&["x"]), Meta::Multi(vec![None])] {
         let e = m
             .try_update_connector_output(&v, &empty_output(Some(bad)))
             .unwrap_err();
         assert_eq!(e.kind(), "meta_mismatch");
         assert!(calls(&mut m, 0).is_empty() && calls(&mut m, 1).is_empty());
     }
-    m.update_connector_output(&v, &empty_output(Some(set(&["y"]))));
+    m.update_connector_output(&v, &empty_output(Some(set_meta(&["y"]))));
     assert!(m.take_error().is_some());
 }
 
@@ -626,16 +609,20 @@ fn recving_failed_and_load_errors_are_unions() {
 fn worker_meta_is_none_or_one_slot_per_child() {
     let mut w = worker(3);
     assert_eq!(w.build_connector_worker_meta(), None);
-    w.child_mut(2).unwrap().set_worker_meta(Some(set(&["z"])));
+    w.child_mut(2)
+        .unwrap()
+        .set_worker_meta(Some(set_meta(&["z"])));
     assert_eq!(
         w.build_connector_worker_meta(),
-        Some(Meta::Multi(vec![None, None, Some(set(&["z"]))])),
+        Some(Meta::Multi(vec![None, None, Some(set_meta(&["z"]))])),
         "leading Nones are padded (I-31)"
     );
-    w.child_mut(0).unwrap().set_worker_meta(Some(set(&["a"])));
+    w.child_mut(0)
+        .unwrap()
+        .set_worker_meta(Some(set_meta(&["a"])));
     assert_eq!(
         w.build_connector_worker_meta(),
-        Some(Meta::Multi(vec![Some(set(&["a"])), None, None]))
+        Some(Meta::Multi(vec![Some(set_meta(&["a"])), None, None]))
     );
 }
 
@@ -732,16 +719,6 @@ fn child_jobs_are_renumbered_and_completions_routed_back() {
 // ---------------------------------------------------------------------------------------------
 // The real scheduler driving a MultiConnector of two scripted children.
 
-fn spec(id: u32, len: u32, max_tokens: u32) -> RequestSpec {
-    RequestSpec {
-        id: rid(id),
-        prompt: (0..len).map(|i| 1000 * id + i + 1).collect(),
-        max_tokens,
-        stop_token: None,
-        kv_transfer_params: None,
-    }
-}
-
 /// One rank: the worker side of the step, driven by the core's rank driver.
 struct Rank0 {
     driver: RankDriver<MultiWorker<ScriptedWorker>>,
@@ -749,11 +726,7 @@ struct Rank0 {
 
 impl Rank0 {
     fn new(children: usize) -> Self {
-        let config = RankConfig {
-            layers: 1,
-            block_size: SchedulerConfig::default().block_size,
-            groups: SchedulerConfig::default().groups,
-        };
+        let config = rank_config(&SchedulerConfig::default(), 1);
         Self {
             driver: RankDriver::new(config, worker(children)),
         }
@@ -767,18 +740,10 @@ impl Rank0 {
     /// The rank's step; the scripted children start no transfer that is waited for.
     fn run(&mut self, step: ScheduledStep<MultiMeta<ScriptedMeta>>) -> WorkerOutput<Meta> {
         self.driver.begin(&step).unwrap();
-        loop {
-            match self.driver.poll().unwrap() {
-                RankAction::Done(out) => {
-                    self.driver.check_invariants().unwrap();
-                    self.driver.worker().inner().check_invariants().unwrap();
-                    return out;
-                }
-                RankAction::Wait(jobs) => panic!("scripted children wait for nothing: {jobs:?}"),
-                RankAction::Idle => panic!("a step was begun"),
-                RankAction::Start(_) | RankAction::Forward(_) | RankAction::Collect => {}
-            }
-        }
+        let (_, out) = run_rank_step(&mut self.driver);
+        self.driver.check_invariants().unwrap();
+        self.driver.worker().inner().check_invariants().unwrap();
+        out
     }
 }
 
@@ -931,11 +896,11 @@ fn scheduler_routes_worker_meta_slots_to_the_children() {
     rank.worker()
         .child_mut(1)
         .unwrap()
-        .set_worker_meta(Some(set(&["m"])));
+        .set_worker_meta(Some(set_meta(&["m"])));
     let (_, _, kv, _) = step(&mut s, &mut rank);
     assert_eq!(
         kv.unwrap().worker_meta,
-        Some(Meta::Multi(vec![None, Some(set(&["m"]))])),
+        Some(Meta::Multi(vec![None, Some(set_meta(&["m"]))])),
         "I-31: one slot per child"
     );
     let seen: Vec<_> = s
@@ -945,7 +910,7 @@ fn scheduler_routes_worker_meta_slots_to_the_children() {
         .iter()
         .map(|c| c.observed_worker_meta().cloned())
         .collect();
-    assert_eq!(seen, vec![None, Some(set(&["m"]))]);
+    assert_eq!(seen, vec![None, Some(set_meta(&["m"]))]);
 }
 
 #[test]
@@ -1091,11 +1056,14 @@ fn a_multi_connector_nests_as_a_child() {
     assert_eq!(m.children()[1].loader(rid(1)), Some(1));
 
     // Worker metadata nests slot-wise, and each grandchild sees its own slot.
-    let nested = Meta::Multi(vec![None, Some(Meta::Multi(vec![Some(set(&["g"])), None]))]);
+    let nested = Meta::Multi(vec![
+        None,
+        Some(Meta::Multi(vec![Some(set_meta(&["g"])), None])),
+    ]);
     m.update_connector_output(&v, &empty_output(Some(nested)));
     assert_eq!(
         m.children()[1].children()[0].observed_worker_meta(),
-        Some(&set(&["g"]))
+        Some(&set_meta(&["g"]))
     );
     assert!(
         m.children()[0].children()[0]

@@ -5,21 +5,13 @@ use kvrelay_core::{
     Access, BlockHash, CpuOffloadingManager, KeyLookup, ManagerConfig, ManagerError, OffloadEvent,
     OffloadKey, PolicyKind, RequestId,
 };
+use kvrelay_tests::build::cpu_manager;
 
 fn k(n: u64) -> OffloadKey {
     OffloadKey {
         hash: BlockHash(n),
         group: 0,
     }
-}
-
-fn manager(policy: PolicyKind, capacity_chunks: u32, store_threshold: u32) -> CpuOffloadingManager {
-    CpuOffloadingManager::new(ManagerConfig {
-        capacity_chunks,
-        policy,
-        store_threshold,
-    })
-    .expect("a valid config")
 }
 
 fn ok(m: &CpuOffloadingManager) {
@@ -42,7 +34,7 @@ fn zero_capacity_is_a_typed_error() {
 #[test]
 fn store_then_load_lifecycle() {
     for p in POLICIES {
-        let mut m = manager(p, 4, 1);
+        let mut m = cpu_manager(p, 4, 1);
         let out = m.prepare_store(&[k(1), k(2)], Access::default()).unwrap();
         ok(&m);
         assert_eq!(out.keys_to_store, vec![k(1), k(2)]);
@@ -71,7 +63,7 @@ fn store_then_load_lifecycle() {
 #[test]
 fn eviction_is_atomic_and_skips_pinned_and_offered_keys() {
     for p in POLICIES {
-        let mut m = manager(p, 3, 1);
+        let mut m = cpu_manager(p, 3, 1);
         m.prepare_store(&[k(1), k(2), k(3)], Access::default())
             .unwrap();
         m.complete_store(&[k(1), k(2), k(3)], true);
@@ -99,7 +91,7 @@ fn eviction_is_atomic_and_skips_pinned_and_offered_keys() {
 #[test]
 fn store_threshold_admits_on_the_nth_offer() {
     for p in POLICIES {
-        let mut m = manager(p, 4, 2);
+        let mut m = cpu_manager(p, 4, 2);
         let first = m.prepare_store(&[k(1)], Access::default()).unwrap();
         assert!(first.keys_to_store.is_empty());
         let second = m.prepare_store(&[k(1)], Access::default()).unwrap();
@@ -112,10 +104,10 @@ fn store_threshold_admits_on_the_nth_offer() {
 /// chunk per copy and leak all but the last; the connector never offers a key twice.)
 #[test]
 fn a_key_offered_twice_in_one_call_is_stored_once() {
-    // cargo-mutants survivors: the duplicate check (`==` → `!=`, `&&` → `||`) had only ever
-    // seen offers without duplicates.
+    // Protects I-40 on an offer with repeats: one chunk per distinct key, so
+    // `write_pending_count` counts the distinct keys and no chunk is left allocated to nothing.
     for p in POLICIES {
-        let mut m = manager(p, 4, 1);
+        let mut m = cpu_manager(p, 4, 1);
         let same = m.prepare_store(&[k(1), k(1)], Access::default()).unwrap();
         assert_eq!(same.keys_to_store, vec![k(1)]);
         assert_eq!(same.chunks.len(), 1);
@@ -135,7 +127,7 @@ fn a_key_offered_twice_in_one_call_is_stored_once() {
 #[test]
 fn reset_forgets_everything() {
     for p in POLICIES {
-        let mut m = manager(p, 2, 1);
+        let mut m = cpu_manager(p, 2, 1);
         m.prepare_store(&[k(1), k(2)], Access::default()).unwrap();
         m.complete_store(&[k(1)], true);
         m.reset();
@@ -164,7 +156,7 @@ fn stored(m: &mut CpuOffloadingManager, keys: &[OffloadKey], access: Access<'_>)
 /// request commits fresh ranks tail to head (the head ends most recent).
 #[test]
 fn lru_request_ranks_evict_tails_first_and_commit_at_finish() {
-    let mut m = manager(PolicyKind::Lru, 4, 1);
+    let mut m = cpu_manager(PolicyKind::Lru, 4, 1);
     let r = RequestId(7);
     let access = |pos: &'static [u32]| Access {
         request: Some(r),
@@ -189,7 +181,7 @@ fn lru_request_ranks_evict_tails_first_and_commit_at_finish() {
 /// store miss grows the T1 target.
 #[test]
 fn arc_promotes_reused_keys_and_adapts_to_ghost_hits() {
-    let mut m = manager(PolicyKind::Arc, 2, 1);
+    let mut m = cpu_manager(PolicyKind::Arc, 2, 1);
     stored(&mut m, &[k(1), k(2)], Access::default());
     let r = RequestId(1);
     let access = Access {
@@ -220,7 +212,7 @@ fn arc_promotes_reused_keys_and_adapts_to_ghost_hits() {
 /// ARC: touching a ready T1 key promotes it; touching a write-pending one keeps it in T1.
 #[test]
 fn arc_touch_promotes_only_ready_keys() {
-    let mut m = manager(PolicyKind::Arc, 2, 1);
+    let mut m = cpu_manager(PolicyKind::Arc, 2, 1);
     stored(&mut m, &[k(1)], Access::default());
     m.prepare_store(&[k(2)], Access::default()).unwrap();
     m.touch(&[k(1), k(2)], Access::default());
@@ -237,7 +229,7 @@ fn hundreds_of_keys_survive_the_index_growing_and_evictions() {
     // still be found after each growth, and evicted ones must be gone. Batches of 50 keys
     // (hashes spread over a wide range) in a 300-chunk pool: the fourth… seventh batches evict.
     for p in POLICIES {
-        let mut m = manager(p, 300, 1);
+        let mut m = cpu_manager(p, 300, 1);
         let key = |i: u64| k(i.wrapping_mul(0x9E37_79B9) ^ (i << 40));
         for batch in 0..7u64 {
             let keys: Vec<_> = (batch * 50..batch * 50 + 50).map(key).collect();
@@ -277,7 +269,7 @@ fn a_full_offer_tracker_forgets_its_oldest_unprotected_key() {
     let all: Vec<OffloadKey> = (0..N).map(k).collect();
     // An LRU manager whose tracker is full: every key of `all` offered once, none stored.
     let full = |store_threshold: u32| {
-        let mut m = manager(PolicyKind::Lru, 4, store_threshold);
+        let mut m = cpu_manager(PolicyKind::Lru, 4, store_threshold);
         assert!(offer(&mut m, &all).is_empty());
         m
     };

@@ -26,16 +26,15 @@
 //! (`Clone` + `Eq`) to the one before. The test counts what the cases exercised (evictions,
 //! `None` stores, ghost hits, threshold skips, …) and fails if one was never reached.
 
-use std::cell::RefCell;
 use std::collections::BTreeMap;
 
 use kvrelay_core::{
-    Access, BlockHash, ChunkId, CpuOffloadingManager, KeyLookup, ManagerConfig, ManagerError,
-    OffloadEvent, OffloadKey, PolicyKind, PrepareStoreOutput, RequestId,
+    Access, BlockHash, ChunkId, CpuOffloadingManager, KeyLookup, ManagerError, OffloadEvent,
+    OffloadKey, PolicyKind, PrepareStoreOutput, RequestId,
 };
-use kvrelay_tests::laws::config;
+use kvrelay_tests::build::cpu_manager;
+use kvrelay_tests::runner::{self, assert_reached, run_state_machine};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest};
 
 /// Keys `0..NKEYS`; key `i` is `(hash i, group i % 2)`.
@@ -793,12 +792,8 @@ struct Stats {
     finishes: u64,
 }
 
-thread_local! {
-    static STATS: RefCell<Stats> = RefCell::new(Stats::default());
-}
-
 fn bump(f: impl FnOnce(&mut Stats)) {
-    STATS.with(|s| f(&mut s.borrow_mut()));
+    runner::bump(f);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -820,12 +815,7 @@ fn pick(list: &[usize], mask: u8) -> Vec<usize> {
 
 impl Harness {
     fn new(setup: &Setup) -> Self {
-        let m = CpuOffloadingManager::new(ManagerConfig {
-            capacity_chunks: setup.capacity,
-            policy: setup.policy,
-            store_threshold: setup.threshold,
-        })
-        .expect("valid config");
+        let m = cpu_manager(setup.policy, setup.capacity, setup.threshold);
         Harness {
             setup: setup.clone(),
             m,
@@ -1040,40 +1030,23 @@ impl StateMachineTest for ManagerTest {
 
 #[test]
 fn offload_manager_matches_the_reference_model() {
-    STATS.with(|s| *s.borrow_mut() = Stats::default());
-    let base = config();
     // PROPTEST_CASES overrides the default case count (for longer local runs).
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .map_or(CASES, |_| base.cases);
-    let config = Config { cases, ..base };
-    let mut runner = TestRunner::new(config.clone());
-    let result = runner.run(
-        &ManagerModel::sequential_strategy(1..MAX_TRANSITIONS),
-        |(state, transitions, seen)| {
-            ManagerTest::test_sequential(config.clone(), state, transitions, seen);
-            Ok(())
-        },
+    let stats: Stats = run_state_machine::<ManagerTest, Stats>(CASES, MAX_TRANSITIONS);
+    assert_reached(
+        &stats,
+        &[
+            ("stores", stats.stores),
+            ("stores refused (None)", stats.stores_none),
+            ("evictions", stats.evictions),
+            ("threshold skips", stats.threshold_skips),
+            ("ARC ghost hits", stats.ghost_hits),
+            ("ARC promotions at finish", stats.promotions),
+            ("failed stores", stats.failed_stores),
+            ("loads", stats.loads),
+            ("refused loads", stats.load_refusals),
+            ("refused unpins", stats.unpin_refusals),
+            ("filtered metadata-only events", stats.filtered_events),
+            ("request finishes", stats.finishes),
+        ],
     );
-    if let Err(e) = result {
-        panic!("{e}");
-    }
-    let stats = STATS.with(|s| s.borrow().clone());
-    eprintln!("{stats:#?}");
-    for (what, n) in [
-        ("stores", stats.stores),
-        ("stores refused (None)", stats.stores_none),
-        ("evictions", stats.evictions),
-        ("threshold skips", stats.threshold_skips),
-        ("ARC ghost hits", stats.ghost_hits),
-        ("ARC promotions at finish", stats.promotions),
-        ("failed stores", stats.failed_stores),
-        ("loads", stats.loads),
-        ("refused loads", stats.load_refusals),
-        ("refused unpins", stats.unpin_refusals),
-        ("filtered metadata-only events", stats.filtered_events),
-        ("request finishes", stats.finishes),
-    ] {
-        assert!(n > 0, "no case exercised {what}: {stats:#?}");
-    }
 }

@@ -11,30 +11,18 @@
 use kvrelay_core::{
     AggregatedOutput, BlockId, ChunkId, EngineCore, GroupKind, JobId, KeyLookup, ManagerConfig,
     Meta, ModelOutput, OffloadKey, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta,
-    OffloadingWorker, OffloadingWorkerConfig, PolicyKind, Rank, RankAction, RankConfig, RankDriver,
-    RequestId, RequestSpec, RequestStatus, Scheduler, SchedulerConfig, SchedulerConnector,
-    SchedulerOutput, SortedSet, StepId, Transfer, TransferDirection, TransferDone, WorkerConnector,
+    OffloadingWorker, OffloadingWorkerConfig, PolicyKind, Rank, RankAction, RankDriver, RequestId,
+    RequestSpec, RequestStatus, Scheduler, SchedulerConfig, SchedulerConnector, SchedulerOutput,
+    SortedSet, StepId, Transfer, TransferDirection, TransferDone, WorkerConnector,
 };
+use kvrelay_tests::build::{empty_aggregated, params, rank_config, rid, spec_with};
+use kvrelay_tests::drive::computed;
 
 const BS: u32 = 4;
 const BPC: u32 = 3;
 
-fn rid(n: u32) -> RequestId {
-    RequestId(n)
-}
-
 fn prompt(seed: u32, len: u32) -> Vec<u32> {
     (0..len).map(|i| seed * 10_000 + i + 1).collect()
-}
-
-fn spec(id: u32, prompt: Vec<u32>, max_tokens: u32) -> RequestSpec {
-    RequestSpec {
-        id: rid(id),
-        prompt,
-        max_tokens,
-        stop_token: None,
-        kv_transfer_params: None,
-    }
 }
 
 fn sched_config(num_gpu_blocks: u32, prefix_caching: bool) -> SchedulerConfig {
@@ -101,11 +89,7 @@ impl Sim {
     fn new(config: SchedulerConfig, off: OffloadingConfig, writers: &[bool]) -> Self {
         let w = off.num_workers as usize;
         assert_eq!(writers.len(), w);
-        let rank_config = RankConfig {
-            layers: 1,
-            block_size: config.block_size,
-            groups: config.groups.clone(),
-        };
+        let per_rank = rank_config(&config, 1);
         let conn = OffloadingConnector::new(off.clone(), &config).unwrap();
         let engine = EngineCore::new(config, conn, off.num_workers).unwrap();
         let ranks = writers
@@ -116,7 +100,7 @@ impl Sim {
                     is_store_writer,
                     bytes_per_block: 64,
                 });
-                RankDriver::new(rank_config.clone(), worker)
+                RankDriver::new(per_rank.clone(), worker)
             })
             .collect();
         let sim = Sim {
@@ -268,7 +252,7 @@ impl Sim {
 
     /// Runs request `id` (prompt `p`, one output token) to the end: its prompt is offloaded.
     fn offload(&mut self, id: u32, p: &[u32]) {
-        self.add(spec(id, p.to_vec(), 1));
+        self.add(spec_with(id, p.to_vec(), 1));
         self.drain(10);
     }
 
@@ -348,7 +332,7 @@ fn gpu_blocks(t: &Transfer) -> Vec<BlockId> {
 fn s33_store_lookup_cycle() {
     let mut sim = Sim::simple(100, false, 1);
     let p = prompt(1, 36);
-    sim.add(spec(1, p.clone(), 2));
+    sim.add(spec_with(1, p.clone(), 2));
     // Step 0: the 36-token prefill creates one store job for its 3 chunks (9 blocks), deferred
     // to the next step's start.
     let s0 = sim.step();
@@ -383,7 +367,7 @@ fn s33_store_lookup_cycle() {
 
     // A request with the same 36-token prefix and 1 token more: 3 chunks hit, an async load.
     let p2 = extended(&p, &[7]);
-    sim.add(spec(2, p2, 1));
+    sim.add(spec_with(2, p2, 1));
     let s = sim.step();
     assert_eq!(
         sim.s().status(rid(2)),
@@ -407,7 +391,7 @@ fn s33_store_lookup_cycle() {
 
     // A request whose uncached part is shorter than a chunk: no load.
     let p3 = prompt(3, 11);
-    sim.add(spec(3, p3, 1));
+    sim.add(spec_with(3, p3, 1));
     let s = sim.step();
     assert!(s.meta.load_jobs.is_empty());
     assert_eq!(s.output.num_scheduled_tokens, vec![(rid(3), 11)]);
@@ -421,15 +405,15 @@ fn s33_a_hit_after_a_two_chunk_gpu_hit_loads_the_third_chunk() {
     // blocks evicts the free unused block and the last 4 of request 1 (freed tail first).
     let mut sim = Sim::simple(12, true, 1);
     let p = prompt(1, 36);
-    sim.add(spec(1, p.clone(), 3));
+    sim.add(spec_with(1, p.clone(), 3));
     sim.drain(10);
     for c in 0..3 {
         assert_eq!(sim.lookup(&p, c, 0), KeyLookup::Hit);
     }
-    sim.add(spec(9, prompt(9, 18), 1));
+    sim.add(spec_with(9, prompt(9, 18), 1));
     sim.drain(10);
     let p2 = extended(&p, &[5]);
-    sim.add(spec(2, p2, 1));
+    sim.add(spec_with(2, p2, 1));
     let s = sim.step();
     assert_eq!(s.meta.load_jobs.len(), 1);
     let lj = s.meta.load_jobs.values().next().unwrap();
@@ -449,7 +433,7 @@ fn s33_a_full_manager_stores_nothing_and_counts_the_failure() {
     let off = OffloadingConfig::new(BPC, 1, manager(2));
     let mut sim = Sim::new(sched_config(100, false), off, &[true]);
     let p = prompt(1, 36);
-    sim.add(spec(1, p.clone(), 1));
+    sim.add(spec_with(1, p.clone(), 1));
     let s = sim.step();
     assert!(s.meta.store_jobs.is_empty(), "3 chunks do not fit 2");
     assert_eq!(sim.conn().allocation_failures(), 1);
@@ -470,8 +454,8 @@ fn s34_preemption_flushes_and_readmission_waits_for_the_acknowledgement() {
     let mut sim = Sim::simple(18, false, 1);
     let p1 = prompt(1, 24);
     let p2 = prompt(2, 36);
-    sim.add(spec(1, p1.clone(), 40));
-    sim.add(spec(2, p2.clone(), 40));
+    sim.add(spec_with(1, p1.clone(), 40));
+    sim.add(spec_with(2, p2.clone(), 40));
     sim.held[0] = true;
     let s0 = sim.step();
     let jobs: Vec<JobId> = s0.meta.store_jobs.keys().copied().collect();
@@ -535,8 +519,8 @@ fn s34_preemption_flushes_and_readmission_waits_for_the_acknowledgement() {
 #[test]
 fn a_preempted_request_without_queue_ahead_is_flushed_and_acknowledged_in_the_same_step() {
     let mut sim = Sim::simple(20, false, 1);
-    sim.add(spec(1, prompt(1, 36), 10));
-    sim.add(spec(2, prompt(2, 12), 20));
+    sim.add(spec_with(1, prompt(1, 36), 10));
+    sim.add(spec_with(2, prompt(2, 12), 20));
     sim.held[0] = true;
     let s0 = sim.step();
     assert_eq!(s0.meta.store_jobs.len(), 2);
@@ -561,10 +545,10 @@ fn a_preempted_request_without_queue_ahead_is_flushed_and_acknowledged_in_the_sa
 
 /// Stores `p` as request `id`, then evicts its GPU blocks with a filler.
 fn stored_and_evicted(sim: &mut Sim, id: u32, p: &[u32], pool_usable: u32) {
-    sim.add(spec(id, p.to_vec(), 1));
+    sim.add(spec_with(id, p.to_vec(), 1));
     sim.drain(10);
     let filler_len = (pool_usable - 1) * BS;
-    sim.add(spec(id + 100, prompt(id + 100, filler_len), 1));
+    sim.add(spec_with(id + 100, prompt(id + 100, filler_len), 1));
     sim.drain(10);
 }
 
@@ -575,8 +559,8 @@ fn concurrent_lookups_wait_also_without_a_local_hit() {
     let mut sim = Sim::simple(40, true, 1);
     let p = prompt(1, 36);
     stored_and_evicted(&mut sim, 1, &p, 40);
-    sim.add(spec(2, extended(&p, &[1]), 1));
-    sim.add(spec(3, extended(&p, &[2]), 1));
+    sim.add(spec_with(2, extended(&p, &[1]), 1));
+    sim.add(spec_with(3, extended(&p, &[2]), 1));
     sim.held[0] = true;
     let s = sim.step();
     let (_, lj) = s.meta.load_jobs.iter().next().expect("a load");
@@ -607,8 +591,8 @@ fn concurrent_lookups_of_one_prefix_the_second_waits() {
     a.push(1);
     let mut b = p.clone();
     b.push(2);
-    sim.add(spec(2, a, 1));
-    sim.add(spec(3, b, 1));
+    sim.add(spec_with(2, a, 1));
+    sim.add(spec_with(3, b, 1));
     sim.held[0] = true;
     let s = sim.step();
     assert_eq!(s.meta.load_jobs.len(), 1, "one load job per admission");
@@ -635,7 +619,7 @@ fn abort_while_loading_frees_on_finished_recving() {
     let p = prompt(1, 36);
     sim.offload(1, &p);
     let p2 = extended(&p, &[3]);
-    sim.add(spec(2, p2, 5));
+    sim.add(spec_with(2, p2, 5));
     sim.held[0] = true;
     let s = sim.step();
     let (&load, _) = s.meta.load_jobs.iter().next().unwrap();
@@ -674,7 +658,7 @@ fn the_last_chunk_is_stored_after_finish_under_async_scheduling() {
     let mut sim = Sim::new(config, off, &[true]);
     let p = prompt(1, 20);
     // 20 prompt + 17 sampled = 37 tokens: tokens 0..36 are committed (36 = 3 chunks).
-    sim.add(spec(1, p, 17));
+    sim.add(spec_with(1, p, 17));
     let mut st = Vec::new();
     // Two steps in flight: schedule k+1 before applying k.
     let mut in_flight = std::collections::VecDeque::new();
@@ -709,7 +693,7 @@ fn block_reuse_after_finish_forces_a_flush() {
     // deferred/in flight; request 2 then gets request 1's blocks: the store must be flushed
     // before step 1 writes them (I-41).
     let mut sim = Sim::simple(12, false, 1);
-    sim.add(spec(1, prompt(1, 36), 1));
+    sim.add(spec_with(1, prompt(1, 36), 1));
     sim.held[0] = true;
     let s0 = sim.step();
     let (&job, j) = s0.meta.store_jobs.iter().next().unwrap();
@@ -726,7 +710,7 @@ fn block_reuse_after_finish_forces_a_flush() {
         r.sort();
         r
     });
-    sim.add(spec(2, prompt(2, 36), 1));
+    sim.add(spec_with(2, prompt(2, 36), 1));
     let s1 = sim.step();
     let reused: Vec<BlockId> = sim
         .blocks(2, 0)
@@ -747,9 +731,9 @@ fn a_zero_token_admission_still_counts_as_an_allocation_for_fences() {
     // connector only through update_state_after_alloc(…, 0) and build_connector_meta: the flush
     // happens either way (issue #46951).
     let mut sim = Sim::simple(12, false, 1);
-    sim.add(spec(1, prompt(1, 24), 1));
+    sim.add(spec_with(1, prompt(1, 24), 1));
     let (_, job) = sim.held_step(0);
-    sim.add(spec(2, prompt(2, 40), 1));
+    sim.add(spec_with(2, prompt(2, 40), 1));
     let s1 = sim.step();
     assert!(s1.meta.jobs_to_flush.contains(&job));
     sim.held[0] = false;
@@ -765,10 +749,10 @@ fn an_async_load_into_reused_blocks_flushes_the_store_reading_them() {
     let mut sim = Sim::simple(11, false, 1);
     let p = prompt(1, 24);
     sim.offload(1, &p);
-    sim.add(spec(2, prompt(2, 24), 1));
+    sim.add(spec_with(2, prompt(2, 24), 1));
     let (s0, job) = sim.held_step(0);
     let read = s0.meta.store_jobs[&job].gpu.block_ids[0].clone();
-    sim.add(spec(3, extended(&p, &prompt(3, 5)), 1));
+    sim.add(spec_with(3, extended(&p, &prompt(3, 5)), 1));
     let s1 = sim.step();
     let (_, lj) = s1.meta.load_jobs.iter().next().expect("an async load");
     assert!(
@@ -788,7 +772,7 @@ fn an_async_load_into_reused_blocks_flushes_the_store_reading_them() {
 fn a_job_completes_only_when_every_rank_acknowledged() {
     let mut sim = Sim::simple(100, false, 2);
     let p = prompt(1, 24);
-    sim.add(spec(1, p.clone(), 5));
+    sim.add(spec_with(1, p.clone(), 5));
     let (_, job) = sim.held_step(1);
     assert_eq!(sim.conn().pending_count(job), Some(2));
     let _ = sim.step();
@@ -812,7 +796,7 @@ fn non_writer_ranks_acknowledge_stores_without_transferring_and_still_load() {
     let off = OffloadingConfig::new(BPC, 2, manager(64));
     let mut sim = Sim::new(sched_config(100, false), off, &[true, false]);
     let p = prompt(1, 36);
-    sim.add(spec(1, p.clone(), 1));
+    sim.add(spec_with(1, p.clone(), 1));
     let logs = sim.drain(10);
     assert!(logs.iter().any(|l| !l.stored(0).is_empty()));
     assert!(logs.iter().all(|l| l.stored(1).is_empty()));
@@ -820,7 +804,7 @@ fn non_writer_ranks_acknowledge_stores_without_transferring_and_still_load() {
         assert_eq!(sim.lookup(&p, c, 0), KeyLookup::Hit, "quorum of 2 met");
     }
     let p2 = extended(&p, &[1]);
-    sim.add(spec(2, p2, 1));
+    sim.add(spec_with(2, p2, 1));
     let s = sim.step();
     assert_eq!(s.loaded(0).len(), 1);
     assert_eq!(s.loaded(1).len(), 1, "non-writers load");
@@ -835,7 +819,7 @@ fn non_writer_ranks_acknowledge_stores_without_transferring_and_still_load() {
 fn reset_with_jobs_in_flight_fences_their_late_acknowledgements() {
     let mut sim = Sim::simple(100, false, 1);
     let p = prompt(1, 36);
-    sim.add(spec(1, p.clone(), 20));
+    sim.add(spec_with(1, p.clone(), 20));
     let (_, job) = sim.held_step(0);
     let _ = sim.step();
     assert_eq!(sim.engine.reset_connector_cache().unwrap(), Some(true));
@@ -893,7 +877,7 @@ fn a_finished_request_leaves_its_tail_chunks_least_recent() {
     // the loaded tail, go.
     let mut q = p[..36].to_vec();
     q.push(7);
-    sim.add(spec(3, q, 1));
+    sim.add(spec_with(3, q, 1));
     assert_eq!(sim.step().meta.load_jobs.len(), 1);
     sim.drain(10);
     sim.offload(4, &prompt(4, 25));
@@ -936,7 +920,7 @@ fn full_and_sliding_window_groups() {
     let off = OffloadingConfig::new(BPC, 1, manager(64));
     let mut sim = Sim::new(config, off, &[true]);
     let p = prompt(1, 48);
-    sim.add(spec(1, p.clone(), 1));
+    sim.add(spec_with(1, p.clone(), 1));
     let s0 = sim.step();
     let j = s0.meta.store_jobs.values().next().unwrap();
     assert_eq!(j.gpu.block_ids[0].len(), 12);
@@ -952,7 +936,7 @@ fn full_and_sliding_window_groups() {
     // A request with the same 48 tokens and one more: the whole prefix loads for full
     // attention, only the last window (one chunk, two non-null blocks) for the sliding window.
     let p2 = extended(&p, &[9]);
-    sim.add(spec(2, p2, 1));
+    sim.add(spec_with(2, p2, 1));
     let s = sim.step();
     let lj = s.meta.load_jobs.values().next().expect("a load");
     assert_eq!(lj.gpu.block_ids[0].len(), 12);
@@ -979,7 +963,7 @@ fn the_sliding_window_lookup_needs_only_the_last_window() {
     let p = prompt(1, 48);
     sim.offload(1, &p);
     let p2 = extended(&p, &[4]);
-    sim.add(spec(2, p2, 1));
+    sim.add(spec_with(2, p2, 1));
     let s = sim.step();
     let lj = s.meta.load_jobs.values().next().expect("a load");
     assert_eq!(lj.chunks[0].len(), 1, "only the last window");
@@ -1010,7 +994,7 @@ fn a_sliding_window_hit_only_needs_the_last_window_not_the_prefix() {
     sim.offload(3, &prompt(3, 13));
     use KeyLookup::{Hit, Miss};
     assert_eq!(sim.four_keys(&p, 0), [Hit, Miss, Hit, Hit]);
-    sim.add(spec(4, extended(&p, &[9]), 1));
+    sim.add(spec_with(4, extended(&p, &[9]), 1));
     let s = sim.step();
     let lj = s
         .meta
@@ -1036,7 +1020,7 @@ fn a_hit_one_token_short_of_a_chunk_needs_only_the_window_chunks() {
     sim.offload(3, &prompt(3, 13));
     use KeyLookup::{Hit, Miss};
     assert_eq!(sim.four_keys(&p, 0), [Hit, Miss, Hit, Hit]);
-    sim.add(spec(4, p.clone(), 1));
+    sim.add(spec_with(4, p.clone(), 1));
     let s = sim.step();
     let lj = s
         .meta
@@ -1047,14 +1031,7 @@ fn a_hit_one_token_short_of_a_chunk_needs_only_the_window_chunks() {
     assert_eq!(lj.chunks[0].len(), 2);
     assert_eq!(lj.gpu.block_indices, [6]);
     assert_eq!(lj.gpu.block_ids[0], sim.blocks(4, 0)[6..12].to_vec());
-    assert_eq!(
-        sim.s()
-            .view()
-            .request(rid(4))
-            .unwrap()
-            .num_computed_tokens(),
-        47
-    );
+    assert_eq!(computed(sim.s(), 4), 47);
     sim.drain(10);
 }
 
@@ -1073,7 +1050,7 @@ fn a_sliding_window_hit_needs_a_whole_window_also_at_the_end_of_the_cache() {
     // Fillers too short to store a chunk take all 24 GPU blocks at once: no local hit is left.
     let clear_gpu = |sim: &mut Sim, first: u32| {
         for id in first..first + 8 {
-            sim.add(spec(id, prompt(id, 11), 1));
+            sim.add(spec_with(id, prompt(id, 11), 1));
         }
         assert_eq!(sim.step().output.scheduled_new_reqs.len(), 8);
         sim.drain(10);
@@ -1084,13 +1061,13 @@ fn a_sliding_window_hit_needs_a_whole_window_also_at_the_end_of_the_cache() {
     sim.offload(1, &extended(&p[..36], &[7]));
     assert_eq!(sim.four_keys(&p, 0), [Hit, Hit, Hit, Miss]);
     // A GPU hit of 36 tokens: chunk 3 stored, chunk 2 offered again: [1, 0, 3, 2].
-    sim.add(spec(2, extended(&p, &[8]), 1));
+    sim.add(spec_with(2, extended(&p, &[8]), 1));
     let s = sim.step();
     assert!(s.meta.load_jobs.is_empty());
     assert_eq!(s.output.scheduled_new_reqs[0].num_computed_tokens, 36);
     sim.drain(10);
     // A GPU hit of 48 tokens: chunk 4 stored, chunk 3 offered again: [1, 0, 2, 4, 3].
-    sim.add(spec(3, extended(&p5, &[8]), 1));
+    sim.add(spec_with(3, extended(&p5, &[8]), 1));
     assert_eq!(
         sim.step().output.scheduled_new_reqs[0].num_computed_tokens,
         48
@@ -1098,7 +1075,7 @@ fn a_sliding_window_hit_needs_a_whole_window_also_at_the_end_of_the_cache() {
     sim.drain(10);
     // No GPU hit: chunks 0 and 1 loaded: [2, 4, 3, 1, 0].
     clear_gpu(&mut sim, 10);
-    sim.add(spec(4, extended(&p[..24], &[9]), 1));
+    sim.add(spec_with(4, extended(&p[..24], &[9]), 1));
     let s = sim.step();
     let lj = s.meta.load_jobs.values().next().expect("a load");
     assert_eq!(lj.chunks[0].len(), 2);
@@ -1107,7 +1084,7 @@ fn a_sliding_window_hit_needs_a_whole_window_also_at_the_end_of_the_cache() {
     sim.offload(5, &prompt(5, 13));
     assert_eq!(sim.four_keys(&p, 0), [Hit, Hit, Miss, Hit]);
     clear_gpu(&mut sim, 20);
-    sim.add(spec(6, extended(&p, &[9]), 1));
+    sim.add(spec_with(6, extended(&p, &[9]), 1));
     let s = sim.step();
     let lj = s
         .meta
@@ -1124,14 +1101,7 @@ fn a_sliding_window_hit_needs_a_whole_window_also_at_the_end_of_the_cache() {
     // The 16-token window ending at token 24: blocks 2..6, in the keys of chunks 0 and 1.
     assert_eq!(lj.gpu.block_indices, [2]);
     assert_eq!(lj.gpu.block_ids[0], sim.blocks(6, 0)[2..6].to_vec());
-    assert_eq!(
-        sim.s()
-            .view()
-            .request(rid(6))
-            .unwrap()
-            .num_computed_tokens(),
-        24
-    );
+    assert_eq!(computed(sim.s(), 6), 24);
     sim.drain(10);
 }
 
@@ -1150,16 +1120,10 @@ fn a_whole_prompt_hit_keeps_the_last_token_only_under_sliding_windows() {
         let mut sim = Sim::new(config, off, &[true]);
         let p = prompt(1, 48);
         sim.offload(1, &p);
-        sim.add(spec(2, p, 1));
+        sim.add(spec_with(2, p, 1));
         let s = sim.step();
         assert_eq!(s.meta.load_jobs.len(), 1, "{group:?}");
-        let computed = sim
-            .s()
-            .view()
-            .request(rid(2))
-            .unwrap()
-            .num_computed_tokens();
-        assert_eq!(computed, loaded, "{group:?}");
+        assert_eq!(computed(sim.s(), 2), loaded, "{group:?}");
         sim.drain(10);
     }
 }
@@ -1173,7 +1137,7 @@ fn only_prompt_chunks_are_stored_by_default() {
         let mut off = OffloadingConfig::new(BPC, 1, manager(64));
         off.offload_prompt_only = prompt_only;
         let mut sim = Sim::new(sched_config(100, false), off, &[true]);
-        sim.add(spec(1, prompt(1, 24), 20));
+        sim.add(spec_with(1, prompt(1, 24), 20));
         let stored: usize = sim
             .drain(40)
             .iter()
@@ -1195,7 +1159,7 @@ fn a_sliding_window_chunk_is_stored_when_only_its_reachable_blocks_survive() {
     let mut off = OffloadingConfig::new(BPC, 1, manager(64));
     off.offload_prompt_only = false;
     let mut sim = Sim::new(config, off, &[true]);
-    sim.add(spec(1, prompt(1, 3), 30));
+    sim.add(spec_with(1, prompt(1, 3), 30));
     let stores: Vec<_> = sim
         .drain(40)
         .into_iter()
@@ -1216,7 +1180,7 @@ fn a_sliding_window_chunk_is_stored_when_only_its_reachable_blocks_survive() {
 fn job_ids_strictly_increase_across_loads_and_stores() {
     let mut sim = Sim::simple(100, false, 1);
     let p = prompt(1, 36);
-    sim.add(spec(1, p.clone(), 1));
+    sim.add(spec_with(1, p.clone(), 1));
     let mut ids = Vec::new();
     for l in sim.drain(10) {
         ids.extend(
@@ -1229,7 +1193,7 @@ fn job_ids_strictly_increase_across_loads_and_stores() {
     }
     let mut p2 = p.clone();
     p2.extend(prompt(2, 24));
-    sim.add(spec(2, p2, 1));
+    sim.add(spec_with(2, p2, 1));
     for l in sim.drain(10) {
         ids.extend(
             l.meta
@@ -1246,7 +1210,7 @@ fn job_ids_strictly_increase_across_loads_and_stores() {
 #[test]
 fn metadata_round_trips_through_serde() {
     let mut sim = Sim::simple(100, false, 1);
-    sim.add(spec(1, prompt(1, 36), 1));
+    sim.add(spec_with(1, prompt(1, 36), 1));
     let s = sim.step();
     let json = serde_json::to_string(&s.meta).unwrap();
     let back: OffloadingConnectorMeta = serde_json::from_str(&json).unwrap();
@@ -1325,17 +1289,12 @@ fn unknown_or_excess_acknowledgements_break_the_scheduler_with_a_typed_error() {
     let conn =
         OffloadingConnector::new(OffloadingConfig::new(BPC, 1, manager(64)), &config).unwrap();
     let mut s = Scheduler::new(config, conn).unwrap();
-    s.add_request(spec(1, prompt(1, 12), 3)).unwrap();
+    s.add_request(spec_with(1, prompt(1, 12), 3)).unwrap();
     let st = s.schedule().unwrap();
     let sampled = s.fake_sample(st.output.step);
     let kv = AggregatedOutput {
-        finished_sending: None,
-        finished_recving: None,
-        invalid_block_ids: SortedSet::new(),
-        failed_recving: SortedSet::new(),
         worker_meta: Some(Meta::Offload(OffloadMeta::from_counts([(JobId(99), 1)]))),
-        kv_events: None,
-        expected_finished_count: 1,
+        ..empty_aggregated()
     };
     let e = s
         .update_from_output(
@@ -1352,7 +1311,7 @@ fn unknown_or_excess_acknowledgements_break_the_scheduler_with_a_typed_error() {
 #[test]
 fn request_finished_never_delays_the_free() {
     let mut sim = Sim::simple(100, false, 1);
-    sim.add(spec(1, prompt(1, 30), 1));
+    sim.add(spec_with(1, prompt(1, 30), 1));
     sim.held[0] = true;
     let s = sim.step();
     assert_eq!(s.output.num_scheduled_tokens, vec![(rid(1), 30)]);
@@ -1382,7 +1341,7 @@ fn a_hit_within_the_sync_budget_loads_before_the_forward() {
     let p = prompt(1, 36);
     sim.offload(1, &p);
     let p2 = extended(&p, &[1]);
-    sim.add(spec(2, p2, 2));
+    sim.add(spec_with(2, p2, 2));
     let s = sim.step();
     let (&load, lj) = s.meta.load_jobs.iter().next().expect("a load");
     assert!(lj.sync);
@@ -1396,7 +1355,7 @@ fn a_hit_within_the_sync_budget_loads_before_the_forward() {
     // The budget is per step: a later step has it again.
     let mut p3 = p.clone();
     p3.extend(prompt(3, 30));
-    sim.add(spec(3, p3, 1));
+    sim.add(spec_with(3, p3, 1));
     let s = sim.step();
     let lj = s.meta.load_jobs.values().next().expect("a load");
     assert!(lj.sync, "36 tokens fit the budget of 40");
@@ -1413,7 +1372,7 @@ fn a_request_may_have_several_stores_in_flight() {
     let off = OffloadingConfig::new(BPC, 1, manager(64));
     let mut sim = Sim::new(config, off, &[true]);
     sim.held[0] = true;
-    sim.add(spec(1, prompt(1, 48), 2));
+    sim.add(spec_with(1, prompt(1, 48), 2));
     let mut stores = Vec::new();
     for _ in 0..3 {
         stores.extend(sim.step().meta.store_jobs.into_values());
@@ -1437,7 +1396,7 @@ fn the_sync_budget_boundaries() {
         off.sync_load_budget_tokens = budget;
         let mut sim = Sim::new(sched_config(100, false), off, &[true]);
         sim.offload(1, &p);
-        sim.add(spec(2, second, 2));
+        sim.add(spec_with(2, second, 2));
         let s = sim.step();
         let lj = s.meta.load_jobs.values().next().expect("a load").clone();
         sim.drain(10);
@@ -1467,24 +1426,13 @@ fn max_load_tokens_caps_the_hit_to_whole_chunks() {
     let p = prompt(1, 36);
     sim.offload(1, &p);
     let p2 = extended(&p, &[1]);
-    let mut r = spec(2, p2, 1);
-    r.kv_transfer_params = Some(
-        [("max_load_tokens".to_string(), "20".to_string())]
-            .into_iter()
-            .collect(),
-    );
+    let mut r = spec_with(2, p2, 1);
+    r.kv_transfer_params = Some(params(&[("max_load_tokens", "20")]));
     sim.add(r);
     let s = sim.step();
     let lj = s.meta.load_jobs.values().next().expect("a load");
     assert_eq!(lj.chunks[0].len(), 1, "20 tokens round down to one chunk");
-    assert_eq!(
-        sim.s()
-            .view()
-            .request(rid(2))
-            .unwrap()
-            .num_computed_tokens(),
-        12
-    );
+    assert_eq!(computed(sim.s(), 2), 12);
     sim.drain(10);
 }
 
@@ -1541,7 +1489,7 @@ mod random {
                 } => {
                     let mut p = prompt(prefix + 1, chunks * BPC * BS);
                     p.extend(prompt(1000 + next, tail.max(1)));
-                    sim.add(spec(next, p, max_tokens));
+                    sim.add(spec_with(next, p, max_tokens));
                     next += 1;
                 }
                 Op::Step => {

@@ -6,94 +6,39 @@ use kvrelay_core::{
     Mode, ModelOutput, RequestId, RequestSpec, RequestStatus, Scheduler, SchedulerConfig,
     SchedulerError, ScriptedConnector, SortedSet, StepId, fake_token,
 };
-
-fn rid(n: u32) -> RequestId {
-    RequestId(n)
-}
-
-fn spec(id: u32, len: u32, max_tokens: u32) -> RequestSpec {
-    RequestSpec {
-        id: rid(id),
-        prompt: (0..len).map(|i| 1000 * id + i + 1).collect(),
-        max_tokens,
-        stop_token: None,
-        kv_transfer_params: None,
-    }
-}
+use kvrelay_tests::build::{empty_aggregated, hit, ids, rid, spec, spec_with};
+use kvrelay_tests::drive::{apply, check, computed, schedule, step};
 
 fn sched(config: SchedulerConfig) -> Scheduler<ScriptedConnector> {
     Scheduler::new(config, ScriptedConnector::new()).unwrap()
 }
 
-fn check(s: &Scheduler<ScriptedConnector>) {
-    s.check_invariants().unwrap();
-}
-
-fn agg() -> AggregatedOutput {
+fn recv(ns: &[u32]) -> AggregatedOutput {
     AggregatedOutput {
-        finished_sending: None,
-        finished_recving: None,
-        invalid_block_ids: SortedSet::new(),
-        failed_recving: SortedSet::new(),
-        worker_meta: None,
-        kv_events: None,
-        expected_finished_count: 1,
+        finished_recving: Some(ids(ns)),
+        ..empty_aggregated()
     }
 }
 
-fn recv(ids: &[u32]) -> AggregatedOutput {
+fn send(ns: &[u32]) -> AggregatedOutput {
     AggregatedOutput {
-        finished_recving: Some(SortedSet::from_vec(ids.iter().map(|&i| rid(i)).collect())),
-        ..agg()
+        finished_sending: Some(ids(ns)),
+        ..empty_aggregated()
     }
-}
-
-fn send(ids: &[u32]) -> AggregatedOutput {
-    AggregatedOutput {
-        finished_sending: Some(SortedSet::from_vec(ids.iter().map(|&i| rid(i)).collect())),
-        ..agg()
-    }
-}
-
-/// Runs one step: schedule, fake-sample, apply `kv`.
-fn step(
-    s: &mut Scheduler<ScriptedConnector>,
-    kv: Option<AggregatedOutput>,
-) -> (kvrelay_core::SchedulerOutput, kvrelay_core::StepResult) {
-    let st = s.schedule().unwrap();
-    check(s);
-    let sampled = s.fake_sample(st.output.step);
-    let res = s
-        .update_from_output(
-            st.output.step,
-            ModelOutput {
-                sampled,
-                kv_connector_output: kv,
-            },
-        )
-        .unwrap();
-    check(s);
-    (st.output, res)
 }
 
 #[test]
 fn s19_async_load_happy_path() {
     let mut s = sched(SchedulerConfig::default());
     for id in [1, 2] {
-        s.connector_mut().set_lookup(
-            rid(id),
-            Lookup::Hit {
-                tokens: 16,
-                load_async: true,
-            },
-        );
+        s.connector_mut().set_lookup(rid(id), hit(16, true));
         s.add_request(spec(id, 32, 4)).unwrap();
     }
     let (out, _) = step(&mut s, None);
     assert_eq!(out.total_num_scheduled_tokens, 0);
     for id in [1, 2] {
         assert_eq!(s.status(rid(id)), Some(RequestStatus::WaitingForRemoteKvs));
-        assert_eq!(s.view().request(rid(id)).unwrap().num_computed_tokens(), 16);
+        assert_eq!(computed(&s, id), 16);
     }
     let calls = s.connector_mut().take_calls();
     let lookups = calls
@@ -175,8 +120,9 @@ fn two_groups_with_sliding_window() {
 /// block for its slots — no null.
 #[test]
 fn a_chunk_after_a_partly_skipped_block_gets_a_fresh_block() {
-    // cargo-mutants survivor (`/` → `%` in the null padding of `allocate_slots`' new-block
-    // pass): skipped tokens were never a non-multiple of the block size there.
+    // Protects vLLM's sliding-window allocation (`allocate_slots` pads with the null block only
+    // the whole blocks that left the window) where the skipped tokens end mid-block, so that
+    // the rounding to whole blocks shows.
     let mut s = sched(SchedulerConfig {
         block_size: 4,
         groups: vec![
@@ -305,20 +251,15 @@ fn hit_of_request_2(s: &mut Scheduler<ScriptedConnector>, first_8: &[u32]) -> u3
 /// group first, then the blocks for the tokens to compute (so the ids interleave by group).
 #[test]
 fn external_blocks_come_before_new_blocks_in_every_group() {
-    // cargo-mutants survivors: skipping the external-token pass (its `ext > 0` guards) still
-    // allocates the same number of blocks, only in another order.
+    // Protects the block order of vLLM's `allocate_slots` (the external tokens' blocks of every
+    // group, then the new blocks), which reaches the connector in `update_state_after_alloc`
+    // (I-8): any other order allocates as many blocks, so only the ids tell it apart.
     let mut s = sched(SchedulerConfig {
         block_size: 4,
         groups: vec![GroupKind::FullAttention; 2],
         ..SchedulerConfig::default()
     });
-    s.connector_mut().set_lookup(
-        rid(1),
-        Lookup::Hit {
-            tokens: 8,
-            load_async: false,
-        },
-    );
+    s.connector_mut().set_lookup(rid(1), hit(8, false));
     s.add_request(spec(1, 20, 4)).unwrap();
     let (out, _) = step(&mut s, None);
     let new = &out.scheduled_new_reqs[0];
@@ -333,9 +274,9 @@ fn external_blocks_come_before_new_blocks_in_every_group() {
 /// A block filled by decoding is offered to the prefix cache in the step that fills it.
 #[test]
 fn a_block_filled_by_decoding_is_cached() {
-    // cargo-mutants survivors: with the hit-adoption pass run for every allocation, a running
-    // request's cached-block count jumped to its table length, and the block it was still
-    // filling was never cached.
+    // Protects vLLM's prefix caching of a running request: its cached blocks follow its
+    // computed tokens, not its block table, so the block decoding fills is cached when full
+    // (a local prefix hit of request 2 finds it).
     let mut s = sched(SchedulerConfig {
         block_size: 4,
         ..SchedulerConfig::default()
@@ -374,8 +315,8 @@ fn hit_on_the_prefix_of(
 /// the next step computes it), and not later than the step that computes them.
 #[test]
 fn blocks_are_cached_when_their_last_token_is_computed() {
-    // cargo-mutants survivors: caching by the token count instead of the block count, and
-    // caching only what was computed before the step.
+    // Protects when vLLM caches a block: once all its tokens are computed, counting whole
+    // blocks of computed tokens, the tokens of the step that computes them included.
     let bs4 = |budget| SchedulerConfig {
         block_size: 4,
         max_num_batched_tokens: budget,
@@ -401,9 +342,9 @@ fn blocks_are_cached_when_their_last_token_is_computed() {
 /// that finishes the request, after which no allocation would cache it.
 #[test]
 fn async_decoding_caches_a_block_when_its_last_token_arrives() {
-    // cargo-mutants survivors (`==` → `!=` on `was_running`, `>` → `==`, `<` on
-    // `had_placeholders`): no test finished a request on a block filled under async
-    // scheduling.
+    // Protects vLLM's caching under async scheduling (steps scheduled ahead, I-12): a block
+    // whose last token is a placeholder is cached when the output with that token is applied,
+    // even when that output finishes the request.
     let mut s = sched(SchedulerConfig {
         block_size: 4,
         async_depth: 2,
@@ -434,8 +375,8 @@ fn async_decoding_caches_a_block_when_its_last_token_arrives() {
 /// the step scheduled them gives each request its own tokens.
 #[test]
 fn sampled_tokens_in_any_order_go_to_their_requests() {
-    // cargo-mutants survivor (`==` → `!=` in the in-order fast path): every output came in
-    // scheduling order.
+    // Protects vLLM's `update_from_output`, which looks each request's sampled tokens up by id:
+    // the order of the output is not part of the contract.
     let mut s = sched(SchedulerConfig::default());
     s.add_request(spec(1, 5, 4)).unwrap();
     s.add_request(spec(2, 5, 4)).unwrap();
@@ -465,8 +406,8 @@ fn sampled_tokens_in_any_order_go_to_their_requests() {
 /// num_tokens - (i + 1)` for a stop at index `i`).
 #[test]
 fn tokens_after_a_stop_in_a_multi_token_output_are_dropped() {
-    // cargo-mutants survivors (the `!stale` guard, `-=` and `i + 1` of that adjustment): every
-    // output carried one token per request.
+    // Protects vLLM's stop check on multi-token outputs (speculative decoding): the tokens
+    // after the stop and their share of `num_computed_tokens` are discarded together.
     let mut s = sched(SchedulerConfig::default());
     // Held after finishing, so that its counts stay visible.
     s.connector_mut().set_delay_free(rid(1), true);
@@ -503,7 +444,8 @@ fn tokens_after_a_stop_in_a_multi_token_output_are_dropped() {
 /// one that crosses a block boundary carries one list per group.
 #[test]
 fn a_decode_step_without_a_new_block_carries_no_block_list() {
-    // cargo-mutants survivor: `&&` → `||` made every step carry a list of empty lists.
+    // Protects vLLM's `CachedRequestData.new_block_ids`: `None` when no group got a block, one
+    // list per group otherwise (workers extend their block tables with it).
     let mut s = sched(SchedulerConfig {
         block_size: 4,
         groups: vec![GroupKind::FullAttention; 2],
@@ -548,7 +490,7 @@ fn bad_inputs_are_typed_errors() {
     assert_eq!(e.kind(), "step_out_of_order");
     let bad = AggregatedOutput {
         invalid_block_ids: SortedSet::from_vec(vec![BlockId(10_000)]),
-        ..agg()
+        ..empty_aggregated()
     };
     let e = s
         .update_from_output(
@@ -562,7 +504,8 @@ fn bad_inputs_are_typed_errors() {
     assert_eq!(e, SchedulerError::BlockOutOfRange(BlockId(10_000)));
     check(&s);
     // Sampled tokens for a request the step did not schedule, or twice for one it did.
-    // (cargo-mutants survivor: no test sampled a request twice.)
+    // (vLLM's output has one entry per scheduled request: a second one is as bad as one for a
+    // request the step did not schedule.)
     let before = s.clone();
     for (sampled, id) in [
         (vec![(rid(2), vec![7])], rid(2)),
@@ -597,7 +540,8 @@ fn bad_inputs_are_typed_errors() {
 /// strict rejects the output with `unknown_request`, and nothing of it is applied.
 #[test]
 fn an_unknown_id_in_failed_recving_is_ignored_in_compat_and_rejected_in_strict() {
-    // cargo-mutants survivor (`==` → `!=` on the mode): no test sent an unknown failed id.
+    // Protects the mode split of the `failed_recving` input check: vLLM ignores an id it does
+    // not hold, and so does compat; strict rejects the output.
     for mode in [Mode::Compat, Mode::Strict] {
         let mut s = sched(SchedulerConfig {
             mode,
@@ -610,7 +554,7 @@ fn an_unknown_id_in_failed_recving_is_ignored_in_compat_and_rejected_in_strict()
             sampled: s.fake_sample(st.output.step),
             kv_connector_output: Some(AggregatedOutput {
                 failed_recving: SortedSet::from_vec(vec![rid(9)]),
-                ..agg()
+                ..empty_aggregated()
             }),
         };
         let r = s.update_from_output(st.output.step, output);
@@ -633,8 +577,9 @@ fn an_unknown_id_in_failed_recving_is_ignored_in_compat_and_rejected_in_strict()
 /// output once it is corrected (only the pre-#32255 fault injection ignores such ids).
 #[test]
 fn an_unknown_id_in_finished_recving_is_rejected_and_changes_nothing() {
-    // cargo-mutants survivor (`&&` → `||` in validate_output's fault guard): only unknown ids
-    // in finished_sending were tested.
+    // Protects the scheduler's check of aggregated completions (vLLM asserts every id exists,
+    // I-16 for sends) on the receive side: an unknown `finished_recving` id is rejected as an
+    // unknown `finished_sending` id is, and only PR #32255's fault injection lets it through.
     for mode in [Mode::Compat, Mode::Strict] {
         let mut s = sched(SchedulerConfig {
             mode,
@@ -672,15 +617,16 @@ fn an_unknown_id_in_finished_recving_is_rejected_and_changes_nothing() {
 /// token is not a load.
 #[test]
 fn lookup_answers_beyond_the_request_are_contract_errors() {
-    // cargo-mutants survivor (`-` → `+` in the lookup's bound): no test answered a lookup out
-    // of bounds.
+    // Protects the contract of `get_num_new_matched_tokens` (§3.1; vLLM asserts it) at its
+    // bounds: the largest legal answer of each kind, one token past it, and an asynchronous
+    // answer of no token.
     let lookup = |tokens, load_async| {
         let mut s = sched(SchedulerConfig {
             block_size: 4,
             ..SchedulerConfig::default()
         });
         s.connector_mut()
-            .set_lookup(rid(1), Lookup::Hit { tokens, load_async });
+            .set_lookup(rid(1), hit(tokens, load_async));
         s.add_request(spec(1, 8, 4)).unwrap();
         let r = s.schedule().map(|st| st.output.num_scheduled_tokens);
         (s, r)
@@ -712,20 +658,8 @@ fn a_contract_error_mid_pass_leaves_the_skipped_requests_queued() {
             ..SchedulerConfig::default()
         });
         s.connector_mut().set_lookup(rid(1), Lookup::Pending);
-        s.connector_mut().set_lookup(
-            rid(2),
-            Lookup::Hit {
-                tokens: 8,
-                load_async: true,
-            },
-        );
-        s.connector_mut().set_lookup(
-            rid(3),
-            Lookup::Hit {
-                tokens: 0,
-                load_async: true,
-            },
-        );
+        s.connector_mut().set_lookup(rid(2), hit(8, true));
+        s.connector_mut().set_lookup(rid(3), hit(0, true));
         for id in 1..=3 {
             s.add_request(spec(id, 8, 4)).unwrap();
         }
@@ -740,45 +674,6 @@ fn a_contract_error_mid_pass_leaves_the_skipped_requests_queued() {
         assert_eq!(waiting, [rid(2), rid(1), rid(3)], "{mode:?}");
         assert_eq!(s.schedule().map(|_| ()), Err(e), "sticky");
     }
-}
-
-fn spec_with(id: u32, prompt: Vec<u32>, max_tokens: u32) -> RequestSpec {
-    RequestSpec {
-        id: rid(id),
-        prompt,
-        max_tokens,
-        stop_token: None,
-        kv_transfer_params: None,
-    }
-}
-
-fn computed(s: &Scheduler<ScriptedConnector>, id: u32) -> u32 {
-    s.view().request(rid(id)).unwrap().num_computed_tokens()
-}
-
-fn schedule(s: &mut Scheduler<ScriptedConnector>) -> kvrelay_core::SchedulerOutput {
-    let out = s.schedule().unwrap().output;
-    check(s);
-    out
-}
-
-fn apply(
-    s: &mut Scheduler<ScriptedConnector>,
-    step: StepId,
-    kv: Option<AggregatedOutput>,
-) -> kvrelay_core::StepResult {
-    let sampled = s.fake_sample(step);
-    let r = s
-        .update_from_output(
-            step,
-            ModelOutput {
-                sampled,
-                kv_connector_output: kv,
-            },
-        )
-        .unwrap();
-    check(s);
-    r
 }
 
 /// Nothing left but finished ids not yet delivered: one empty step delivers them (vLLM's
@@ -887,13 +782,7 @@ fn abort_while_loading_holds_blocks_until_the_load_reports() {
     let mut s = sched(SchedulerConfig::default());
     let free0 = s.block_pool().num_free();
     for id in [1, 2] {
-        s.connector_mut().set_lookup(
-            rid(id),
-            Lookup::Hit {
-                tokens: 32,
-                load_async: true,
-            },
-        );
+        s.connector_mut().set_lookup(rid(id), hit(32, true));
         s.add_request(spec(id, 40, 4)).unwrap();
     }
     step(&mut s, None);
@@ -916,9 +805,9 @@ fn abort_while_loading_holds_blocks_until_the_load_reports() {
 /// the request still exists and crashes; both modes break with a sticky `stale_completion`.
 #[test]
 fn finished_recving_for_a_request_freed_by_the_same_output_is_stale() {
-    // cargo-mutants survivor (`&&` → `||` in `apply_completion`'s guard for loads freed at
-    // abort, which the fault injection of PR #32255 turns on): no test reported a completion for
-    // a request freed earlier in the same call.
+    // Protects the stale-completion check within one output: a completion for a request the
+    // same output already freed is stale in both modes; only PR #32255's fault injection, for
+    // loads freed at abort (I-17), accepts such a completion.
     for mode in [Mode::Compat, Mode::Strict] {
         let mut s = sched(SchedulerConfig {
             mode,
@@ -950,13 +839,7 @@ fn strict_mode_rejects_stale_and_duplicate_completions() {
             async_depth: 2,
             ..SchedulerConfig::default()
         });
-        s.connector_mut().set_lookup(
-            rid(1),
-            Lookup::Hit {
-                tokens: 16,
-                load_async: true,
-            },
-        );
+        s.connector_mut().set_lookup(rid(1), hit(16, true));
         s.add_request(spec(1, 20, 4)).unwrap();
         let a = schedule(&mut s);
         let out = schedule(&mut s);
@@ -1034,7 +917,7 @@ fn recompute_policy_truncates_the_first_claimant_only() {
     let (mut s, step_id, shared) = shared_prefix(LoadFailurePolicy::Recompute);
     let bad = AggregatedOutput {
         invalid_block_ids: SortedSet::from_vec(vec![shared]),
-        ..agg()
+        ..empty_aggregated()
     };
     let res = apply(&mut s, step_id, Some(bad));
     assert!(
@@ -1055,7 +938,7 @@ fn fail_policy_errors_affected_requests_and_evicts() {
     let (mut s, step_id, shared) = shared_prefix(LoadFailurePolicy::Fail);
     let bad = AggregatedOutput {
         invalid_block_ids: SortedSet::from_vec(vec![shared]),
-        ..agg()
+        ..empty_aggregated()
     };
     let res = apply(&mut s, step_id, Some(bad));
     let errors: Vec<_> = res
@@ -1081,13 +964,7 @@ fn failed_recving_with_recompute_restarts_the_request() {
         ],
         ..SchedulerConfig::default()
     });
-    s.connector_mut().set_lookup(
-        rid(1),
-        Lookup::Hit {
-            tokens: 32,
-            load_async: true,
-        },
-    );
+    s.connector_mut().set_lookup(rid(1), hit(32, true));
     s.add_request(spec(1, 40, 4)).unwrap();
     step(&mut s, None);
     let failed = AggregatedOutput {
@@ -1122,7 +999,7 @@ fn invalid_blocks_with_two_groups_is_an_error() {
     let out = schedule(&mut s);
     let bad = AggregatedOutput {
         invalid_block_ids: SortedSet::from_vec(vec![BlockId(1)]),
-        ..agg()
+        ..empty_aggregated()
     };
     let before = s.clone();
     let e = s
@@ -1197,9 +1074,9 @@ fn intents_pin_and_unpin_blocks() {
 /// `_inflight_prefill_reserved_blocks`), including a prefill admitted earlier in the same step.
 #[test]
 fn an_async_load_leaves_room_for_the_prefills_in_flight() {
-    // cargo-mutants survivors (`<` → `==`, `>`, `+` → `*` in the waiting loop's in-flight
-    // prefill bookkeeping, `!` deleted where a step's prefills leave it): no test started an
-    // async load beside a chunked prefill.
+    // Protects vLLM's `_inflight_prefill_reserved_blocks` at both sides of its edge: an async
+    // load holds its blocks until its `finished_recving` (I-18), so it is admitted only beside
+    // the blocks a chunked prefill in flight still needs.
     let admitted = |num_gpu_blocks, loaded| {
         let mut s = sched(SchedulerConfig {
             block_size: 4,
@@ -1209,22 +1086,10 @@ fn an_async_load_leaves_room_for_the_prefills_in_flight() {
             ..SchedulerConfig::default()
         });
         if loaded > 0 {
-            s.connector_mut().set_lookup(
-                rid(1),
-                Lookup::Hit {
-                    tokens: loaded,
-                    load_async: false,
-                },
-            );
+            s.connector_mut().set_lookup(rid(1), hit(loaded, false));
         }
         s.add_request(spec(1, 16, 1)).unwrap();
-        s.connector_mut().set_lookup(
-            rid(2),
-            Lookup::Hit {
-                tokens: 8,
-                load_async: true,
-            },
-        );
+        s.connector_mut().set_lookup(rid(2), hit(8, true));
         s.add_request(spec(2, 12, 1)).unwrap();
         // Request 1 computes 4-token chunks (1 block each, after its `loaded` tokens); request
         // 2's load needs 2 blocks.
@@ -1250,7 +1115,8 @@ fn an_async_load_leaves_room_for_the_prefills_in_flight() {
 /// the budget left is scheduled, one that needs more waits for the next step.
 #[test]
 fn without_chunked_prefill_a_prompt_takes_the_budget_whole_or_waits() {
-    // cargo-mutants survivors (`>` → `>=`, `==` in the waiting loop's no-chunking check).
+    // Protects vLLM's rule without chunked prefill at its edge: exactly the budget left is
+    // enough, one token more is not.
     let mut s = sched(SchedulerConfig {
         max_num_batched_tokens: 16,
         enable_chunked_prefill: false,
@@ -1269,7 +1135,8 @@ fn without_chunked_prefill_a_prompt_takes_the_budget_whole_or_waits() {
 /// waiting or loading) is eligible: alone, a prompt uses the whole budget.
 #[test]
 fn the_long_prefill_cap_applies_only_with_company() {
-    // cargo-mutants survivors: the eligible count's sums had only ever seen the waiting queue.
+    // Protects vLLM's count of the requests eligible beside a long prefill: running, waiting and
+    // loading requests all count, so a request in the loading queue makes the cap apply.
     let config = SchedulerConfig {
         block_size: 4,
         long_prefill_token_threshold: 4,
@@ -1280,13 +1147,7 @@ fn the_long_prefill_cap_applies_only_with_company() {
     assert_eq!(schedule(&mut s).num_scheduled_tokens, vec![(rid(1), 16)]);
     // Request 1 loads asynchronously (it waits in the loading queue); request 2 is capped.
     let mut s = sched(config);
-    s.connector_mut().set_lookup(
-        rid(1),
-        Lookup::Hit {
-            tokens: 8,
-            load_async: true,
-        },
-    );
+    s.connector_mut().set_lookup(rid(1), hit(8, true));
     s.add_request(spec(1, 16, 4)).unwrap();
     step(&mut s, None);
     assert_eq!(s.status(rid(1)), Some(RequestStatus::WaitingForRemoteKvs));
@@ -1303,7 +1164,8 @@ fn the_long_prefill_cap_applies_only_with_company() {
 /// the step in flight would otherwise schedule one more.
 #[test]
 fn no_step_computes_past_max_model_len_minus_one() {
-    // cargo-mutants survivor: `num_computed_tokens + 1` → `* 1` in the running loop's clamp.
+    // Protects vLLM's clamp of a running request's step to `max_model_len - 1 -
+    // num_computed_tokens`, with one step in flight and with two.
     for depth in [1, 2] {
         let mut s = sched(SchedulerConfig {
             block_size: 4,
@@ -1335,7 +1197,7 @@ fn no_step_computes_past_max_model_len_minus_one() {
 /// leave the watermark free.
 #[test]
 fn admission_keeps_the_watermark_free() {
-    // cargo-mutants survivors: no test set a watermark.
+    // Protects vLLM's `watermark_blocks` check on admission, at both sides of its edge.
     // Request 1 (8 tokens) holds 3 blocks from its first decode on; request 2 needs
     // `cdiv(len, 4)` blocks of the `num_gpu_blocks - 1 - 3` free ones, plus 2 kept free.
     let admitted = |num_gpu_blocks: u32, len: u32| {
@@ -1361,8 +1223,8 @@ fn admission_keeps_the_watermark_free() {
 /// arrives (and the request waits for it).
 #[test]
 fn a_preempted_request_drops_its_in_flight_output_when_kv_delivery_is_required() {
-    // cargo-mutant survivor (`||` → `&&` in `preempt`): no scheduler test preempted a request
-    // with output in flight under a connector requiring KV delivery.
+    // Protects the first half of vLLM's `_preempt_request` condition (PR #50297): a preempted
+    // request's in-flight output is dropped exactly when the connector requires KV delivery.
     for requires in [true, false] {
         // The scheduler asks the connector once, when it is built.
         let mut connector = ScriptedConnector::new();
@@ -1403,8 +1265,9 @@ fn a_preempted_request_drops_its_in_flight_output_when_kv_delivery_is_required()
 /// `drop_stale_output or (request.drop_stale_output and request.num_stale_output_tokens > 0)`).
 #[test]
 fn a_stale_drop_outlives_a_preemption_only_while_its_output_is_in_flight() {
-    // cargo-mutants survivors (`&&` → `||` and `>` → `<`, `==`, `>=` in `preempt`): no test
-    // preempted a request whose output was marked dropped.
+    // Protects the second half of vLLM's `_preempt_request` condition (`request.drop_stale_output
+    // and request.num_stale_output_tokens > 0`): an earlier drop carries over a preemption only
+    // while the dropped output is still in flight.
     let mut s = sched(SchedulerConfig {
         block_size: 4,
         num_gpu_blocks: 7,
@@ -1418,13 +1281,7 @@ fn a_stale_drop_outlives_a_preemption_only_while_its_output_is_in_flight() {
         |s: &Scheduler<ScriptedConnector>, id| s.view().request(rid(id)).unwrap().tokens().len();
     // Request 1 runs ahead of request 2, whose first 8 tokens load synchronously.
     s.add_request(spec(1, 7, 20)).unwrap();
-    s.connector_mut().set_lookup(
-        rid(2),
-        Lookup::Hit {
-            tokens: 8,
-            load_async: false,
-        },
-    );
+    s.connector_mut().set_lookup(rid(2), hit(8, false));
     s.add_request(spec(2, 12, 20)).unwrap();
     let zero = schedule(&mut s); // 1: 7 tokens, 2 blocks; 2: 4 tokens, 3 blocks
     let one = schedule(&mut s); // 1 decodes slot 7; 2 decodes slot 12 (a 4th block): pool full
@@ -1435,7 +1292,7 @@ fn a_stale_drop_outlives_a_preemption_only_while_its_output_is_in_flight() {
         zero.step,
         Some(AggregatedOutput {
             invalid_block_ids: SortedSet::from_vec(vec![loaded]),
-            ..agg()
+            ..empty_aggregated()
         }),
     );
     // Strict rolls request 2 back to 0 computed tokens and drops step 1's output for it.
@@ -1473,8 +1330,8 @@ fn a_stale_drop_outlives_a_preemption_only_while_its_output_is_in_flight() {
 /// dropped (`requires_kv_delivery`) is admitted at once.
 #[test]
 fn a_preempted_request_waits_for_its_deliverable_output() {
-    // cargo-mutants survivors (`>` → `<` and `!` deleted in the waiting loop's stale-output
-    // check): no test tried to re-admit a request while its output was in flight.
+    // Protects vLLM's re-admission rule for preempted requests: wait for an in-flight output
+    // that will be delivered, not for one that is dropped.
     for requires in [true, false] {
         let mut connector = ScriptedConnector::new();
         connector.set_requires_kv_delivery(requires);
@@ -1518,7 +1375,8 @@ fn a_preempted_request_waits_for_its_deliverable_output() {
 /// sticky `intent_rejected`.
 #[test]
 fn pins_need_an_owned_or_cached_pool_block() {
-    // cargo-mutants survivors: the pin validation had only ever seen valid pins.
+    // Protects the validation of pin intents (§7.3) on invalid pins as well as valid ones: the
+    // null block, a block never used, a block out of range.
     use kvrelay_core::Intent;
     // Request 1 (20 tokens, block size 16) is running: block 0 is full and cached, block 1 is
     // owned but not full (uncached); block 60 has never been used.
@@ -1583,12 +1441,8 @@ fn head_of_line_after_failed_load(mode: Mode) -> Scheduler<ScriptedConnector> {
         mode,
         ..SchedulerConfig::default()
     });
-    let load = |tokens| Lookup::Hit {
-        tokens,
-        load_async: true,
-    };
-    s.connector_mut().set_lookup(rid(1), load(64));
-    s.connector_mut().set_lookup(rid(2), load(24));
+    s.connector_mut().set_lookup(rid(1), hit(64, true));
+    s.connector_mut().set_lookup(rid(2), hit(24, true));
     s.add_request(spec(1, 65, 1)).unwrap();
     s.add_request(spec(2, 25, 1)).unwrap();
     let out = schedule(&mut s);

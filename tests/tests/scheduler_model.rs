@@ -48,7 +48,6 @@
 //! aborts while loading, load failures, …) and fails if one of those paths was never reached, so
 //! the checks above cannot pass vacuously.
 
-use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvrelay_core::{
@@ -56,10 +55,11 @@ use kvrelay_core::{
     Mode, ModelOutput, RequestId, RequestSpec, RequestStatus, Scheduler, SchedulerConfig,
     SchedulerError, ScriptedConnector, SortedSet, StepId, fake_token,
 };
-use kvrelay_tests::laws::config;
+use kvrelay_tests::build::{empty_aggregated, hit, spec_with};
+use kvrelay_tests::drive::{apply, schedule};
+use kvrelay_tests::runner::{self, assert_reached, run_state_machine};
 use proptest::prelude::*;
 use proptest::sample::Index;
-use proptest::test_runner::{Config, TestRunner};
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest};
 
 /// Longest prompt generated.
@@ -393,12 +393,8 @@ struct Stats {
     compat_head_of_line_deadlocks: u64,
 }
 
-thread_local! {
-    static STATS: RefCell<Stats> = RefCell::new(Stats::default());
-}
-
 fn bump(f: impl FnOnce(&mut Stats)) {
-    STATS.with(|s| f(&mut s.borrow_mut()));
+    runner::bump(f);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -527,18 +523,12 @@ impl Harness {
                 Plan::Miss => Lookup::MISS,
                 Plan::Pending if self.draining => Lookup::MISS,
                 Plan::Pending => Lookup::Pending,
-                Plan::Sync(f) => Lookup::Hit {
-                    tokens: (n - 1 - h) * u32::from(f) / 255,
-                    load_async: false,
-                },
+                Plan::Sync(f) => hit((n - 1 - h) * u32::from(f) / 255, false),
                 // A request that loaded its whole 1-token prompt is looked up again after the
                 // load (its last token is recomputed, leaving 0): answering another load each
                 // time would never end, so the drain stops reloading.
                 Plan::Async(_) if self.draining && self.reqs[&id].admitted => Lookup::MISS,
-                Plan::Async(f) => Lookup::Hit {
-                    tokens: 1 + (n - h - 1) * u32::from(f) / 255,
-                    load_async: true,
-                },
+                Plan::Async(f) => hit(1 + (n - h - 1) * u32::from(f) / 255, true),
             };
             self.s.connector_mut().set_lookup(id, answer);
         }
@@ -1076,15 +1066,7 @@ impl Harness {
         let before = self.s.clone();
         let oldest = self.in_flight().first().copied();
         let agg = |f: &dyn Fn(&mut AggregatedOutput)| {
-            let mut a = AggregatedOutput {
-                finished_sending: None,
-                finished_recving: None,
-                invalid_block_ids: SortedSet::new(),
-                failed_recving: SortedSet::new(),
-                worker_meta: None,
-                kv_events: None,
-                expected_finished_count: 1,
-            };
+            let mut a = empty_aggregated();
             f(&mut a);
             ModelOutput {
                 sampled: Vec::new(),
@@ -1147,27 +1129,13 @@ impl Harness {
                 let Some(id) = self.s.request_ids().next() else {
                     return;
                 };
-                let spec = RequestSpec {
-                    id,
-                    prompt: vec![1, 2, 3],
-                    max_tokens: 1,
-                    stop_token: None,
-                    kv_transfer_params: None,
-                };
                 (
-                    self.s.add_request(spec),
+                    self.s.add_request(spec_with(id.0, vec![1, 2, 3], 1)),
                     SchedulerError::DuplicateRequest(id),
                 )
             }
             Illegal::EmptyPrompt => {
-                let spec = RequestSpec {
-                    id: UNKNOWN,
-                    prompt: Vec::new(),
-                    max_tokens: 1,
-                    stop_token: None,
-                    kv_transfer_params: None,
-                };
-                let got = self.s.add_request(spec);
+                let got = self.s.add_request(spec_with(UNKNOWN.0, Vec::new(), 1));
                 // Any explanation will do; the kind and the id must match.
                 let why = match &got {
                     Err(SchedulerError::BadRequest { why, .. }) => why.clone(),
@@ -1306,11 +1274,8 @@ impl StateMachineTest for SchedulerTest {
                     })
                     .collect();
                 let spec = RequestSpec {
-                    id,
-                    prompt,
-                    max_tokens,
                     stop_token: stop_at.map(|k| fake_token(id, len + k)),
-                    kv_transfer_params: None,
+                    ..spec_with(id.0, prompt, max_tokens)
                 };
                 h.add(spec, shared, plan, delay_free);
             }
@@ -1356,46 +1321,29 @@ impl StateMachineTest for SchedulerTest {
 
 #[test]
 fn scheduler_matches_the_reference_model() {
-    STATS.with(|s| *s.borrow_mut() = Stats::default());
-    let base = config();
     // PROPTEST_CASES overrides the default case count (for longer local runs).
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .map_or(CASES, |_| base.cases);
-    let config = Config { cases, ..base };
-    let mut runner = TestRunner::new(config.clone());
-    let result = runner.run(
-        &SchedulerModel::sequential_strategy(1..MAX_TRANSITIONS),
-        |(state, transitions, seen)| {
-            SchedulerTest::test_sequential(config.clone(), state, transitions, seen);
-            Ok(())
-        },
-    );
-    if let Err(e) = result {
-        panic!("{e}");
-    }
-    let stats = STATS.with(|s| s.borrow().clone());
-    eprintln!("{stats:#?}");
+    let stats: Stats = run_state_machine::<SchedulerTest, Stats>(CASES, MAX_TRANSITIONS);
     // Not vacuous: every path the checks are about was reached.
-    for (what, n) in [
-        ("preemptions", stats.preemptions),
-        ("local prefix hits", stats.prefix_hits),
-        ("sync loads", stats.sync_loads),
-        ("async loads", stats.async_loads),
-        ("promotions after a load", stats.promotions),
-        ("pending lookups", stats.pending_lookups),
-        ("delayed frees completed", stats.delayed_frees),
-        ("aborts", stats.aborts),
-        ("aborts while loading", stats.aborts_while_loading),
-        ("stop-token finishes", stats.stopped),
-        ("length-capped finishes", stats.length_capped),
-        ("load-failure errors", stats.errored),
-        ("failed_recving outputs", stats.failed_recving),
-        ("invalid_block_ids outputs", stats.invalid_blocks),
-        ("illegal inputs checked", stats.illegal_checked),
-    ] {
-        assert!(n > 0, "no case reached {what}: {stats:#?}");
-    }
+    assert_reached(
+        &stats,
+        &[
+            ("preemptions", stats.preemptions),
+            ("local prefix hits", stats.prefix_hits),
+            ("sync loads", stats.sync_loads),
+            ("async loads", stats.async_loads),
+            ("promotions after a load", stats.promotions),
+            ("pending lookups", stats.pending_lookups),
+            ("delayed frees completed", stats.delayed_frees),
+            ("aborts", stats.aborts),
+            ("aborts while loading", stats.aborts_while_loading),
+            ("stop-token finishes", stats.stopped),
+            ("length-capped finishes", stats.length_capped),
+            ("load-failure errors", stats.errored),
+            ("failed_recving outputs", stats.failed_recving),
+            ("invalid_block_ids outputs", stats.invalid_blocks),
+            ("illegal inputs checked", stats.illegal_checked),
+        ],
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1403,45 +1351,20 @@ fn scheduler_matches_the_reference_model() {
 // (the generator keeps compat runs away from the first one's trigger, see `build_output`; the
 // drain recognises the second, see `compat_head_of_line_deadlock`).
 
-fn empty_kv() -> AggregatedOutput {
-    AggregatedOutput {
-        finished_sending: None,
-        finished_recving: None,
-        invalid_block_ids: SortedSet::new(),
-        failed_recving: SortedSet::new(),
-        worker_meta: None,
-        kv_events: None,
-        expected_finished_count: 1,
-    }
-}
-
 /// Applies every step in flight (fake sampling, no connector output), then alternates
 /// `schedule()` and its output until nothing is left or `max_steps` steps ran; returns whether
 /// the scheduler drained.
 fn run_until_drained(s: &mut Scheduler<ScriptedConnector>, max_steps: u32) -> bool {
-    let apply = |s: &mut Scheduler<ScriptedConnector>, step: StepId| {
-        let sampled = s.fake_sample(step);
-        s.update_from_output(
-            step,
-            ModelOutput {
-                sampled,
-                kv_connector_output: None,
-            },
-        )
-        .unwrap();
-        s.check_invariants().unwrap();
-    };
     let in_flight: Vec<StepId> = s.steps_in_flight().collect();
     for step in in_flight {
-        apply(s, step);
+        apply(s, step, None);
     }
     for _ in 0..max_steps {
         if !s.has_requests() {
             return true;
         }
-        let step = s.schedule().unwrap().output.step;
-        s.check_invariants().unwrap();
-        apply(s, step);
+        let step = schedule(s).step;
+        apply(s, step, None);
     }
     !s.has_requests()
 }
@@ -1469,39 +1392,22 @@ fn truncated_under_async_scheduling(
     };
     let mut s = Scheduler::new(cfg, ScriptedConnector::new()).unwrap();
     let id = RequestId(1);
-    s.connector_mut().set_lookup(
-        id,
-        Lookup::Hit {
-            tokens: 8,
-            load_async: false,
-        },
-    );
-    s.add_request(RequestSpec {
-        id,
-        prompt: (1..=12).collect(),
-        max_tokens: 3,
-        stop_token: None,
-        kv_transfer_params: None,
-    })
-    .unwrap();
+    s.connector_mut().set_lookup(id, hit(8, false));
+    s.add_request(spec_with(id.0, (1..=12).collect(), 3))
+        .unwrap();
     let step0 = s.schedule().unwrap().output;
     assert_eq!(step0.num_scheduled_tokens, vec![(id, 4)]);
     assert!(step0.has_sync_kv_loads);
     s.schedule().unwrap();
     let loaded = s.view().request(id).unwrap().block_ids(0)[0];
-    let sampled = s.fake_sample(step0.step);
-    s.update_from_output(
+    apply(
+        &mut s,
         step0.step,
-        ModelOutput {
-            sampled,
-            kv_connector_output: Some(AggregatedOutput {
-                invalid_block_ids: SortedSet::from_vec(vec![loaded]),
-                ..empty_kv()
-            }),
-        },
-    )
-    .unwrap();
-    s.check_invariants().unwrap();
+        Some(AggregatedOutput {
+            invalid_block_ids: SortedSet::from_vec(vec![loaded]),
+            ..empty_aggregated()
+        }),
+    );
     assert_eq!(s.view().request(id).unwrap().num_computed_tokens(), 0);
     (s, id)
 }
@@ -1544,29 +1450,19 @@ fn strict_invalid_blocks_under_async_scheduling_drop_in_flight_output() {
 /// and sample, then 1 decode step, and the request is stuck as above.
 #[test]
 fn compat_a_recompute_chunk_short_of_a_kept_placeholder_samples_nothing() {
-    // cargo-mutants survivor (`+` → `-` in `is_prefill_chunk`): the recompute above was never
-    // chunked.
+    // Protects vLLM's `is_prefill_chunk` (`num_computed_tokens + num_scheduled_tokens <
+    // num_tokens + num_output_placeholders`) on a chunked recompute, as compat reproduces it.
     let (mut s, id) = truncated_under_async_scheduling(Mode::Compat, 12);
     let mut in_flight: Vec<StepId> = s.steps_in_flight().collect();
     let mut steps = Vec::new();
     for _ in 0..4 {
-        let out = s.schedule().unwrap().output;
-        s.check_invariants().unwrap();
+        let out = schedule(&mut s);
         in_flight.push(out.step);
         let sampled = s.fake_sample(out.step);
         steps.push((out.num_scheduled_tokens, !sampled.is_empty()));
         // Async scheduling: the oldest step's output arrives once two are in flight.
         let oldest = in_flight.remove(0);
-        let sampled = s.fake_sample(oldest);
-        s.update_from_output(
-            oldest,
-            ModelOutput {
-                sampled,
-                kv_connector_output: None,
-            },
-        )
-        .unwrap();
-        s.check_invariants().unwrap();
+        apply(&mut s, oldest, None);
     }
     assert_eq!(
         steps,
