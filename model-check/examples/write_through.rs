@@ -73,7 +73,7 @@ impl WriteThrough {
 }
 
 impl SchedulerConnector for WriteThrough {
-    type Meta = WtMeta;
+    type StepMeta = WtMeta;
     type WorkerMeta = Meta;
 
     fn get_num_new_matched_tokens(
@@ -241,7 +241,7 @@ impl WriteThroughWorker {
 }
 
 impl WorkerConnector for WriteThroughWorker {
-    type Meta = WtMeta;
+    type StepMeta = WtMeta;
     type WorkerMeta = Meta;
 
     fn handle_preemptions(&mut self, _meta: &WtMeta) -> Vec<TransferCommand> {

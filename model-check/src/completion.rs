@@ -157,7 +157,7 @@ pub struct ReportingWorker {
 }
 
 impl WorkerConnector for ReportingWorker {
-    type Meta = ();
+    type StepMeta = ();
     type WorkerMeta = Meta;
 
     fn handle_preemptions(&mut self, _meta: &()) -> Vec<TransferCommand> {

@@ -64,7 +64,7 @@ macro_rules! each {
 }
 
 impl SchedulerConnector for Child {
-    type Meta = ChildMeta;
+    type StepMeta = ChildMeta;
     type WorkerMeta = Meta;
 
     fn on_new_request(&mut self, view: &SchedulerView<'_>, request: RequestId) {
@@ -167,7 +167,7 @@ macro_rules! each_worker {
 }
 
 impl WorkerConnector for ChildWorker {
-    type Meta = ChildMeta;
+    type StepMeta = ChildMeta;
     type WorkerMeta = Meta;
 
     fn handle_preemptions(&mut self, meta: &ChildMeta) -> Vec<TransferCommand> {
@@ -223,14 +223,14 @@ pub struct FaultyMulti {
 }
 
 impl SchedulerConnector for FaultyMulti {
-    type Meta = MultiMeta<ChildMeta>;
+    type StepMeta = MultiMeta<ChildMeta>;
     type WorkerMeta = Meta;
 
     fn build_connector_meta(
         &mut self,
         view: &SchedulerView<'_>,
         out: &SchedulerOutput,
-    ) -> Self::Meta {
+    ) -> Self::StepMeta {
         let mut meta = self.inner.build_connector_meta(view, out);
         if self.fault == Some(MultiFault::StripExtraSaves) {
             meta.extra_async_saves = None;

@@ -117,7 +117,7 @@ fn copy_of(
 }
 
 impl SchedulerConnector for PdConnector {
-    type Meta = PdMeta;
+    type StepMeta = PdMeta;
     type WorkerMeta = Meta;
 
     fn get_num_new_matched_tokens(
@@ -274,7 +274,7 @@ impl PdWorker {
 }
 
 impl WorkerConnector for PdWorker {
-    type Meta = PdMeta;
+    type StepMeta = PdMeta;
     type WorkerMeta = Meta;
 
     /// Nothing to fence: loads write only the loading request's own blocks, and sends read

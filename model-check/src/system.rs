@@ -122,7 +122,7 @@ pub mod property_names {
 pub trait Connectors: Clone + fmt::Debug + Eq + core::hash::Hash + Send + Sync + 'static {
     /// The scheduler-side connector.
     type Sched: SchedulerConnector<
-            Meta: core::hash::Hash + Send + Sync,
+            StepMeta: core::hash::Hash + Send + Sync,
             WorkerMeta: core::hash::Hash + Send + Sync,
         > + Clone
         + fmt::Debug
@@ -132,7 +132,7 @@ pub trait Connectors: Clone + fmt::Debug + Eq + core::hash::Hash + Send + Sync +
         + Sync;
     /// The worker-side connector (one per rank).
     type Worker: WorkerConnector<
-            Meta = <Self::Sched as SchedulerConnector>::Meta,
+            StepMeta = <Self::Sched as SchedulerConnector>::StepMeta,
             WorkerMeta = <Self::Sched as SchedulerConnector>::WorkerMeta,
         > + Clone
         + fmt::Debug
@@ -160,7 +160,7 @@ pub trait Connectors: Clone + fmt::Debug + Eq + core::hash::Hash + Send + Sync +
         Ok(())
     }
     /// One short line for a step's metadata in counterexamples (default: its `Debug`).
-    fn describe_meta(&self, meta: &<Self::Sched as SchedulerConnector>::Meta) -> String {
+    fn describe_meta(&self, meta: &<Self::Sched as SchedulerConnector>::StepMeta) -> String {
         format!("{meta:?}")
     }
     /// The `sometimes` properties this pair is expected to reach under `config` (the others
@@ -344,7 +344,7 @@ macro_rules! forward_scheduler_calls {
             &mut self,
             view: &kvrelay_core::SchedulerView<'_>,
             output: &kvrelay_core::SchedulerOutput,
-        ) -> Self::Meta {
+        ) -> Self::StepMeta {
             self.$f.build_connector_meta(view, output)
         }
     };
@@ -476,7 +476,7 @@ impl Faulty<OffloadingConnector> {
 }
 
 impl SchedulerConnector for Faulty<OffloadingConnector> {
-    type Meta = OffloadingConnectorMeta;
+    type StepMeta = OffloadingConnectorMeta;
     type WorkerMeta = kvrelay_core::Meta;
 
     fn get_num_new_matched_tokens(
@@ -532,7 +532,7 @@ impl<C> Counted<C> {
 }
 
 impl<C: SchedulerConnector> SchedulerConnector for Counted<C> {
-    type Meta = C::Meta;
+    type StepMeta = C::StepMeta;
     type WorkerMeta = C::WorkerMeta;
 
     fn request_finished(
@@ -890,7 +890,7 @@ pub struct SystemState<P: Connectors> {
     /// The ranks.
     pub ranks: Vec<RankState<P>>,
     /// Steps scheduled, not yet applied, oldest first (what the ranks begin).
-    pub steps: VecDeque<PendingStep<<P::Sched as SchedulerConnector>::Meta>>,
+    pub steps: VecDeque<PendingStep<<P::Sched as SchedulerConnector>::StepMeta>>,
     /// Requests that arrived so far (ids `0..arrived`).
     pub arrived: u32,
     /// Aborts left.
@@ -1189,7 +1189,7 @@ impl<P: Connectors> SystemModel<P> {
         &self,
         state: &'s SystemState<P>,
         rank: usize,
-    ) -> Option<&'s PendingStep<<P::Sched as SchedulerConnector>::Meta>> {
+    ) -> Option<&'s PendingStep<<P::Sched as SchedulerConnector>::StepMeta>> {
         let r = &state.ranks[rank];
         let first = state.steps.front()?.output.step.0;
         let idx = r.driver.steps_done().checked_sub(first)?;

@@ -76,7 +76,7 @@ pub fn run_rank_step<W>(
 ) -> (Vec<RankAction<W::WorkerMeta>>, WorkerOutput<W::WorkerMeta>)
 where
     W: WorkerConnector,
-    W::Meta: Clone,
+    W::StepMeta: Clone,
 {
     let mut seen = Vec::new();
     loop {

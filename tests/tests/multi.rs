@@ -427,7 +427,7 @@ struct Echo {
 }
 
 impl SchedulerConnector for Echo {
-    type Meta = ScriptedMeta;
+    type StepMeta = ScriptedMeta;
     type WorkerMeta = Meta;
 
     fn get_num_new_matched_tokens(
@@ -478,7 +478,7 @@ impl SchedulerConnector for Echo {
     }
 }
 
-type Dyn = Box<dyn SchedulerConnector<Meta = ScriptedMeta, WorkerMeta = Meta>>;
+type Dyn = Box<dyn SchedulerConnector<StepMeta = ScriptedMeta, WorkerMeta = Meta>>;
 
 #[test]
 fn boxed_children_of_different_types_compose() {
@@ -1020,7 +1020,7 @@ proptest! {
 // ---------------------------------------------------------------------------------------------
 // Composition of compositions.
 
-type DynWorker = Box<dyn WorkerConnector<Meta = ScriptedMeta, WorkerMeta = Meta>>;
+type DynWorker = Box<dyn WorkerConnector<StepMeta = ScriptedMeta, WorkerMeta = Meta>>;
 
 #[test]
 fn boxed_worker_children_compose() {

@@ -15,7 +15,7 @@ use alloc::vec::Vec;
 pub struct NoopConnector;
 
 impl SchedulerConnector for NoopConnector {
-    type Meta = ();
+    type StepMeta = ();
     type WorkerMeta = crate::Meta;
 
     fn get_num_new_matched_tokens(

@@ -271,13 +271,13 @@ impl<C: SchedulerConnector> EngineCore<C> {
     }
 
     /// Schedule the next step (see the module docs).
-    pub fn schedule(&mut self) -> Result<Scheduled<C::Meta>, EngineError> {
+    pub fn schedule(&mut self) -> Result<Scheduled<C::StepMeta>, EngineError> {
         let out = self.schedule_unchecked();
         crate::debug_assert_invariants!(self, stopped: self.broken().is_some() || self.scheduler().broken().is_some());
         out
     }
 
-    fn schedule_unchecked(&mut self) -> Result<Scheduled<C::Meta>, EngineError> {
+    fn schedule_unchecked(&mut self) -> Result<Scheduled<C::StepMeta>, EngineError> {
         self.check_broken()?;
         let step = self.scheduler.schedule()?;
         let out = &step.output;

@@ -228,7 +228,7 @@ pub struct RankDriver<W: WorkerConnector> {
     tables: BTreeMap<RequestId, Vec<Vec<BlockId>>>,
     /// Transfers started on this rank whose completion was not fed back.
     in_flight: BTreeSet<JobId>,
-    running: Option<Running<W::Meta>>,
+    running: Option<Running<W::StepMeta>>,
     /// Steps this rank finished.
     steps_done: u64,
     error: Option<RankError>,
@@ -238,7 +238,7 @@ pub struct RankDriver<W: WorkerConnector> {
 
 impl<W: WorkerConnector> RankDriver<W>
 where
-    W::Meta: Clone,
+    W::StepMeta: Clone,
 {
     /// A rank before its first step.
     pub fn new(config: RankConfig, worker: W) -> Self {
@@ -314,13 +314,13 @@ where
     /// Begin `step` (see the module docs). Updates the block tables as vLLM's `_update_states`
     /// does: finished and preempted requests leave, new and resumed ones get their whole table,
     /// running ones append their new blocks.
-    pub fn begin(&mut self, step: &ScheduledStep<W::Meta>) -> Result<(), RankError> {
+    pub fn begin(&mut self, step: &ScheduledStep<W::StepMeta>) -> Result<(), RankError> {
         let out = self.begin_unchecked(step);
         crate::debug_assert_invariants!(self, stopped: self.error().is_some());
         out
     }
 
-    fn begin_unchecked(&mut self, step: &ScheduledStep<W::Meta>) -> Result<(), RankError> {
+    fn begin_unchecked(&mut self, step: &ScheduledStep<W::StepMeta>) -> Result<(), RankError> {
         self.check_stopped()?;
         let id = step.output.step;
         if self.running.is_some() || id.0 != self.steps_done {
@@ -504,7 +504,7 @@ where
     fn preemptions(
         &mut self,
         shape: StepShape,
-        meta: &W::Meta,
+        meta: &W::StepMeta,
     ) -> Result<Vec<TransferCommand>, RankError> {
         self.protocol(|w| w.begin_step(shape))?;
         if self.binds_first() {

@@ -34,7 +34,7 @@ use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 
 impl SchedulerConnector for OffloadingConnector {
-    type Meta = OffloadingConnectorMeta;
+    type StepMeta = OffloadingConnectorMeta;
     type WorkerMeta = Meta;
 
     fn on_new_request(&mut self, view: &SchedulerView<'_>, request: RequestId) {

@@ -230,7 +230,7 @@ impl OffloadingWorker {
 }
 
 impl WorkerConnector for OffloadingWorker {
-    type Meta = OffloadingConnectorMeta;
+    type StepMeta = OffloadingConnectorMeta;
     type WorkerMeta = Meta;
 
     fn handle_preemptions(&mut self, meta: &OffloadingConnectorMeta) -> Vec<TransferCommand> {

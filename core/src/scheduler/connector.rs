@@ -66,8 +66,10 @@ pub struct FinishDecision {
 /// finish, then `update_connector_output` (only when the step carried a connector output), then
 /// `take_events`. `on_new_request` comes from `add_request`; `request_finished` also from `abort`.
 pub trait SchedulerConnector: Debug {
-    /// Metadata built once per step and delivered, unchanged, to every rank.
-    type Meta: Clone + Debug + Eq + serde::Serialize + serde::de::DeserializeOwned;
+    /// The step metadata (vLLM's `KVConnectorMetadata`, scheduler → workers): built once per
+    /// step by `build_connector_meta` and delivered, unchanged, to every rank. The other
+    /// direction, worker → scheduler, is [`SchedulerConnector::WorkerMeta`].
+    type StepMeta: Clone + Debug + Eq + serde::Serialize + serde::de::DeserializeOwned;
     /// The worker → scheduler metadata this connector receives (aggregated).
     type WorkerMeta: WorkerMeta + serde::Serialize + serde::de::DeserializeOwned;
 
@@ -101,7 +103,7 @@ pub trait SchedulerConnector: Debug {
         &mut self,
         view: &SchedulerView<'_>,
         output: &SchedulerOutput,
-    ) -> Self::Meta;
+    ) -> Self::StepMeta;
 
     /// Once per processed step that carries a connector output, before the scheduler applies
     /// `finished_recving` / `finished_sending` (I-11).
@@ -169,7 +171,7 @@ pub trait SchedulerConnector: Debug {
     /// An engine step that schedules nothing and carries such metadata is quiet
     /// ([`crate::EngineCore`]), so an engine loop may wait for input instead of stepping. The
     /// default, `false`, never calls a step quiet (safe, but an idle engine then spins).
-    fn meta_is_empty(&self, _meta: &Self::Meta) -> bool {
+    fn meta_is_empty(&self, _meta: &Self::StepMeta) -> bool {
         false
     }
 
@@ -200,7 +202,7 @@ pub trait SchedulerConnector: Debug {
 // Boxed connectors (heterogeneous children).
 
 impl<T: SchedulerConnector + ?Sized> SchedulerConnector for alloc::boxed::Box<T> {
-    type Meta = T::Meta;
+    type StepMeta = T::StepMeta;
     type WorkerMeta = T::WorkerMeta;
 
     fn on_new_request(&mut self, view: &SchedulerView<'_>, request: RequestId) {
@@ -227,7 +229,7 @@ impl<T: SchedulerConnector + ?Sized> SchedulerConnector for alloc::boxed::Box<T>
         &mut self,
         view: &SchedulerView<'_>,
         output: &SchedulerOutput,
-    ) -> Self::Meta {
+    ) -> Self::StepMeta {
         (**self).build_connector_meta(view, output)
     }
     fn update_connector_output(
@@ -269,7 +271,7 @@ impl<T: SchedulerConnector + ?Sized> SchedulerConnector for alloc::boxed::Box<T>
     fn requires_kv_delivery(&self) -> bool {
         (**self).requires_kv_delivery()
     }
-    fn meta_is_empty(&self, meta: &Self::Meta) -> bool {
+    fn meta_is_empty(&self, meta: &Self::StepMeta) -> bool {
         (**self).meta_is_empty(meta)
     }
     fn tracks_request(&self, request: RequestId) -> bool {

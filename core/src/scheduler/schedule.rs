@@ -63,13 +63,13 @@ struct Hit {
 
 impl<C: SchedulerConnector> Scheduler<C> {
     /// `schedule()`: one engine step. See SEMANTICS.md §2.3 and the module docs.
-    pub fn schedule(&mut self) -> Result<ScheduledStep<C::Meta>, SchedulerError> {
+    pub fn schedule(&mut self) -> Result<ScheduledStep<C::StepMeta>, SchedulerError> {
         let out = self.schedule_unchecked();
         crate::debug_assert_invariants!(self, stopped: self.broken().is_some());
         out
     }
 
-    fn schedule_unchecked(&mut self) -> Result<ScheduledStep<C::Meta>, SchedulerError> {
+    fn schedule_unchecked(&mut self) -> Result<ScheduledStep<C::StepMeta>, SchedulerError> {
         self.check_broken()?;
         let depth = self.state.config.async_depth;
         if self.state.in_flight.len() as u32 >= depth {

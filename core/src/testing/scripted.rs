@@ -205,7 +205,7 @@ impl ScriptedConnector {
 }
 
 impl SchedulerConnector for ScriptedConnector {
-    type Meta = ScriptedMeta;
+    type StepMeta = ScriptedMeta;
     type WorkerMeta = Meta;
 
     fn on_new_request(&mut self, _view: &SchedulerView<'_>, id: RequestId) {

@@ -102,7 +102,7 @@ impl ScriptedWorker {
 }
 
 impl WorkerConnector for ScriptedWorker {
-    type Meta = ScriptedMeta;
+    type StepMeta = ScriptedMeta;
     type WorkerMeta = Meta;
 
     fn handle_preemptions(&mut self, _meta: &ScriptedMeta) -> Vec<TransferCommand> {

@@ -126,16 +126,17 @@ impl TransferResults {
 ///
 /// Hooks are called in the order [`crate::WorkerProtocol`] admits; use [`crate::GuardedWorker`] to enforce it.
 pub trait WorkerConnector: Debug {
-    /// The scheduler connector's per-step metadata.
-    type Meta;
+    /// The scheduler connector's step metadata ([`crate::SchedulerConnector::StepMeta`]), read
+    /// by `handle_preemptions` and `bind`.
+    type StepMeta;
     /// What this rank reports back, folded across ranks by the aggregator.
     type WorkerMeta: WorkerMeta;
 
     /// First call of every step, before any KV write of the step (I-4): return `Wait` for every
     /// in-flight transfer that reads a block the step may overwrite.
-    fn handle_preemptions(&mut self, meta: &Self::Meta) -> Vec<TransferCommand>;
+    fn handle_preemptions(&mut self, meta: &Self::StepMeta) -> Vec<TransferCommand>;
     /// Bind the step's metadata.
-    fn bind(&mut self, meta: &Self::Meta);
+    fn bind(&mut self, meta: &Self::StepMeta);
     /// Start the step's loads (once per step, I-1).
     fn start_load_kv(&mut self) -> Vec<TransferCommand>;
     /// Before layer `layer`'s attention.
@@ -175,13 +176,13 @@ pub trait WorkerConnector: Debug {
 }
 
 impl<T: WorkerConnector + ?Sized> WorkerConnector for alloc::boxed::Box<T> {
-    type Meta = T::Meta;
+    type StepMeta = T::StepMeta;
     type WorkerMeta = T::WorkerMeta;
 
-    fn handle_preemptions(&mut self, meta: &Self::Meta) -> Vec<TransferCommand> {
+    fn handle_preemptions(&mut self, meta: &Self::StepMeta) -> Vec<TransferCommand> {
         (**self).handle_preemptions(meta)
     }
-    fn bind(&mut self, meta: &Self::Meta) {
+    fn bind(&mut self, meta: &Self::StepMeta) {
         (**self).bind(meta);
     }
     fn start_load_kv(&mut self) -> Vec<TransferCommand> {

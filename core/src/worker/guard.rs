@@ -49,14 +49,14 @@ impl<C: WorkerConnector> GuardedWorker<C> {
     /// `handle_preemptions(meta)`.
     pub fn handle_preemptions(
         &mut self,
-        meta: &C::Meta,
+        meta: &C::StepMeta,
     ) -> Result<Vec<TransferCommand>, ProtocolViolation> {
         self.protocol.handle(WorkerCall::HandlePreemptions)?;
         Ok(self.inner.handle_preemptions(meta))
     }
 
     /// `bind_connector_metadata(meta)`.
-    pub fn bind(&mut self, meta: &C::Meta) -> Result<(), ProtocolViolation> {
+    pub fn bind(&mut self, meta: &C::StepMeta) -> Result<(), ProtocolViolation> {
         self.protocol.handle(WorkerCall::Bind)?;
         self.inner.bind(meta);
         Ok(())

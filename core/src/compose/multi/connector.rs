@@ -199,7 +199,7 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> MultiConnector<C> {
 }
 
 impl<C: SchedulerConnector<WorkerMeta = Meta>> SchedulerConnector for MultiConnector<C> {
-    type Meta = MultiMeta<C::Meta>;
+    type StepMeta = MultiMeta<C::StepMeta>;
     type WorkerMeta = Meta;
 
     fn on_new_request(&mut self, view: &SchedulerView<'_>, request: RequestId) {
@@ -259,7 +259,7 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> SchedulerConnector for MultiConne
         &mut self,
         view: &SchedulerView<'_>,
         output: &SchedulerOutput,
-    ) -> Self::Meta {
+    ) -> Self::StepMeta {
         let metadata = self
             .children
             .iter_mut()
@@ -352,7 +352,7 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> SchedulerConnector for MultiConne
         self.children.iter().any(C::requires_kv_delivery)
     }
 
-    fn meta_is_empty(&self, meta: &Self::Meta) -> bool {
+    fn meta_is_empty(&self, meta: &Self::StepMeta) -> bool {
         meta.extra_async_saves.is_none()
             && self
                 .children

@@ -68,7 +68,7 @@ struct Recorder {
 }
 
 impl WorkerConnector for Recorder {
-    type Meta = u32;
+    type StepMeta = u32;
     type WorkerMeta = Meta;
 
     fn handle_preemptions(&mut self, _meta: &u32) -> Vec<TransferCommand> {

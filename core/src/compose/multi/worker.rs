@@ -174,12 +174,12 @@ impl<W: WorkerConnector<WorkerMeta = Meta>> MultiWorker<W> {
 }
 
 impl<W: WorkerConnector<WorkerMeta = Meta>> WorkerConnector for MultiWorker<W> {
-    type Meta = MultiMeta<W::Meta>;
+    type StepMeta = MultiMeta<W::StepMeta>;
     type WorkerMeta = Meta;
 
     /// Child `i` handles `meta.metadata[i]` (children beyond the metadata are skipped, as
     /// Python's `zip` does).
-    fn handle_preemptions(&mut self, meta: &Self::Meta) -> Vec<TransferCommand> {
+    fn handle_preemptions(&mut self, meta: &Self::StepMeta) -> Vec<TransferCommand> {
         let mut out = Vec::new();
         for (i, m) in meta.metadata.iter().enumerate().take(self.children.len()) {
             let cmds = self.children[i].handle_preemptions(m);
@@ -189,7 +189,7 @@ impl<W: WorkerConnector<WorkerMeta = Meta>> WorkerConnector for MultiWorker<W> {
     }
 
     /// Merges `extra_async_saves` first, then binds child `i` to `meta.metadata[i]`.
-    fn bind(&mut self, meta: &Self::Meta) {
+    fn bind(&mut self, meta: &Self::StepMeta) {
         self.merge_extra_async_saves(meta.extra_async_saves.as_ref());
         for (c, m) in self.children.iter_mut().zip(&meta.metadata) {
             c.bind(m);
