@@ -30,6 +30,7 @@ use crate::sorted_set::SortedSet;
 
 /// Why an [`Aggregator`] call was rejected. A rejected call changes nothing.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum AggregateError {
     /// Strict mode: `rank` reported `request` in `direction` twice in one count cycle. vLLM would
     /// count both reports and emit the id before every rank finished.

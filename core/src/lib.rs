@@ -85,7 +85,7 @@ pub use compose::{
 };
 pub use engine::{
     Applied, BlockAccess, EngineCore, EngineError, ForwardPass, RankAction, RankConfig, RankDriver,
-    RankError, Scheduled, StepPoint,
+    RankError, Scheduled,
 };
 #[cfg(feature = "fault-injection")]
 pub use engine::{EngineFault, RankFault};

@@ -62,7 +62,7 @@ use kvrelay_core::{
     OffloadingConnector, OffloadingConnectorMeta, OffloadingWorker, OffloadingWorkerConfig,
     PolicyKind, Rank, RankAction, RankConfig, RankDriver, RankError, RequestId, RequestSpec,
     RequestStatus, ScheduledStep, Scheduler, SchedulerConfig, SchedulerConnector, SchedulerOutput,
-    SchedulerView, SortedSet, StepPoint, Transfer, TransferDirection, TransferDone, TransferJob,
+    SchedulerView, SortedSet, Transfer, TransferDirection, TransferDone, TransferJob, WorkerCall,
     WorkerConnector, WorkerOutput,
 };
 use stateright::{Expectation, Model, Property};
@@ -1275,8 +1275,8 @@ impl<P: Connectors> SystemModel<P> {
                     });
                 }
                 RankAction::Forward(pass) => self.forward(s, rank, &step.output, &contents, &pass),
-                RankAction::Wait(_) => {
-                    if s.ranks[rank].driver.point() == Some(StepPoint::Bind) {
+                RankAction::Wait { during, .. } => {
+                    if during == WorkerCall::HandlePreemptions {
                         s.ghost.flushed = true;
                     }
                     return;
@@ -1783,9 +1783,9 @@ impl<P: Connectors> Explain for SystemModel<P> {
                     line += &format!(" → starts {}", started.join(", "));
                 }
                 let waits: Vec<u64> = after.driver.waiting().map(|j| j.0).collect();
-                match after.driver.point() {
-                    Some(point) if !waits.is_empty() => {
-                        line += &format!(" → waits before {point:?} for jobs {waits:?}");
+                match after.driver.waiting_during() {
+                    Some(hook) => {
+                        line += &format!(" → waits in {hook:?} for jobs {waits:?}");
                     }
                     _ => {
                         if let Some(k) = after.driver.steps_done().checked_sub(1) {

@@ -82,7 +82,9 @@ where
     loop {
         match driver.poll().unwrap() {
             RankAction::Done(out) => return (seen, out),
-            RankAction::Wait(jobs) => panic!("unexpected wait for {jobs:?}"),
+            RankAction::Wait { jobs, during } => {
+                panic!("unexpected wait in {during:?} for {jobs:?}")
+            }
             RankAction::Idle => panic!("no step was begun"),
             a => seen.push(a),
         }

@@ -6,8 +6,8 @@
 use kvrelay_core::{
     EngineCore, EngineError, JobId, OffloadingWorker, OffloadingWorkerConfig, Rank, RankAction,
     RankDriver, RankError, ScheduledStep, SchedulerConfig, SchedulerOutput, ScriptedConnector,
-    ScriptedMeta, ScriptedWorker, SortedSet, StepId, StepPoint, Transfer, TransferDirection,
-    TransferDone, WorkerError, WorkerOutput,
+    ScriptedMeta, ScriptedWorker, SortedSet, StepId, Transfer, TransferDirection, TransferDone,
+    WorkerCall, WorkerError, WorkerOutput,
 };
 use kvrelay_tests::build::{rank_config, rid, spec};
 use kvrelay_tests::drive::run_rank_step;
@@ -138,13 +138,13 @@ fn a_wait_blocks_until_its_jobs_complete() {
     d.worker_mut().set_preemption_waits(&[JobId(1), JobId(2)]);
     d.begin(&step(1)).unwrap();
     let want = SortedSet::from_vec(vec![JobId(1)]);
-    assert_eq!(d.poll().unwrap(), RankAction::Wait(want.clone()));
-    assert_eq!(
-        d.point(),
-        Some(StepPoint::Bind),
-        "blocked in handle_preemptions"
-    );
-    assert_eq!(d.poll().unwrap(), RankAction::Wait(want), "still blocked");
+    let wait = RankAction::Wait {
+        jobs: want,
+        during: WorkerCall::HandlePreemptions,
+    };
+    assert_eq!(d.poll().unwrap(), wait, "blocked in handle_preemptions");
+    assert_eq!(d.waiting_during(), Some(WorkerCall::HandlePreemptions));
+    assert_eq!(d.poll().unwrap(), wait, "still blocked");
     d.transfer_done(TransferDone {
         job: JobId(1),
         ok: true,

@@ -193,7 +193,7 @@ impl Sim {
                         log.started[r].push(t);
                     }
                     RankAction::Forward(_) => {}
-                    RankAction::Wait(jobs) => {
+                    RankAction::Wait { jobs, .. } => {
                         for &j in jobs.iter() {
                             log.waited[r].push(j);
                             assert!(self.pending[r].contains(&j), "wait for {j:?}");

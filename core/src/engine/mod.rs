@@ -11,7 +11,8 @@
 //!                                           RankDriver::poll until Done:
 //!                                             Start(transfer) → the DMA engine
 //!                                             Forward(pass)   → the layer's KV reads/writes
-//!                                             Wait(jobs)      → RankDriver::transfer_done(...)
+//!                                             Wait{jobs, ..}  → RankDriver::transfer_done(...)
+//!                                             Collect         → feed the transfers done by now
 //! EngineCore::rank_output ◀── WorkerOutput ── Done(output)
 //! EngineCore::apply (once every rank reported the oldest step)
 //! ```
@@ -28,6 +29,4 @@ pub use self::core::EngineFault;
 pub use self::core::{Applied, EngineCore, EngineError, Scheduled};
 #[cfg(feature = "fault-injection")]
 pub use rank::RankFault;
-pub use rank::{
-    BlockAccess, ForwardPass, RankAction, RankConfig, RankDriver, RankError, StepPoint,
-};
+pub use rank::{BlockAccess, ForwardPass, RankAction, RankConfig, RankDriver, RankError};

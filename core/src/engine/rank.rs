@@ -61,6 +61,7 @@ use crate::worker::Transfer;
 use crate::worker::TransferCommand;
 use crate::worker::TransferDone;
 use crate::worker::TransferResults;
+use crate::worker::WorkerCall;
 use crate::worker::WorkerConnector;
 use crate::worker::WorkerError;
 use crate::{InvariantViolation, NULL_BLOCK, ensure_invariant};
@@ -150,7 +151,14 @@ pub enum RankAction<WM> {
     /// Perform this layer's KV reads and writes, then poll again.
     Forward(ForwardPass),
     /// Blocked until these jobs complete ([`RankDriver::transfer_done`]).
-    Wait(SortedSet<JobId>),
+    Wait {
+        /// The jobs still due.
+        jobs: SortedSet<JobId>,
+        /// The hook that asked for the wait: `HandlePreemptions` (vLLM's flush of a preempted
+        /// request's stores before its blocks are reused), `StartLoadKv` (sync loads before the
+        /// forward), `WaitForLayerLoad`, `SaveKvLayer` or `WaitForSave`.
+        during: WorkerCall,
+    },
     /// The step's results are collected next (`get_finished`): feed every transfer completed
     /// by now, then poll again. Nothing is waited for (vLLM's worker polls its transfers'
     /// events here without blocking).
@@ -161,9 +169,10 @@ pub enum RankAction<WM> {
     Idle,
 }
 
-/// Where a rank is inside its step: the next hook to run.
+/// Where a rank is inside its step: the next hook to run. Private: a caller learns what it must
+/// do from [`RankAction`], never from where the driver stands.
 #[derive(Clone, Copy, Debug, Eq, Hash, Ord, PartialEq, PartialOrd)]
-pub enum StepPoint {
+enum StepPoint {
     /// `begin_step` and `handle_preemptions`.
     HandlePreemptions,
     /// `bind_connector_metadata`.
@@ -184,6 +193,22 @@ pub enum StepPoint {
     Collect,
     /// `get_finished` … `clear`: the step's output.
     Finish,
+}
+
+impl StepPoint {
+    /// The worker hook this point calls (`Forward` and `Collect` call none; they are reported
+    /// as the hook around them).
+    fn hook(self) -> WorkerCall {
+        match self {
+            StepPoint::HandlePreemptions => WorkerCall::HandlePreemptions,
+            StepPoint::Bind => WorkerCall::Bind,
+            StepPoint::SyncLoad | StepPoint::AsyncLoad => WorkerCall::StartLoadKv,
+            StepPoint::LayerLoad(_) | StepPoint::Forward(_) => WorkerCall::WaitForLayerLoad,
+            StepPoint::LayerSave(_) => WorkerCall::SaveKvLayer,
+            StepPoint::WaitForSave => WorkerCall::WaitForSave,
+            StepPoint::Collect | StepPoint::Finish => WorkerCall::GetFinished,
+        }
+    }
 }
 
 /// A rank runner's bug, re-introduced on purpose so that the model checker can show it finds it
@@ -214,6 +239,8 @@ struct Running<M> {
     next: StepPoint,
     /// Commands of the last hook not handed out yet.
     queued: VecDeque<TransferCommand>,
+    /// The hook `queued` came from (what a wait is [`RankAction::Wait::during`]).
+    queued_by: WorkerCall,
     /// The jobs the step is blocked on.
     waiting: BTreeSet<JobId>,
 }
@@ -296,9 +323,13 @@ where
         self.running.as_ref().map(|r| r.step)
     }
 
-    /// Where the running step stands: its next hook (`None` between steps).
-    pub fn point(&self) -> Option<StepPoint> {
-        self.running.as_ref().map(|r| r.next)
+    /// The hook the running step is blocked in, while it waits for jobs (what the last
+    /// [`RankAction::Wait`] said).
+    pub fn waiting_during(&self) -> Option<WorkerCall> {
+        self.running
+            .as_ref()
+            .filter(|r| !r.waiting.is_empty())
+            .map(|r| r.queued_by)
     }
 
     /// The jobs the running step is blocked on (empty when it is not blocked).
@@ -353,6 +384,7 @@ where
             shape,
             next: StepPoint::HandlePreemptions,
             queued: VecDeque::new(),
+            queued_by: WorkerCall::HandlePreemptions,
             waiting: BTreeSet::new(),
         });
         Ok(())
@@ -389,9 +421,10 @@ where
                 return Ok(RankAction::Idle);
             };
             if !r.waiting.is_empty() {
-                return Ok(RankAction::Wait(SortedSet::from_vec(
-                    r.waiting.iter().copied().collect(),
-                )));
+                return Ok(RankAction::Wait {
+                    jobs: SortedSet::from_vec(r.waiting.iter().copied().collect()),
+                    during: r.queued_by,
+                });
             }
             if let Some(cmd) = r.queued.pop_front() {
                 match cmd {
@@ -495,6 +528,9 @@ where
             }
         };
         let r = self.running.as_mut().expect("a step is running");
+        if !cmds.is_empty() {
+            r.queued_by = point.hook();
+        }
         r.queued.extend(cmds);
         r.next = next;
         Ok(action)

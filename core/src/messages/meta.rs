@@ -15,6 +15,7 @@ use crate::sorted_set::SortedSet;
 /// Two metadata values that cannot be merged: different forms, or multi tuples of different
 /// lengths. Error kind `meta_mismatch`.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum MetaMismatch {
     /// The two values are of different forms (e.g. `offload` and `set`).
     #[error("cannot merge worker metadata of form `{left}` with form `{right}`")]

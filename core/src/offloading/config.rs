@@ -35,6 +35,7 @@ impl OffloadingConfig {
 
 /// Errors of the offloading connector's construction.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum OffloadingError {
     /// A configuration value out of range.
     #[error("invalid offloading configuration: {0}")]

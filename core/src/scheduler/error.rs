@@ -140,6 +140,7 @@ impl ConnectorError {
 
 /// Errors of the scheduler. See the module docs for which ones stick.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SchedulerError {
     /// A configuration value out of range.
     #[error("invalid scheduler configuration: {0}")]

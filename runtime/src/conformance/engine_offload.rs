@@ -27,8 +27,8 @@ use kvrelay_core::{
     Meta, NULL_BLOCK, OffloadKey, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta,
     OffloadingWorker, OffloadingWorkerConfig, PolicyKind, Rank, RankAction, RankConfig, RankDriver,
     RequestId, RequestSpec, ScheduledStep, Scheduler, SchedulerConfig, SchedulerConnector,
-    SchedulerError, StepId, StepPoint, StepResult, Token, Transfer, TransferDirection,
-    TransferDone, TransferJob, WorkerOutput, hash_block,
+    SchedulerError, StepId, StepResult, Token, Transfer, TransferDirection, TransferDone,
+    TransferJob, WorkerCall, WorkerOutput, hash_block,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -449,10 +449,10 @@ impl OffloadEngine {
             match action {
                 RankAction::Start(t) => self.start(rank, t, &mut out),
                 RankAction::Forward(_) => {}
-                RankAction::Wait(jobs) => {
+                RankAction::Wait { jobs, during } => {
                     // Blocked in handle_preemptions (the flush) or in start_load_kv (sync
-                    // loads): the driver has moved to the hook after it.
-                    let flush = self.ranks[rank].point() == Some(StepPoint::Bind);
+                    // loads).
+                    let flush = during == WorkerCall::HandlePreemptions;
                     for &j in jobs.iter() {
                         if flush {
                             if let Some(r) = self.jobs.get(&j) {

@@ -101,6 +101,7 @@ pub struct OffloadEvent {
 
 /// A typed refusal of a manager call; the manager is unchanged.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ManagerError {
     /// `prepare_load` of a key that is not stored and ready.
     #[error("key {0:?} is not loadable")]
