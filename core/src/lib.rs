@@ -20,7 +20,7 @@
 //! | --- | --- | --- | --- |
 //! | [`engine`] | [`EngineCore`], [`RankDriver`] | `EngineCore` + executor; one worker's `execute_model` | §2, §4 |
 //! | [`scheduler`] | [`Scheduler`] + [`BlockPool`] | vLLM's `Scheduler` and `BlockPool`, as connectors see them | §1.2, §2.2–§2.3, §2.7–§2.9, §6.1, I-14…I-20, I-33…I-37 |
-//! | [`worker`] | [`WorkerProtocol`], [`GuardedWorker`] | the order of one rank's connector calls per step | §2.4, I-1…I-6 |
+//! | [`worker`] | [`WorkerProtocol`], [`GuardedWorker`], [`KvLayout`] | the order of one rank's connector calls per step; where its KV bytes live and the copies of a transfer | §2.4, I-1…I-6 |
 //! | (root) | [`Aggregator`] | `KVOutputAggregator` (executor side) | §4.1–§4.2, I-21…I-27 |
 //! | [`messages`] | [`WorkerMeta`] / [`Meta`] | `KVConnectorWorkerMetadata.aggregate` | §4.3–§4.4, I-25, I-31 |
 //! | [`messages`] | [`EventAccumulator`] | the scheduler connector's `KVConnectorKVEvents` | §4.5 |
@@ -115,9 +115,9 @@ pub use testing::{
 };
 pub use tokens::{BlockHash, Token, hash_block};
 pub use worker::{
-    GuardedWorker, ProtocolViolation, StepShape, Transfer, TransferCommand, TransferDirection,
-    TransferDone, TransferResults, WorkerCall, WorkerConnector, WorkerError, WorkerPhase,
-    WorkerProtocol,
+    CopyRun, GuardedWorker, KvLayout, LayoutError, LayoutOrder, PlanError, ProtocolViolation,
+    StepShape, Transfer, TransferCommand, TransferDirection, TransferDone, TransferResults,
+    WorkerCall, WorkerConnector, WorkerError, WorkerPhase, WorkerProtocol, copy_plan,
 };
 
 use alloc::string::String;

@@ -230,6 +230,7 @@ impl WriteThroughWorker {
                 direction,
                 request: c.request,
                 gpu_blocks: c.blocks.clone(),
+                groups: vec![0; c.blocks.len()],
                 external: c.slots.clone(),
             }));
         }

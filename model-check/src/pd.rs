@@ -266,6 +266,8 @@ impl PdWorker {
                 direction,
                 request: c.request,
                 gpu_blocks: c.blocks.clone(),
+                // One KV cache group.
+                groups: vec![0; c.blocks.len()],
                 external: c.slots.clone(),
             }));
         }

@@ -35,6 +35,7 @@ fn a_step_hands_out_its_layers_accesses_then_the_async_load_then_the_output() {
         direction: TransferDirection::Load,
         request: rid(9),
         gpu_blocks: vec![],
+        groups: vec![],
         external: vec![],
     };
     d.worker_mut().push_load(load.clone());
@@ -123,6 +124,7 @@ fn a_wait_blocks_until_its_jobs_complete() {
         direction: TransferDirection::Load,
         request: rid(1),
         gpu_blocks: vec![],
+        groups: vec![],
         external: vec![],
     };
     d.worker_mut().push_load(load(1));

@@ -663,6 +663,7 @@ fn load(job: u64, request: u32) -> Transfer {
         direction: TransferDirection::Load,
         request: rid(request),
         gpu_blocks: vec![BlockId(1)],
+        groups: vec![0],
         external: vec![0],
     }
 }

@@ -138,6 +138,7 @@ impl OffloadingWorker {
         let bpc = u64::from(self.config.blocks_per_chunk);
         let mut gpu_blocks: Vec<BlockId> = Vec::with_capacity(job.num_blocks());
         let mut external = Vec::with_capacity(job.num_blocks());
+        let mut groups = Vec::with_capacity(job.num_blocks());
         for (g, blocks) in job.gpu.block_ids.iter().enumerate() {
             if blocks.is_empty() {
                 continue;
@@ -149,6 +150,7 @@ impl OffloadingWorker {
                 let chunk = chunks.get(usize::try_from(pos / bpc).ok()?)?;
                 external.push(u64::from(chunk.0) * bpc + pos % bpc);
                 gpu_blocks.push(b);
+                groups.push(u32::try_from(g).ok()?);
             }
         }
         Some(Transfer {
@@ -156,6 +158,7 @@ impl OffloadingWorker {
             direction: dir,
             request: job.request,
             gpu_blocks,
+            groups,
             external,
         })
     }

@@ -35,6 +35,9 @@ pub struct Transfer {
     pub request: RequestId,
     /// The GPU blocks read (store) or written (load), in order.
     pub gpu_blocks: Vec<BlockId>,
+    /// The KV cache group of each GPU block (one per block): which layers' KV the block holds,
+    /// so a runtime knows the bytes to move ([`crate::KvLayout`]).
+    pub groups: Vec<u32>,
     /// The external locations (host slots, remote keys), one per GPU block.
     pub external: Vec<u64>,
 }
