@@ -1,11 +1,15 @@
 //! kvrelay-runtime: the shell around `kvrelay-core`.
 //!
-//! Today it holds the conformance runner ([`conformance`]), the case-replay benchmark
-//! ([`mod@bench`]) and the model check's command line ([`check`]) behind the one `kvrelay`
-//! binary (`kvrelay conformance`, `kvrelay bench`, `kvrelay check`), whose `main.rs` only parses
-//! the command line and prints. The engine loop, worker ranks and transfer backends follow in
-//! the runtime issue.
+//! * [`run`] — the engine runtime (`kvrelay run`): an engine loop over the core's engine step,
+//!   W rank tasks moving real KV bytes between a "GPU" arena and a CPU offload pool, every
+//!   load and read verified.
+//! * [`conformance`] — the conformance runner (`kvrelay conformance`).
+//! * [`mod@bench`] — the case-replay benchmark (`kvrelay bench`).
+//! * [`check`] — the model check's command line (`kvrelay check`).
+//!
+//! `main.rs` only parses the command line and prints.
 
 pub mod bench;
 pub mod check;
 pub mod conformance;
+pub mod run;

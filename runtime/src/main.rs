@@ -1,14 +1,16 @@
-//! The `kvrelay` command line: run conformance cases, benchmark a case, model-check the core.
+//! The `kvrelay` command line: run the engine, run conformance cases, benchmark a case,
+//! model-check the core.
 //!
-//! A thin shell: each subcommand's work is in the library (`kvrelay_runtime::conformance`,
-//! `bench`, `check`); this file parses the command line and prints what `conformance` and
-//! `bench` return (`check` prints its own report).
+//! A thin shell: each subcommand's work is in the library (`kvrelay_runtime::run`,
+//! `conformance`, `bench`, `check`); this file parses the command line and prints what
+//! `conformance` and `bench` return (`run` and `check` print their own reports).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use kvrelay_runtime::check::{self, CheckArgs};
+use kvrelay_runtime::run::args::{self as run_args, RunArgs};
 use kvrelay_runtime::{bench, conformance};
 
 /// kvrelay: the KV-cache connector layer whose lifecycle is a model-checked state machine.
@@ -21,6 +23,10 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Run the engine: W ranks serving a workload with CPU offloading, real KV bytes moved and
+    /// verified; prints a report (--json for machines).
+    #[command(after_long_help = run_args::HELP)]
+    Run(Box<RunArgs>),
     /// Run conformance cases (JSON files, or folders searched recursively for *.json).
     ///
     /// Prints `PASS <name>` or `FAIL <name>: <reason>` per case, then `N passed, M failed`.
@@ -55,10 +61,24 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Run(args) => {
+            init_tracing();
+            run_args::run(&args)
+        }
         Command::Conformance { paths } => run_conformance(&paths),
         Command::Bench { case, repeat } => run_bench(&case, repeat),
         Command::Check(args) => check::run(&args),
     }
+}
+
+/// Logs and spans on stderr, filtered by `RUST_LOG` (default: warnings).
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 fn run_conformance(paths: &[PathBuf]) -> ExitCode {

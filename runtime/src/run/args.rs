@@ -1,0 +1,205 @@
+//! The flags of `kvrelay run` and the command itself: config file, flags over it, the progress
+//! bar, the report.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use kvrelay_core::PolicyKind;
+
+use super::{Progress, RunConfig, RunError, workload};
+
+/// The long help's epilogue of `kvrelay run --help`.
+pub const HELP: &str = "\
+With no flag, runs the embedded workload: 48 chat conversations of 1 to 4 turns over 4 shared
+system prompts, each turn re-sending the conversation so far, Poisson arrivals, on 2 ranks
+with a GPU block budget small enough that requests are preempted and offloaded blocks are
+loaded back. Every byte a forward pass reads and every loaded block is checked against what
+its tokens' KV must be; a mismatch stops the run with exit status 1.
+
+Requests arrive on a virtual clock (--step-ms per engine step), so a run is the same workload
+on any machine.
+
+Traces: --trace FILE.jsonl replays a request trace in the format of the public Mooncake traces,
+one JSON object a line: {\"timestamp\": ms, \"input_length\": N, \"output_length\": N,
+\"hash_ids\": [..]}, one hash id per prompt block of --hash-block-tokens tokens (Mooncake's own
+traces use 512). --write-trace FILE writes the generated workload in that format.
+
+Exit status: 0 when every request finished and every check held, 1 when the run stopped on an
+error (a wrong byte, a rank or engine error, a broken invariant), 2 on bad flags or files.";
+
+/// `kvrelay run` flags. Each overrides the config file (`--config`), which overrides the
+/// defaults.
+#[derive(Args, Debug, Clone, Default)]
+pub struct RunArgs {
+    /// A TOML file with any of the settings below (snake_case keys; `[workload]` for the
+    /// generated workload).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Replay this Mooncake-format trace instead of the generated workload.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub trace: Option<PathBuf>,
+    /// Write the requests of this run (the generated workload) as a trace, then run them.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub write_trace: Option<PathBuf>,
+    /// Seed of the generated workload and the sampled tokens.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Ranks (tensor-parallel workers).
+    #[arg(long)]
+    pub ranks: Option<u32>,
+    /// Conversations of the generated workload.
+    #[arg(long)]
+    pub conversations: Option<u32>,
+    /// GPU blocks per rank.
+    #[arg(long)]
+    pub gpu_blocks: Option<u32>,
+    /// CPU offload blocks per rank.
+    #[arg(long)]
+    pub cpu_blocks: Option<u32>,
+    /// Layers.
+    #[arg(long)]
+    pub layers: Option<u32>,
+    /// Bytes of one block of one layer on one rank.
+    #[arg(long)]
+    pub block_bytes: Option<u64>,
+    /// Tokens per trace hash block.
+    #[arg(long)]
+    pub hash_block_tokens: Option<u32>,
+    /// CPU eviction policy: lru or arc.
+    #[arg(long, value_parser = ["lru", "arc"])]
+    pub policy: Option<String>,
+    /// Virtual milliseconds per engine step.
+    #[arg(long)]
+    pub step_ms: Option<f64>,
+    /// Check every machine's invariants after every step.
+    #[arg(long)]
+    pub check: bool,
+    /// Print the report as JSON on stdout (no progress bar).
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl RunArgs {
+    /// The run's configuration: defaults, then `--config`, then the flags.
+    pub fn config(&self) -> Result<RunConfig, String> {
+        let mut c = match &self.config {
+            Some(p) => {
+                let text =
+                    std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+                toml::from_str::<RunConfig>(&text).map_err(|e| format!("{}: {e}", p.display()))?
+            }
+            None => RunConfig::default(),
+        };
+        macro_rules! set {
+            ($($f:ident),*) => { $( if let Some(v) = self.$f.clone() { c.$f = v; } )* };
+        }
+        set!(
+            seed,
+            ranks,
+            gpu_blocks,
+            cpu_blocks,
+            layers,
+            block_bytes,
+            hash_block_tokens,
+            step_ms
+        );
+        if let Some(t) = &self.trace {
+            c.trace = Some(t.clone());
+        }
+        if let Some(n) = self.conversations {
+            c.workload.conversations = n;
+        }
+        if let Some(p) = &self.policy {
+            c.policy = if p == "arc" {
+                PolicyKind::Arc
+            } else {
+                PolicyKind::Lru
+            };
+        }
+        c.check |= self.check;
+        Ok(c)
+    }
+}
+
+struct Bar(ProgressBar);
+
+impl Progress for Bar {
+    fn step(&mut self, finished: u64, total: u64, steps: u64, preemptions: u64, loaded: u64) {
+        self.0.set_length(total);
+        self.0.set_position(finished);
+        if steps.is_multiple_of(16) {
+            self.0.set_message(format!(
+                "step {steps}, {preemptions} preemptions, {loaded} loads done"
+            ));
+        }
+    }
+}
+
+/// `kvrelay run`: see [`HELP`].
+pub fn run(args: &RunArgs) -> ExitCode {
+    let config = match args.config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvrelay run: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let records = match super::requests(&config) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvrelay run: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(p) = &args.write_trace
+        && let Err(e) = workload::write_trace(p, &records)
+    {
+        eprintln!("kvrelay run: {e}");
+        return ExitCode::from(2);
+    }
+    let bar = if args.json || !std::io::stderr().is_terminal() {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(records.len() as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} requests  {msg}  [{elapsed}]")
+            .expect("a valid template"),
+    );
+    let mut progress = Bar(bar.clone());
+    let outcome = super::run(&config, &records, &mut progress);
+    bar.finish_and_clear();
+    match outcome {
+        Ok(report) => {
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("a report serializes")
+                );
+            } else {
+                println!("{report}");
+            }
+            if report.finished == report.requests {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!(
+                    "kvrelay run: {} of {} requests unfinished",
+                    report.requests - report.finished,
+                    report.requests
+                );
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            report_error(&e);
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn report_error(e: &RunError) {
+    eprintln!("kvrelay run: stopped: {e}");
+}

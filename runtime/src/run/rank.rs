@@ -1,0 +1,399 @@
+//! One rank: a task that owns a [`RankDriver`] over the offloading worker, the rank's KV arena
+//! and its transfer engine, and runs the steps the engine sends it.
+//!
+//! # What it does with each [`RankAction`]
+//!
+//! * `Start(transfer)` — plans the copies ([`copy_plan`]) and hands them to the transfer engine.
+//!   A store's host slots take the content record of its GPU blocks now (the blocks cannot
+//!   change until the store completes: I-4).
+//! * `Forward(pass)` — writes every computed token's word into its slot, then checks every slot
+//!   the layer's attention reads (prefix-cache hits and loaded blocks included) against the
+//!   reading request's own tokens ([`super::content`]).
+//! * `Wait` — returns to the task loop, which feeds completions until the driver moves on.
+//! * `Collect` — feeds every completion that arrived by now, without waiting.
+//! * `Done(output)` — sends the output to the engine.
+//!
+//! A completed load is checked byte for byte against what its host slots must hold before the
+//! driver hears of it. Any mismatch, and any error of the driver or of the worker connector
+//! (polled after every hook by the driver), stops the rank with a typed error the engine
+//! reports.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvrelay_core::{
+    JobId, KvLayout, OffloadingConnectorMeta, OffloadingWorker, RankAction, RankDriver, RequestId,
+    ScheduledStep, StepId, Token, Transfer, TransferDirection, TransferDone, WorkerCall,
+    WorkerOutput, copy_plan,
+};
+use tokio::sync::mpsc;
+
+use super::RunError;
+use super::content::{TokenBook, UNWRITTEN, fill, holds, word};
+use super::host::{Arena, CopyDone, CopyJob, TransferEngine};
+
+/// What the engine sends a rank.
+#[derive(Debug)]
+pub(crate) struct StepMsg {
+    pub(crate) step: Arc<ScheduledStep<OffloadingConnectorMeta>>,
+    /// Tokens appended since the previous step: new requests' prompts, tokens sampled since.
+    pub(crate) tokens: Arc<Vec<(RequestId, Vec<Token>)>>,
+    /// Requests the engine released: their tokens are forgotten.
+    pub(crate) forget: Arc<Vec<RequestId>>,
+}
+
+/// What a rank sends the engine.
+#[derive(Debug)]
+pub(crate) struct RankReport {
+    pub(crate) rank: u32,
+    pub(crate) step: StepId,
+    pub(crate) output: Result<WorkerOutput, RunError>,
+}
+
+/// What a rank did, for the report.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct RankStats {
+    pub(crate) blocks_stored: u64,
+    pub(crate) blocks_loaded: u64,
+    pub(crate) bytes_stored: u64,
+    pub(crate) bytes_loaded: u64,
+    pub(crate) store_time: Duration,
+    pub(crate) load_time: Duration,
+    /// Copies performed (after coalescing).
+    pub(crate) copies: u64,
+    /// Blocks of completed loads checked against their host slots.
+    pub(crate) loaded_blocks_verified: u64,
+    /// Token slots (per layer) checked before a forward read them.
+    pub(crate) slots_read_verified: u64,
+    /// Stores waited for in `handle_preemptions` before their blocks were rewritten.
+    pub(crate) flushed_stores: u64,
+    /// Tokens loaded, per request (rank 0 reports them).
+    pub(crate) loaded_tokens: HashMap<RequestId, u32>,
+    /// Steps after which the driver's invariants were checked.
+    pub(crate) invariant_checks: u64,
+}
+
+/// The rank's fixed shape.
+#[derive(Clone, Debug)]
+pub(crate) struct RankShape {
+    pub(crate) gpu: KvLayout,
+    pub(crate) host: KvLayout,
+    pub(crate) block_size: u32,
+}
+
+pub(crate) struct RankTask<E: TransferEngine> {
+    rank: u32,
+    driver: RankDriver<OffloadingWorker>,
+    shape: RankShape,
+    slot_bytes: usize,
+    arena: Arena,
+    /// Per GPU block and token slot, the prefix hash it holds (`UNWRITTEN`: none).
+    gpu_shadow: Vec<u64>,
+    /// Per host slot and token slot, the prefix hash it holds.
+    host_shadow: Vec<u64>,
+    loads: HashMap<JobId, Transfer>,
+    /// Blocks of each store in flight.
+    stores: HashMap<JobId, u64>,
+    book: TokenBook,
+    engine: E,
+    done: mpsc::Receiver<CopyDone>,
+    flush_counted: bool,
+    /// Test-only fault: corrupt the host side of the next load.
+    corrupt_next_load: bool,
+    /// Check the driver's invariants after every step.
+    check: bool,
+    stats: RankStats,
+}
+
+impl<E: TransferEngine> std::fmt::Debug for RankTask<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankTask")
+            .field("rank", &self.rank)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E: TransferEngine> RankTask<E> {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        rank: u32,
+        driver: RankDriver<OffloadingWorker>,
+        shape: RankShape,
+        arena: Arena,
+        engine: E,
+        done: mpsc::Receiver<CopyDone>,
+        corrupt_first_load: bool,
+        check: bool,
+    ) -> Self {
+        let bs = shape.block_size as usize;
+        let slot_bytes = (shape.gpu.block_bytes() as usize) / bs;
+        Self {
+            rank,
+            driver,
+            slot_bytes,
+            arena,
+            gpu_shadow: vec![UNWRITTEN; shape.gpu.blocks() as usize * bs],
+            host_shadow: vec![UNWRITTEN; shape.host.blocks() as usize * bs],
+            shape,
+            loads: HashMap::new(),
+            stores: HashMap::new(),
+            book: TokenBook::default(),
+            engine,
+            done,
+            flush_counted: false,
+            corrupt_next_load: corrupt_first_load,
+            check,
+            stats: RankStats::default(),
+        }
+    }
+
+    /// Runs steps until the engine hangs up or an error stops the rank; returns what it did.
+    pub(crate) async fn run(
+        mut self,
+        mut steps: mpsc::Receiver<StepMsg>,
+        reports: mpsc::Sender<RankReport>,
+    ) -> RankStats {
+        let mut current: Option<StepId> = None;
+        loop {
+            let progressed = tokio::select! {
+                biased;
+                d = self.done.recv() => match d {
+                    Some(d) => self.complete(d).map(|()| current.is_some()),
+                    None => break,
+                },
+                m = steps.recv(), if current.is_none() => match m {
+                    Some(m) => {
+                        current = Some(m.step.output.step);
+                        self.begin(&m).map(|()| true)
+                    }
+                    None => break,
+                },
+            };
+            let result = match progressed {
+                Ok(true) => self.drive(),
+                Ok(false) => Ok(None),
+                Err(e) => Err(e),
+            };
+            let output = match result {
+                Ok(Some(out)) => Ok(out),
+                Ok(None) => continue,
+                Err(e) => Err(e),
+            };
+            let failed = output.is_err();
+            let step = current.take().unwrap_or(StepId(u64::MAX));
+            let report = RankReport {
+                rank: self.rank,
+                step,
+                output,
+            };
+            if reports.send(report).await.is_err() || failed {
+                break;
+            }
+        }
+        // Completions still arriving are drained so the copy thread can finish.
+        self.done.close();
+        while self.done.recv().await.is_some() {}
+        self.stats
+    }
+
+    fn begin(&mut self, m: &StepMsg) -> Result<(), RunError> {
+        for r in m.forget.iter() {
+            self.book.forget(*r);
+        }
+        for (r, t) in m.tokens.iter() {
+            self.book.extend(*r, t);
+        }
+        self.flush_counted = false;
+        self.driver.begin(&m.step).map_err(|error| RunError::Rank {
+            rank: self.rank,
+            error,
+        })
+    }
+
+    /// Polls the driver until it waits, or the step is done.
+    fn drive(&mut self) -> Result<Option<WorkerOutput>, RunError> {
+        loop {
+            let action = self.driver.poll().map_err(|error| RunError::Rank {
+                rank: self.rank,
+                error,
+            })?;
+            match action {
+                RankAction::Start(t) => self.start(t)?,
+                RankAction::Forward(pass) => self.forward(&pass)?,
+                RankAction::Wait { jobs, during } => {
+                    if during == WorkerCall::HandlePreemptions && !self.flush_counted {
+                        self.flush_counted = true;
+                        self.stats.flushed_stores += jobs.len() as u64;
+                    }
+                    return Ok(None);
+                }
+                RankAction::Collect => {
+                    while let Ok(d) = self.done.try_recv() {
+                        self.complete(d)?;
+                    }
+                }
+                RankAction::Done(out) => {
+                    if self.check {
+                        self.driver.check_invariants()?;
+                        self.stats.invariant_checks += 1;
+                    }
+                    return Ok(Some(out));
+                }
+                RankAction::Idle => return Ok(None),
+            }
+        }
+    }
+
+    fn start(&mut self, t: Transfer) -> Result<(), RunError> {
+        let runs =
+            copy_plan(&t, &self.shape.gpu, &self.shape.host).map_err(|error| RunError::Plan {
+                rank: self.rank,
+                error,
+            })?;
+        let bs = self.shape.block_size as usize;
+        let corrupt = match t.direction {
+            TransferDirection::Store => {
+                for (b, &slot) in t.gpu_blocks.iter().zip(&t.external) {
+                    let (g, h) = (b.0 as usize * bs, slot as usize * bs);
+                    let (src, dst) = (g..g + bs, h..h + bs);
+                    self.host_shadow[dst].copy_from_slice(&self.gpu_shadow[src]);
+                }
+                self.stores.insert(t.job, t.gpu_blocks.len() as u64);
+                false
+            }
+            TransferDirection::Load => {
+                self.loads.insert(t.job, t.clone());
+                std::mem::take(&mut self.corrupt_next_load)
+            }
+        };
+        self.engine
+            .start(CopyJob {
+                job: t.job,
+                direction: t.direction,
+                runs,
+                corrupt,
+            })
+            .map_err(|e| RunError::Transfer {
+                rank: self.rank,
+                why: e.0,
+            })
+    }
+
+    /// A transfer completed: a load is checked, then the driver hears of it.
+    fn complete(&mut self, d: CopyDone) -> Result<(), RunError> {
+        self.stats.copies += d.copies;
+        match d.direction {
+            TransferDirection::Store => {
+                self.stats.bytes_stored += d.bytes;
+                self.stats.store_time += d.elapsed;
+                self.stats.blocks_stored += self.stores.remove(&d.job).unwrap_or(0);
+            }
+            TransferDirection::Load => {
+                self.stats.bytes_loaded += d.bytes;
+                self.stats.load_time += d.elapsed;
+                if let Some(t) = self.loads.remove(&d.job) {
+                    self.check_load(&t)?;
+                }
+            }
+        }
+        self.driver
+            .transfer_done(TransferDone {
+                job: d.job,
+                ok: true,
+            })
+            .map_err(|error| RunError::Rank {
+                rank: self.rank,
+                error,
+            })
+    }
+
+    fn check_load(&mut self, t: &Transfer) -> Result<(), RunError> {
+        let bs = self.shape.block_size as usize;
+        let arena = self.arena.read().unwrap_or_else(|p| p.into_inner());
+        for ((&b, &slot), &group) in t.gpu_blocks.iter().zip(&t.external).zip(&t.groups) {
+            let (g, h) = (b.0 as usize * bs, slot as usize * bs);
+            let record: Vec<u64> = self.host_shadow[h..h + bs].to_vec();
+            self.gpu_shadow[g..g + bs].copy_from_slice(&record);
+            for layer in self.shape.gpu.layers_of(group) {
+                let base = self.shape.gpu.offset(layer, b.0).unwrap_or(0) as usize;
+                for (i, &prefix) in record.iter().enumerate() {
+                    if prefix == UNWRITTEN {
+                        continue;
+                    }
+                    let at = base + i * self.slot_bytes;
+                    let want = word(prefix, layer, group, self.rank);
+                    if !holds(&arena[at..at + self.slot_bytes], want) {
+                        return Err(RunError::Corrupt {
+                            what: "loaded",
+                            rank: self.rank,
+                            request: t.request,
+                            block: b,
+                            layer,
+                            slot: i as u32,
+                        });
+                    }
+                }
+            }
+            self.stats.blocks_loaded += 1;
+            self.stats.loaded_blocks_verified += 1;
+            if self.rank == 0 {
+                *self.stats.loaded_tokens.entry(t.request).or_default() += bs as u32;
+            }
+        }
+        Ok(())
+    }
+
+    fn forward(&mut self, pass: &kvrelay_core::ForwardPass) -> Result<(), RunError> {
+        let layer = pass.layer;
+        let Some(group) = self.shape.gpu.group_of(layer) else {
+            return Ok(());
+        };
+        let bs = self.shape.block_size;
+        let mut arena = self.arena.write().unwrap_or_else(|p| p.into_inner());
+        for a in pass.writes.iter().filter(|a| a.group as u32 == group) {
+            let base = self.shape.gpu.offset(layer, a.block.0).unwrap_or(0) as usize;
+            for p in a.tokens.clone() {
+                let prefix = self.prefix(a.request, p)?;
+                let at = base + (p % bs) as usize * self.slot_bytes;
+                fill(
+                    &mut arena[at..at + self.slot_bytes],
+                    word(prefix, layer, group, self.rank),
+                );
+                self.gpu_shadow[a.block.0 as usize * bs as usize + (p % bs) as usize] = prefix;
+            }
+        }
+        for a in pass.reads.iter().filter(|a| a.group as u32 == group) {
+            let base = self.shape.gpu.offset(layer, a.block.0).unwrap_or(0) as usize;
+            for p in a.tokens.clone() {
+                let prefix = self.prefix(a.request, p)?;
+                let at = base + (p % bs) as usize * self.slot_bytes;
+                if !holds(
+                    &arena[at..at + self.slot_bytes],
+                    word(prefix, layer, group, self.rank),
+                ) {
+                    return Err(RunError::Corrupt {
+                        what: "read",
+                        rank: self.rank,
+                        request: a.request,
+                        block: a.block,
+                        layer,
+                        slot: p % bs,
+                    });
+                }
+                self.stats.slots_read_verified += 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn prefix(&self, request: RequestId, position: u32) -> Result<u64, RunError> {
+        self.book
+            .prefix(request, position)
+            .ok_or(RunError::UnknownTokens {
+                rank: self.rank,
+                request,
+                position,
+            })
+    }
+}
