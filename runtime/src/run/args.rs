@@ -13,7 +13,7 @@ use super::{Progress, RunConfig, RunError, workload};
 
 /// The long help's epilogue of `kvrelay run --help`.
 pub const HELP: &str = "\
-With no flag, runs the embedded workload: 48 chat conversations of 1 to 4 turns over 4 shared
+With no flag, runs the embedded workload: 160 chat conversations of 1 to 4 turns over 4 shared
 system prompts, each turn re-sending the conversation so far, Poisson arrivals, on 2 ranks
 with a GPU block budget small enough that requests are preempted and offloaded blocks are
 loaded back. Every byte a forward pass reads and every loaded block is checked against what

@@ -182,7 +182,7 @@ pub struct WorkloadConfig {
 impl Default for WorkloadConfig {
     fn default() -> Self {
         Self {
-            conversations: 48,
+            conversations: 160,
             max_turns: 4,
             system_prompts: 4,
             system_prompt_blocks: 8,

@@ -1,0 +1,150 @@
+//! `kvrelay run`: the engine runtime serves a workload end to end with real bytes, and its
+//! verification can fail.
+
+use std::process::Command;
+
+use kvrelay_runtime::run::workload::{WorkloadConfig, read_trace, write_trace};
+use kvrelay_runtime::run::{RunConfig, RunError, requests, run};
+
+fn small() -> RunConfig {
+    RunConfig {
+        workload: WorkloadConfig {
+            conversations: 24,
+            ..WorkloadConfig::default()
+        },
+        check: true,
+        ..RunConfig::default()
+    }
+}
+
+// Protects the main job: every request finishes, requests are preempted and offloaded blocks are
+// loaded back, every load is verified, and every machine's invariants hold after every step.
+#[test]
+fn the_default_shape_offloads_preempts_and_verifies_everything() {
+    let c = small();
+    let records = requests(&c).unwrap();
+    let r = run(&c, &records, &mut ()).unwrap();
+    assert_eq!(r.finished, r.requests);
+    assert_eq!(r.requests, records.len() as u64);
+    assert!(r.preemptions > 0, "{r:#?}");
+    assert!(r.blocks_offloaded > 0 && r.blocks_loaded > 0, "{r:#?}");
+    assert!(
+        r.cpu_loaded_tokens > 0 && r.gpu_prefix_hit_tokens > 0,
+        "{r:#?}"
+    );
+    assert_eq!(r.loaded_blocks_verified, r.blocks_loaded);
+    assert!(r.read_slots_verified > 0);
+    assert!(r.invariants_checked && r.invariant_checks >= 3 * r.steps);
+}
+
+// Protects the verification itself: a host slot corrupted on purpose (a test-only fault) is
+// reported as wrong bytes naming the block, and the run stops with an error.
+#[test]
+fn a_corrupted_host_slot_is_caught_when_its_load_completes() {
+    let c = RunConfig {
+        corrupt_first_load: true,
+        ..small()
+    };
+    let records = requests(&c).unwrap();
+    match run(&c, &records, &mut ()) {
+        Err(RunError::Corrupt { what, .. }) => assert_eq!(what, "loaded"),
+        other => panic!("expected a corruption error, got {other:?}"),
+    }
+}
+
+// Protects several ranks and other shapes: 1 and 3 ranks, block-major is not needed, ARC.
+#[test]
+fn other_rank_counts_and_the_arc_policy_verify_too() {
+    for ranks in [1, 3] {
+        let c = RunConfig {
+            ranks,
+            policy: kvrelay_core::PolicyKind::Arc,
+            ..small()
+        };
+        let records = requests(&c).unwrap();
+        let r = run(&c, &records, &mut ()).unwrap();
+        assert_eq!(r.finished, r.requests, "{ranks} ranks");
+        assert_eq!(r.loaded_blocks_verified, r.blocks_loaded);
+    }
+}
+
+// Protects bad configurations: a typed error, not a panic.
+#[test]
+fn bad_configurations_are_errors() {
+    let c = RunConfig {
+        block_bytes: 100,
+        ..small()
+    };
+    let records = requests(&small()).unwrap();
+    assert!(matches!(
+        run(&c, &records, &mut ()),
+        Err(RunError::Config(_))
+    ));
+    let c = RunConfig {
+        ranks: 0,
+        ..small()
+    };
+    assert!(matches!(
+        run(&c, &records, &mut ()),
+        Err(RunError::Config(_))
+    ));
+}
+
+fn kvrelay(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kvrelay"))
+        .args(args)
+        .output()
+        .expect("run kvrelay")
+}
+
+// Protects the command line: the report as JSON, a written trace replayed, exit status 2 on
+// bad files.
+#[test]
+fn the_command_line_reports_json_and_replays_its_own_trace() {
+    let dir = std::env::temp_dir().join(format!("kvrelay-run-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("w.jsonl");
+    let t = trace.to_str().unwrap();
+    let out = kvrelay(&["run", "--conversations", "8", "--json", "--write-trace", t]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["finished"], v["requests"]);
+    let written = read_trace(&trace, 64).unwrap();
+    assert_eq!(v["requests"], written.len() as u64);
+
+    let out = kvrelay(&["run", "--trace", t, "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let w: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(w["requests"], v["requests"]);
+    assert_eq!(w["prompt_tokens"], v["prompt_tokens"]);
+
+    std::fs::write(&trace, "not json\n").unwrap();
+    let out = kvrelay(&["run", "--trace", t]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(":1:"));
+
+    let cfg = dir.join("c.toml");
+    std::fs::write(&cfg, "ranks = 1\n[workload]\nconversations = 4\n").unwrap();
+    let out = kvrelay(&["run", "--config", cfg.to_str().unwrap(), "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["ranks"], 1);
+    std::fs::write(&cfg, "rank = 1\n").unwrap();
+    let out = kvrelay(&["run", "--config", cfg.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "an unknown key is refused");
+
+    write_trace(&trace, &written[..1]).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+}
