@@ -27,6 +27,16 @@ enum Command {
     /// verified; prints a report (--json for machines).
     #[command(after_long_help = run_args::HELP)]
     Run(Box<RunArgs>),
+    /// One rank as a process of its own: started by `kvrelay run --workers process`, not by
+    /// hand.
+    Worker {
+        /// The engine's Unix socket.
+        #[arg(long)]
+        socket: PathBuf,
+        /// The rank.
+        #[arg(long)]
+        rank: u32,
+    },
     /// Run conformance cases (JSON files, or folders searched recursively for *.json).
     ///
     /// Prints `PASS <name>` or `FAIL <name>: <reason>` per case, then `N passed, M failed`.
@@ -64,6 +74,10 @@ fn main() -> ExitCode {
         Command::Run(args) => {
             init_tracing();
             run_args::run(&args)
+        }
+        Command::Worker { socket, rank } => {
+            init_tracing();
+            kvrelay_runtime::run::process::worker_main(&socket, rank)
         }
         Command::Conformance { paths } => run_conformance(&paths),
         Command::Bench { case, repeat } => run_bench(&case, repeat),

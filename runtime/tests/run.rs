@@ -34,7 +34,12 @@ fn the_default_shape_offloads_preempts_and_verifies_everything() {
     );
     assert_eq!(r.loaded_blocks_verified, r.blocks_loaded);
     assert!(r.read_slots_verified > 0);
-    assert!(r.invariants_checked && r.invariant_checks >= 3 * r.steps);
+    assert!(r.invariants_checked);
+    assert_eq!(
+        r.invariant_checks,
+        3 * r.steps,
+        "the engine and both ranks check every step"
+    );
 }
 
 // Protects the verification itself: a host slot corrupted on purpose (a test-only fault) is
@@ -147,4 +152,46 @@ fn the_command_line_reports_json_and_replays_its_own_trace() {
 
     write_trace(&trace, &written[..1]).unwrap();
     std::fs::remove_dir_all(&dir).ok();
+}
+
+// Protects the process transport: 2 worker processes over Unix sockets serve the workload
+// with every check; a corruption inside a worker stops the run with the worker's error; a
+// worker that cannot start is a typed error, not a hang.
+#[test]
+fn worker_processes_serve_verify_and_fail_cleanly() {
+    let c = RunConfig {
+        workers: kvrelay_runtime::run::Workers::Process,
+        worker_exe: Some(env!("CARGO_BIN_EXE_kvrelay").into()),
+        ..small()
+    };
+    let records = requests(&c).unwrap();
+    let r = run(&c, &records, &mut ()).unwrap();
+    assert_eq!(r.finished, r.requests);
+    assert!(r.blocks_loaded > 0);
+    assert_eq!(r.loaded_blocks_verified, r.blocks_loaded);
+    assert_eq!(
+        r.invariant_checks,
+        3 * r.steps,
+        "the engine and both ranks check every step"
+    );
+
+    let bad = RunConfig {
+        corrupt_first_load: true,
+        ..c.clone()
+    };
+    match run(&bad, &records, &mut ()) {
+        Err(RunError::Remote { rank: 0, message }) => {
+            assert!(message.contains("holds wrong KV"), "{message}")
+        }
+        other => panic!("expected the worker's corruption error, got {other:?}"),
+    }
+
+    let missing = RunConfig {
+        worker_exe: Some("/nonexistent/kvrelay".into()),
+        ..c.clone()
+    };
+    match run(&missing, &records, &mut ()) {
+        Err(RunError::Worker { rank: 0, why }) => assert!(why.contains("cannot start"), "{why}"),
+        other => panic!("expected a worker start error, got {other:?}"),
+    }
 }

@@ -9,7 +9,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvrelay_core::PolicyKind;
 
-use super::{Progress, RunConfig, RunError, workload};
+use super::{Progress, RunConfig, RunError, Workers, workload};
 
 /// The long help's epilogue of `kvrelay run --help`.
 pub const HELP: &str = "\
@@ -50,6 +50,10 @@ pub struct RunArgs {
     /// Ranks (tensor-parallel workers).
     #[arg(long)]
     pub ranks: Option<u32>,
+    /// Where ranks run: in-process (tasks, the default) or process (`kvrelay worker`
+    /// processes over Unix sockets).
+    #[arg(long, value_parser = ["in-process", "process"])]
+    pub workers: Option<String>,
     /// Conversations of the generated workload.
     #[arg(long)]
     pub conversations: Option<u32>,
@@ -111,6 +115,13 @@ impl RunArgs {
         }
         if let Some(n) = self.conversations {
             c.workload.conversations = n;
+        }
+        if let Some(w) = &self.workers {
+            c.workers = if w == "process" {
+                Workers::Process
+            } else {
+                Workers::InProcess
+            };
         }
         if let Some(p) = &self.policy {
             c.policy = if p == "arc" {

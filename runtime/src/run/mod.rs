@@ -26,33 +26,46 @@
 //! * `content` — what every KV byte must be, and the per-request token book ranks derive it from.
 //! * `host` — the host transfer engine (one copy thread per rank).
 //! * `rank` — the rank task.
+//! * [`wire`] — the frames between the engine and a worker process.
+//! * [`process`] — worker processes: the engine's side of the link and `kvrelay worker`.
 //! * [`report`] — the figures of a run, readable and `--json`.
 
 pub mod args;
 mod content;
 mod host;
+pub mod process;
 mod rank;
 pub mod report;
+pub mod wire;
 pub mod workload;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvrelay_core::{
     EngineCore, EngineError, GroupKind, InvariantViolation, KvLayout, LayoutError, LayoutOrder,
-    ManagerConfig, Mode, OffloadingConfig, OffloadingConnector, OffloadingWorker,
-    OffloadingWorkerConfig, PlanError, PolicyKind, Rank, RankConfig, RankDriver, RankError,
-    RequestId, RequestSpec, SchedulerConfig, Token,
+    ManagerConfig, Mode, OffloadingConfig, OffloadingConnector, PlanError, PolicyKind, Rank,
+    RankError, RequestId, RequestSpec, SchedulerConfig, Token,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, mpsc};
 
-use self::host::{COPY_QUEUE_BOUND, HostEngine};
-use self::rank::{RankReport, RankShape, RankStats, RankTask, StepMsg};
+use self::rank::{RankReport, RankSetup, RankStats, StepMsg};
 pub use self::report::Report;
 use self::workload::{TraceError, TraceRecord, WorkloadConfig};
+
+/// Where ranks run.
+#[derive(Clone, Copy, Debug, Default, Eq, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Workers {
+    /// Tasks of this process, over channels.
+    #[default]
+    InProcess,
+    /// `kvrelay worker` processes, over Unix sockets (length-delimited postcard frames).
+    Process,
+}
 
 /// Everything a run needs; the defaults are the embedded workload (`kvrelay run` with no flag).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -62,6 +75,11 @@ pub struct RunConfig {
     pub seed: u64,
     /// Ranks (tensor-parallel workers), W.
     pub ranks: u32,
+    /// Where ranks run: tasks of this process, or worker processes over Unix sockets.
+    pub workers: Workers,
+    /// The executable started as `kvrelay worker` (default: `$KVRELAY_WORKER_EXE`, else the
+    /// running executable).
+    pub worker_exe: Option<PathBuf>,
     /// Layers of the model, all in one full-attention KV cache group.
     pub layers: u32,
     /// Tokens per block.
@@ -101,6 +119,8 @@ impl Default for RunConfig {
         Self {
             seed: 0,
             ranks: 2,
+            workers: Workers::InProcess,
+            worker_exe: None,
             layers: 4,
             block_size: 16,
             block_bytes: 2048,
@@ -187,6 +207,25 @@ pub enum RunError {
         /// The token position.
         position: u32,
     },
+    /// A worker process could not be started, or its connection failed.
+    #[error("rank {rank}: worker process: {why}")]
+    Worker {
+        /// The rank.
+        rank: u32,
+        /// Why.
+        why: String,
+    },
+    /// A frame could not be decoded or has the wrong version.
+    #[error(transparent)]
+    Wire(#[from] wire::WireError),
+    /// A worker process stopped with an error.
+    #[error("rank {rank}: {message}")]
+    Remote {
+        /// The rank.
+        rank: u32,
+        /// The worker's own error.
+        message: String,
+    },
     /// A rank task ended while the engine still needed it.
     #[error("rank {rank} stopped")]
     RankGone {
@@ -238,6 +277,7 @@ pub fn run(
 ) -> Result<Report, RunError> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        .enable_all()
         .thread_name("kvrelay-rt")
         .build()
         .map_err(|e| RunError::Config(format!("tokio runtime: {e}")))?;
@@ -320,44 +360,29 @@ async fn engine_loop(
     let (report_tx, mut reports) = mpsc::channel::<RankReport>(c.ranks as usize);
     let mut to_ranks = Vec::new();
     let mut handles = Vec::new();
-    let shape = RankShape {
-        gpu: gpu.clone(),
-        host: host.clone(),
-        block_size: c.block_size,
-    };
     for r in 0..c.ranks {
-        let arena = Arc::new(RwLock::new(vec![0u8; gpu.total_bytes() as usize]));
-        let (done_tx, done_rx) = mpsc::channel(COPY_QUEUE_BOUND);
-        let engine = HostEngine::spawn(
-            r,
-            arena.clone(),
-            host.total_bytes() as usize,
-            done_tx,
-            wake.clone(),
-        );
-        let worker = OffloadingWorker::new(OffloadingWorkerConfig {
-            blocks_per_chunk: c.blocks_per_chunk,
-            is_store_writer: true,
-            bytes_per_block: c.block_bytes * u64::from(c.layers),
-        });
-        let rc = RankConfig {
-            layers: c.layers,
+        let setup = RankSetup {
+            rank: r,
+            gpu: gpu.clone(),
+            host: host.clone(),
             block_size: c.block_size,
+            blocks_per_chunk: c.blocks_per_chunk,
             groups: sc.groups.clone(),
+            check: c.check,
+            corrupt_first_load: c.corrupt_first_load && r == 0,
         };
-        let task = RankTask::new(
-            r,
-            RankDriver::new(rc, worker),
-            shape.clone(),
-            arena,
-            engine,
-            done_rx,
-            c.corrupt_first_load,
-            c.check,
-        );
         let (tx, rx) = mpsc::channel::<StepMsg>(1);
         to_ranks.push(tx);
-        handles.push(tokio::spawn(task.run(rx, report_tx.clone())));
+        handles.push(match c.workers {
+            Workers::InProcess => {
+                let task = setup.build(wake.clone());
+                tokio::spawn(task.run(rx, report_tx.clone()))
+            }
+            Workers::Process => {
+                let link = process::spawn_worker(&setup, c.worker_exe.as_deref()).await?;
+                tokio::spawn(link.run(rx, report_tx.clone()))
+            }
+        });
     }
     drop(report_tx);
 

@@ -22,16 +22,18 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::sync::RwLock;
+
 use kvrelay_core::{
-    JobId, KvLayout, OffloadingConnectorMeta, OffloadingWorker, RankAction, RankDriver, RequestId,
-    ScheduledStep, StepId, Token, Transfer, TransferDirection, TransferDone, WorkerCall,
-    WorkerOutput, copy_plan,
+    GroupKind, JobId, KvLayout, OffloadingConnectorMeta, OffloadingWorker, OffloadingWorkerConfig,
+    RankAction, RankConfig, RankDriver, RequestId, ScheduledStep, StepId, Token, Transfer,
+    TransferDirection, TransferDone, WorkerCall, WorkerOutput, copy_plan,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 
 use super::RunError;
 use super::content::{TokenBook, UNWRITTEN, fill, holds, word};
-use super::host::{Arena, CopyDone, CopyJob, TransferEngine};
+use super::host::{Arena, COPY_QUEUE_BOUND, CopyDone, CopyJob, HostEngine, TransferEngine};
 
 /// What the engine sends a rank.
 #[derive(Debug)]
@@ -52,7 +54,7 @@ pub(crate) struct RankReport {
 }
 
 /// What a rank did, for the report.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct RankStats {
     pub(crate) blocks_stored: u64,
     pub(crate) blocks_loaded: u64,
@@ -80,6 +82,61 @@ pub(crate) struct RankShape {
     pub(crate) gpu: KvLayout,
     pub(crate) host: KvLayout,
     pub(crate) block_size: u32,
+}
+
+/// Everything a rank is built from: the same for an in-process rank and a worker process
+/// (which receives it in its first frame).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct RankSetup {
+    pub(crate) rank: u32,
+    pub(crate) gpu: KvLayout,
+    pub(crate) host: KvLayout,
+    pub(crate) block_size: u32,
+    pub(crate) blocks_per_chunk: u32,
+    pub(crate) groups: Vec<GroupKind>,
+    pub(crate) check: bool,
+    pub(crate) corrupt_first_load: bool,
+}
+
+impl RankSetup {
+    /// The rank task with its arena and host transfer engine; `wake` is notified after every
+    /// completed transfer.
+    pub(crate) fn build(&self, wake: Arc<Notify>) -> RankTask<HostEngine> {
+        let arena = Arc::new(RwLock::new(vec![0u8; self.gpu.total_bytes() as usize]));
+        let (done_tx, done_rx) = mpsc::channel(COPY_QUEUE_BOUND);
+        let engine = HostEngine::spawn(
+            self.rank,
+            arena.clone(),
+            self.host.total_bytes() as usize,
+            done_tx,
+            wake,
+        );
+        let worker = OffloadingWorker::new(OffloadingWorkerConfig {
+            blocks_per_chunk: self.blocks_per_chunk,
+            is_store_writer: true,
+            bytes_per_block: self.gpu.block_bytes() * u64::from(self.gpu.layers()),
+        });
+        let rc = RankConfig {
+            layers: self.gpu.layers(),
+            block_size: self.block_size,
+            groups: self.groups.clone(),
+        };
+        let shape = RankShape {
+            gpu: self.gpu.clone(),
+            host: self.host.clone(),
+            block_size: self.block_size,
+        };
+        RankTask::new(
+            self.rank,
+            RankDriver::new(rc, worker),
+            shape,
+            arena,
+            engine,
+            done_rx,
+            self.corrupt_first_load,
+            self.check,
+        )
+    }
 }
 
 pub(crate) struct RankTask<E: TransferEngine> {
