@@ -5,9 +5,10 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use super::engine::Figures;
 use super::rank::RankStats;
 use super::workload::TraceRecord;
-use super::{Figures, RunConfig, sum_ranks};
+use super::{RunConfig, sum_ranks};
 
 /// What a run did. Every figure is counted by the run itself; none is estimated.
 #[derive(Clone, Debug, PartialEq, Serialize)]

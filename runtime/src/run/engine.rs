@@ -1,0 +1,331 @@
+//! [`Engine`]: the core's [`EngineCore`] with W ranks attached — one engine step at a time.
+//!
+//! # When to call what
+//!
+//! * [`Engine::start`] once: builds the scheduler, the offloading connector and the ranks
+//!   (tasks, or worker processes).
+//! * [`Engine::add`], [`Engine::abort`], [`Engine::reset_cache`] between steps, as inputs
+//!   arrive.
+//! * [`Engine::step`] while [`Engine::has_work`]: schedules, sends the step to every rank,
+//!   collects each rank's output once, samples the tokens and applies the step. Its
+//!   [`StepOutcome`] carries the requests' new tokens and finishes, and says whether the step
+//!   was idle; then [`Engine::wait_idle`] waits for a transfer completion (or a short timeout)
+//!   instead of spinning.
+//! * [`Engine::shutdown`] at the end: stops the ranks and returns their figures.
+//!
+//! The engine loop of `kvrelay run` ([`super::run`]) and the embedding API
+//! ([`super::api::EngineHandle`]) both drive this type.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvrelay_core::{
+    EngineCore, GroupKind, KvLayout, LayoutError, LayoutOrder, ManagerConfig, Mode,
+    OffloadingConfig, OffloadingConnector, Rank, RequestId, RequestOutput, RequestSpec,
+    SchedulerConfig, StepId, Token,
+};
+use tokio::sync::{Notify, mpsc};
+use tokio::task::JoinHandle;
+
+use super::rank::{RankReport, RankSetup, RankStats, StepMsg};
+use super::{RunConfig, RunError, Workers, process, workload};
+
+/// How long an idle engine step waits for a transfer to complete.
+const IDLE_WAIT: Duration = Duration::from_millis(5);
+
+/// What the engine side counts.
+#[derive(Debug, Default)]
+pub(crate) struct Figures {
+    pub(crate) finished: u64,
+    pub(crate) prompt_tokens: u64,
+    pub(crate) generated_tokens: u64,
+    pub(crate) steps: u64,
+    pub(crate) idle_steps: u64,
+    pub(crate) preemptions: u64,
+    pub(crate) tokens_computed: u64,
+    /// Loads reported complete (`finished_recving`, summed over ranks).
+    pub(crate) loads_reported: u64,
+    /// Per request, its computed tokens when first scheduled (prefix hit + loaded).
+    pub(crate) reused: HashMap<RequestId, u32>,
+    /// Engine-side time per step (schedule, rank outputs, apply), in µs.
+    pub(crate) core_us: Vec<f64>,
+    pub(crate) invariant_checks: u64,
+}
+
+/// One engine step's result.
+#[derive(Debug)]
+pub struct StepOutcome {
+    /// The step.
+    pub step: StepId,
+    /// Per request scheduled: the tokens it accepted, and its finish.
+    pub outputs: Vec<RequestOutput>,
+    /// Nothing was scheduled, asked of the ranks or reported back.
+    pub idle: bool,
+}
+
+/// The engine and its ranks. See the module docs.
+#[derive(Debug)]
+pub struct Engine {
+    config: RunConfig,
+    core: EngineCore<OffloadingConnector>,
+    to_ranks: Vec<mpsc::Sender<StepMsg>>,
+    reports: mpsc::Receiver<RankReport>,
+    handles: Vec<JoinHandle<RankStats>>,
+    wake: Arc<Notify>,
+    /// Tokens the ranks have not been sent yet.
+    tokens: Vec<(RequestId, Vec<Token>)>,
+    /// Requests released since the last step.
+    forget: Vec<RequestId>,
+    pub(crate) figures: Figures,
+}
+
+fn layouts(c: &RunConfig) -> Result<(KvLayout, KvLayout), RunError> {
+    let bad = |e: LayoutError| RunError::Config(e.to_string());
+    if c.block_size == 0 || !c.block_bytes.is_multiple_of(8 * u64::from(c.block_size)) {
+        return Err(RunError::Config(format!(
+            "block_bytes ({}) must be a positive multiple of 8 × block_size ({})",
+            c.block_bytes, c.block_size
+        )));
+    }
+    let gpu = KvLayout::new(
+        vec![0; c.layers as usize],
+        c.gpu_blocks,
+        c.block_bytes,
+        LayoutOrder::LayerMajor,
+    )
+    .map_err(bad)?;
+    let host = gpu
+        .with_blocks(c.cpu_blocks, LayoutOrder::LayerMajor)
+        .map_err(bad)?;
+    Ok((gpu, host))
+}
+
+/// The token sampled for `request` at `position` (seeded, no model).
+fn sample(seed: u64, request: RequestId, position: u32) -> Token {
+    let mut r = workload::Rng::new(seed ^ (u64::from(request.0) << 32) ^ u64::from(position));
+    (r.next_u64() % 50_000) as Token
+}
+
+impl Engine {
+    /// Builds the engine for requests of at most `max_model_len` tokens and starts its ranks.
+    pub async fn start(c: &RunConfig, max_model_len: u32) -> Result<Self, RunError> {
+        if c.ranks == 0 || c.ranks > 64 {
+            return Err(RunError::Config("ranks: 1 to 64".into()));
+        }
+        if c.blocks_per_chunk == 0 || !c.cpu_blocks.is_multiple_of(c.blocks_per_chunk) {
+            return Err(RunError::Config(
+                "cpu_blocks must be a positive multiple of blocks_per_chunk".into(),
+            ));
+        }
+        let (gpu, host) = layouts(c)?;
+        let sc = SchedulerConfig {
+            block_size: c.block_size,
+            num_gpu_blocks: c.gpu_blocks,
+            groups: vec![GroupKind::FullAttention],
+            max_num_batched_tokens: c.max_num_batched_tokens,
+            max_num_seqs: c.max_num_seqs,
+            max_model_len: max_model_len.max(1),
+            enable_prefix_caching: true,
+            enable_chunked_prefill: true,
+            async_depth: 1,
+            mode: Mode::Compat,
+            ..SchedulerConfig::default()
+        };
+        let off = OffloadingConfig::new(
+            c.blocks_per_chunk,
+            c.ranks,
+            ManagerConfig {
+                capacity_chunks: c.cpu_blocks / c.blocks_per_chunk,
+                policy: c.policy,
+                store_threshold: 0,
+            },
+        );
+        let connector =
+            OffloadingConnector::new(off, &sc).map_err(|e| RunError::Config(e.to_string()))?;
+        let core = EngineCore::new(sc.clone(), connector, c.ranks)?;
+
+        let wake = Arc::new(Notify::new());
+        let (report_tx, reports) = mpsc::channel::<RankReport>(c.ranks as usize);
+        let mut to_ranks = Vec::new();
+        let mut handles = Vec::new();
+        for r in 0..c.ranks {
+            let setup = RankSetup {
+                rank: r,
+                gpu: gpu.clone(),
+                host: host.clone(),
+                block_size: c.block_size,
+                blocks_per_chunk: c.blocks_per_chunk,
+                groups: sc.groups.clone(),
+                check: c.check,
+                corrupt_first_load: c.corrupt_first_load && r == 0,
+            };
+            let (tx, rx) = mpsc::channel::<StepMsg>(1);
+            to_ranks.push(tx);
+            handles.push(match c.workers {
+                Workers::InProcess => {
+                    let task = setup.build(wake.clone());
+                    tokio::spawn(task.run(rx, report_tx.clone()))
+                }
+                Workers::Process => {
+                    let link = process::spawn_worker(&setup, c.worker_exe.as_deref()).await?;
+                    tokio::spawn(link.run(rx, report_tx.clone()))
+                }
+            });
+        }
+        Ok(Self {
+            config: c.clone(),
+            core,
+            to_ranks,
+            reports,
+            handles,
+            wake,
+            tokens: Vec::new(),
+            forget: Vec::new(),
+            figures: Figures::default(),
+        })
+    }
+
+    /// Whether a step would do anything (requests, or a step in flight).
+    pub fn has_work(&self) -> bool {
+        self.core.has_work()
+    }
+
+    /// A request arrives.
+    pub fn add(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<Token>,
+        max_tokens: u32,
+    ) -> Result<(), RunError> {
+        self.core.add_request(RequestSpec {
+            id,
+            prompt: prompt.clone(),
+            max_tokens,
+            stop_token: None,
+            kv_transfer_params: None,
+        })?;
+        self.figures.prompt_tokens += prompt.len() as u64;
+        self.tokens.push((id, prompt));
+        Ok(())
+    }
+
+    /// Aborts a request; `false` if it was not live.
+    pub fn abort(&mut self, id: RequestId) -> Result<bool, RunError> {
+        Ok(self.core.abort(id)?)
+    }
+
+    /// Resets the connector's cache (vLLM's `reset_prefix_cache` reaching the connector).
+    pub fn reset_cache(&mut self) -> Result<Option<bool>, RunError> {
+        Ok(self.core.reset_connector_cache()?)
+    }
+
+    /// One engine step (see the module docs).
+    pub async fn step(&mut self) -> Result<StepOutcome, RunError> {
+        let f = &mut self.figures;
+        let t0 = Instant::now();
+        let scheduled = self.core.schedule()?;
+        let out = &scheduled.step.output;
+        let step = out.step;
+        f.preemptions += out.preempted_req_ids.len() as u64;
+        f.tokens_computed += u64::from(out.total_num_scheduled_tokens);
+        for n in &out.scheduled_new_reqs {
+            f.reused.entry(n.id).or_insert(n.num_computed_tokens);
+        }
+        let mut core_time = t0.elapsed();
+        let msg_step = Arc::new(scheduled.step);
+        let msg_tokens = Arc::new(std::mem::take(&mut self.tokens));
+        let msg_forget = Arc::new(std::mem::take(&mut self.forget));
+        for (r, tx) in self.to_ranks.iter().enumerate() {
+            let m = StepMsg {
+                step: msg_step.clone(),
+                tokens: msg_tokens.clone(),
+                forget: msg_forget.clone(),
+            };
+            if tx.send(m).await.is_err() {
+                return Err(rank_gone(&mut self.reports, r as u32));
+            }
+        }
+        for _ in 0..self.to_ranks.len() {
+            let Some(rep) = self.reports.recv().await else {
+                return Err(RunError::RankGone { rank: 0 });
+            };
+            let output = rep.output?;
+            if let Some(l) = output.finished_recving.as_ref() {
+                f.loads_reported += l.len() as u64;
+            }
+            let t = Instant::now();
+            self.core
+                .rank_output(rep.step, Rank(rep.rank), Some(output))?;
+            core_time += t.elapsed();
+        }
+        let t = Instant::now();
+        let seed = self.config.seed;
+        let sampled: Vec<(RequestId, Vec<Token>)> = self
+            .core
+            .scheduler()
+            .sampling(step)
+            .map(|(id, pos)| (id, vec![sample(seed, id, pos)]))
+            .collect();
+        let applied = self.core.apply(sampled)?;
+        let released = self.core.take_released();
+        core_time += t.elapsed();
+        if self.config.check {
+            self.core.check_invariants()?;
+            f.invariant_checks += 1;
+        }
+        f.core_us.push(core_time.as_secs_f64() * 1e6);
+        for o in &applied.result.outputs {
+            if !o.new_tokens.is_empty() {
+                f.generated_tokens += o.new_tokens.len() as u64;
+                self.tokens.push((o.id, o.new_tokens.clone()));
+            }
+            if o.finish.is_some() {
+                f.finished += 1;
+            }
+        }
+        self.forget.extend(released);
+        f.steps += 1;
+        if applied.idle {
+            f.idle_steps += 1;
+        }
+        tracing::debug!(step = step.0, idle = applied.idle, "engine step");
+        Ok(StepOutcome {
+            step,
+            outputs: applied.result.outputs,
+            idle: applied.idle,
+        })
+    }
+
+    /// After an idle step: waits for a transfer of an in-process rank to complete, at most a
+    /// few milliseconds (worker processes are polled by stepping again).
+    pub async fn wait_idle(&self) {
+        let _ = tokio::time::timeout(IDLE_WAIT, self.wake.notified()).await;
+    }
+
+    /// Stops the ranks; returns their figures (default figures for a rank that failed).
+    pub(crate) async fn shutdown(self) -> (Figures, Vec<RankStats>) {
+        let Engine {
+            to_ranks,
+            handles,
+            figures,
+            ..
+        } = self;
+        drop(to_ranks);
+        let mut ranks = Vec::new();
+        for h in handles {
+            ranks.push(h.await.unwrap_or_default());
+        }
+        (figures, ranks)
+    }
+}
+
+/// The error of a rank whose step channel closed: its own report if it sent one.
+fn rank_gone(reports: &mut mpsc::Receiver<RankReport>, rank: u32) -> RunError {
+    while let Ok(rep) = reports.try_recv() {
+        if let Err(e) = rep.output {
+            return e;
+        }
+    }
+    RunError::RankGone { rank }
+}
