@@ -62,6 +62,8 @@ pub struct StepOutcome {
     pub outputs: Vec<RequestOutput>,
     /// Nothing was scheduled, asked of the ranks or reported back.
     pub idle: bool,
+    /// Request ids nothing refers to any more (every rank saw them finish): free for reuse.
+    pub released: Vec<RequestId>,
 }
 
 /// The engine and its ranks. See the module docs.
@@ -284,7 +286,7 @@ impl Engine {
                 f.finished += 1;
             }
         }
-        self.forget.extend(released);
+        self.forget.extend(released.iter().copied());
         f.steps += 1;
         if applied.idle {
             f.idle_steps += 1;
@@ -294,6 +296,7 @@ impl Engine {
             step,
             outputs: applied.result.outputs,
             idle: applied.idle,
+            released,
         })
     }
 

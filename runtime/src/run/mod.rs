@@ -21,6 +21,7 @@
 //!
 //! # Rooms
 //!
+//! * [`api`] — the embedding API: submit a request and stream its tokens, abort, reset.
 //! * [`args`] — the command line: flags, config file, progress bar, exit status.
 //! * [`workload`] — the requests: Mooncake-format traces, the generated default.
 //! * `content` — what every KV byte must be, and the per-request token book ranks derive it from.
@@ -31,6 +32,7 @@
 //! * [`process`] — worker processes: the engine's side of the link and `kvrelay worker`.
 //! * [`report`] — the figures of a run, readable and `--json`.
 
+pub mod api;
 pub mod args;
 mod content;
 mod engine;
