@@ -306,6 +306,11 @@ impl Engine {
         let _ = tokio::time::timeout(IDLE_WAIT, self.wake.notified()).await;
     }
 
+    /// Stops the ranks and waits for them (and for worker processes to exit).
+    pub async fn stop(self) {
+        let _ = self.shutdown().await;
+    }
+
     /// Stops the ranks; returns their figures (default figures for a rank that failed).
     pub(crate) async fn shutdown(self) -> (Figures, Vec<RankStats>) {
         let Engine {

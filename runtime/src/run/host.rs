@@ -147,7 +147,7 @@ fn copy_loop(
 }
 
 /// Copies `runs` from `gpu` into `host`; returns the bytes copied.
-pub(crate) fn store(runs: &[CopyRun], gpu: &[u8], host: &mut [u8]) -> u64 {
+pub fn store(runs: &[CopyRun], gpu: &[u8], host: &mut [u8]) -> u64 {
     let mut n = 0;
     for r in runs {
         let (g, h, len) = (r.gpu as usize, r.host as usize, r.len as usize);
@@ -158,7 +158,7 @@ pub(crate) fn store(runs: &[CopyRun], gpu: &[u8], host: &mut [u8]) -> u64 {
 }
 
 /// Copies `runs` from `host` into `gpu`; returns the bytes copied.
-pub(crate) fn load(runs: &[CopyRun], host: &[u8], gpu: &mut [u8]) -> u64 {
+pub fn load(runs: &[CopyRun], host: &[u8], gpu: &mut [u8]) -> u64 {
     let mut n = 0;
     for r in runs {
         let (g, h, len) = (r.gpu as usize, r.host as usize, r.len as usize);

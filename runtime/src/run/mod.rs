@@ -25,7 +25,7 @@
 //! * [`args`] — the command line: flags, config file, progress bar, exit status.
 //! * [`workload`] — the requests: Mooncake-format traces, the generated default.
 //! * `content` — what every KV byte must be, and the per-request token book ranks derive it from.
-//! * `host` — the host transfer engine (one copy thread per rank).
+//! * [`host`] — the host transfer engine (one copy thread per rank).
 //! * `engine` — [`Engine`]: the core's engine step with W ranks attached, one step at a time.
 //! * `rank` — the rank task.
 //! * [`wire`] — the frames between the engine and a worker process.
@@ -36,7 +36,7 @@ pub mod api;
 pub mod args;
 mod content;
 mod engine;
-mod host;
+pub mod host;
 pub mod process;
 mod rank;
 pub mod report;
@@ -265,6 +265,16 @@ pub fn requests(config: &RunConfig) -> Result<Vec<TraceRecord>, RunError> {
     })
 }
 
+/// The tokio runtime a run uses: one thread for the engine and its in-process rank tasks
+/// (a step's messages then hop between tasks, not threads; copies run on the ranks' copy
+/// threads, worker processes on their own).
+pub fn runtime(_config: &RunConfig) -> Result<tokio::runtime::Runtime, RunError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| RunError::Config(format!("tokio runtime: {e}")))
+}
+
 /// Runs `records` on a fresh [`Engine`] with W ranks; returns the report, or the error that
 /// stopped the run.
 pub fn run(
@@ -272,12 +282,7 @@ pub fn run(
     records: &[TraceRecord],
     progress: &mut dyn Progress,
 ) -> Result<Report, RunError> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .thread_name("kvrelay-rt")
-        .build()
-        .map_err(|e| RunError::Config(format!("tokio runtime: {e}")))?;
+    let rt = runtime(config)?;
     rt.block_on(async {
         let longest = records
             .iter()
