@@ -121,7 +121,15 @@ fn the_command_line_reports_json_and_replays_its_own_trace() {
     let written = read_trace(&trace, 64).unwrap();
     assert_eq!(v["requests"], written.len() as u64);
 
-    let out = kvrelay(&["run", "--trace", t, "--json"]);
+    let perfetto = dir.join("trace.json");
+    let out = kvrelay(&[
+        "run",
+        "--trace",
+        t,
+        "--json",
+        "--trace-out",
+        perfetto.to_str().unwrap(),
+    ]);
     assert!(
         out.status.success(),
         "{}",
@@ -130,6 +138,16 @@ fn the_command_line_reports_json_and_replays_its_own_trace() {
     let w: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(w["requests"], v["requests"]);
     assert_eq!(w["prompt_tokens"], v["prompt_tokens"]);
+    let events: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&perfetto).unwrap()).unwrap();
+    let spans = events["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .count() as u64;
+    // The engine's steps and each of the 2 ranks' steps, plus transfers.
+    assert!(spans >= 3 * w["steps"].as_u64().unwrap(), "{spans} spans");
 
     std::fs::write(&trace, "not json\n").unwrap();
     let out = kvrelay(&["run", "--trace", t]);

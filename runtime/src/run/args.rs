@@ -81,6 +81,10 @@ pub struct RunArgs {
     /// Check every machine's invariants after every step.
     #[arg(long)]
     pub check: bool,
+    /// Write a Chrome / Perfetto trace of the engine's and every rank's steps and transfers
+    /// (open in ui.perfetto.dev).
+    #[arg(long, value_name = "FILE.json")]
+    pub trace_out: Option<PathBuf>,
     /// Print the report as JSON on stdout (no progress bar).
     #[arg(long)]
     pub json: bool,
@@ -131,6 +135,9 @@ impl RunArgs {
             };
         }
         c.check |= self.check;
+        if let Some(p) = &self.trace_out {
+            c.trace_out = Some(p.clone());
+        }
         Ok(c)
     }
 }

@@ -29,6 +29,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
 use super::rank::{RankReport, RankSetup, RankStats, StepMsg};
+use super::trace::{Recorder, now_us};
 use super::{RunConfig, RunError, Workers, process, workload};
 
 /// How long an idle engine step waits for a transfer to complete.
@@ -51,6 +52,8 @@ pub(crate) struct Figures {
     /// Engine-side time per step (schedule, rank outputs, apply), in µs.
     pub(crate) core_us: Vec<f64>,
     pub(crate) invariant_checks: u64,
+    /// Engine steps, for `--trace-out`.
+    pub(crate) trace: Recorder,
 }
 
 /// One engine step's result.
@@ -161,6 +164,7 @@ impl Engine {
                 groups: sc.groups.clone(),
                 check: c.check,
                 corrupt_first_load: c.corrupt_first_load && r == 0,
+                trace: c.trace_out.is_some(),
             };
             let (tx, rx) = mpsc::channel::<StepMsg>(1);
             to_ranks.push(tx);
@@ -184,7 +188,10 @@ impl Engine {
             wake,
             tokens: Vec::new(),
             forget: Vec::new(),
-            figures: Figures::default(),
+            figures: Figures {
+                trace: Recorder::new(c.trace_out.is_some()),
+                ..Figures::default()
+            },
         })
     }
 
@@ -226,6 +233,7 @@ impl Engine {
     pub async fn step(&mut self) -> Result<StepOutcome, RunError> {
         let f = &mut self.figures;
         let t0 = Instant::now();
+        let started = if f.trace.is_on() { now_us() } else { 0 };
         let scheduled = self.core.schedule()?;
         let out = &scheduled.step.output;
         let step = out.step;
@@ -291,6 +299,7 @@ impl Engine {
         if applied.idle {
             f.idle_steps += 1;
         }
+        f.trace.span(|| format!("step {}", step.0), started, 0, 0);
         tracing::debug!(step = step.0, idle = applied.idle, "engine step");
         Ok(StepOutcome {
             step,

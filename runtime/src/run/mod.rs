@@ -30,6 +30,7 @@
 //! * `rank` — the rank task.
 //! * [`wire`] — the frames between the engine and a worker process.
 //! * [`process`] — worker processes: the engine's side of the link and `kvrelay worker`.
+//! * `trace` — `--trace-out`: steps and transfers as a Chrome / Perfetto trace.
 //! * [`report`] — the figures of a run, readable and `--json`.
 
 pub mod api;
@@ -40,6 +41,7 @@ pub mod host;
 pub mod process;
 mod rank;
 pub mod report;
+mod trace;
 pub mod wire;
 pub mod workload;
 
@@ -108,6 +110,8 @@ pub struct RunConfig {
     pub trace: Option<PathBuf>,
     /// Call every machine's `check_invariants()` after every step.
     pub check: bool,
+    /// Write a Chrome / Perfetto trace of steps and transfers here.
+    pub trace_out: Option<PathBuf>,
     /// Test-only fault: the first load reads a corrupted host slot.
     #[serde(skip)]
     pub corrupt_first_load: bool,
@@ -134,6 +138,7 @@ impl Default for RunConfig {
             workload: WorkloadConfig::default(),
             trace: None,
             check: false,
+            trace_out: None,
             corrupt_first_load: false,
         }
     }
@@ -225,6 +230,14 @@ pub enum RunError {
         /// The worker's own error.
         message: String,
     },
+    /// An output file could not be written.
+    #[error("{path}: {why}")]
+    Output {
+        /// The file.
+        path: String,
+        /// Why.
+        why: String,
+    },
     /// A rank task ended while the engine still needed it.
     #[error("rank {rank} stopped")]
     RankGone {
@@ -294,6 +307,14 @@ pub fn run(
         let outcome = replay(config, records, &mut engine, progress).await;
         let (figures, ranks) = engine.shutdown().await;
         outcome?;
+        if let Some(path) = &config.trace_out {
+            let mut recorders = vec![&figures.trace];
+            recorders.extend(ranks.iter().map(|r| &r.trace));
+            trace::write(path, &recorders, config.ranks).map_err(|e| RunError::Output {
+                path: path.display().to_string(),
+                why: e.to_string(),
+            })?;
+        }
         Ok(report::build(
             config,
             records,

@@ -34,6 +34,7 @@ use tokio::sync::{Notify, mpsc};
 use super::RunError;
 use super::content::{TokenBook, UNWRITTEN, fill, holds, word};
 use super::host::{Arena, COPY_QUEUE_BOUND, CopyDone, CopyJob, HostEngine, TransferEngine};
+use super::trace::{Recorder, now_us};
 
 /// What the engine sends a rank.
 #[derive(Debug)]
@@ -74,6 +75,8 @@ pub(crate) struct RankStats {
     pub(crate) loaded_tokens: HashMap<RequestId, u32>,
     /// Steps after which the driver's invariants were checked.
     pub(crate) invariant_checks: u64,
+    /// Steps and transfers, for `--trace-out`.
+    pub(crate) trace: Recorder,
 }
 
 /// The rank's fixed shape.
@@ -96,6 +99,8 @@ pub(crate) struct RankSetup {
     pub(crate) groups: Vec<GroupKind>,
     pub(crate) check: bool,
     pub(crate) corrupt_first_load: bool,
+    /// Record steps and transfers for `--trace-out`.
+    pub(crate) trace: bool,
 }
 
 impl RankSetup {
@@ -126,7 +131,7 @@ impl RankSetup {
             host: self.host.clone(),
             block_size: self.block_size,
         };
-        RankTask::new(
+        let mut task = RankTask::new(
             self.rank,
             RankDriver::new(rc, worker),
             shape,
@@ -135,7 +140,9 @@ impl RankSetup {
             done_rx,
             self.corrupt_first_load,
             self.check,
-        )
+        );
+        task.stats.trace = Recorder::new(self.trace);
+        task
     }
 }
 
@@ -160,6 +167,9 @@ pub(crate) struct RankTask<E: TransferEngine> {
     corrupt_next_load: bool,
     /// Check the driver's invariants after every step.
     check: bool,
+    /// When the running step began, and when each transfer in flight started (tracing only).
+    step_started: u64,
+    transfer_started: HashMap<JobId, u64>,
     stats: RankStats,
 }
 
@@ -201,6 +211,8 @@ impl<E: TransferEngine> RankTask<E> {
             flush_counted: false,
             corrupt_next_load: corrupt_first_load,
             check,
+            step_started: 0,
+            transfer_started: HashMap::new(),
             stats: RankStats::default(),
         }
     }
@@ -262,6 +274,9 @@ impl<E: TransferEngine> RankTask<E> {
             self.book.extend(*r, t);
         }
         self.flush_counted = false;
+        if self.stats.trace.is_on() {
+            self.step_started = now_us();
+        }
         self.driver.begin(&m.step).map_err(|error| RunError::Rank {
             rank: self.rank,
             error,
@@ -295,6 +310,11 @@ impl<E: TransferEngine> RankTask<E> {
                         self.driver.check_invariants()?;
                         self.stats.invariant_checks += 1;
                     }
+                    let step = self.driver.steps_done().saturating_sub(1);
+                    let (start, pid) = (self.step_started, self.rank + 1);
+                    self.stats
+                        .trace
+                        .span(|| format!("step {step}"), start, pid, 0);
                     return Ok(Some(out));
                 }
                 RankAction::Idle => return Ok(None),
@@ -309,6 +329,10 @@ impl<E: TransferEngine> RankTask<E> {
                 error,
             })?;
         let bs = self.shape.block_size as usize;
+        if self.stats.trace.is_on() {
+            self.transfer_started.insert(t.job, now_us());
+        }
+        tracing::trace!(rank = self.rank, job = t.job.0, direction = ?t.direction, blocks = t.gpu_blocks.len(), copies = runs.len(), "transfer started");
         let corrupt = match t.direction {
             TransferDirection::Store => {
                 for (b, &slot) in t.gpu_blocks.iter().zip(&t.external) {
@@ -339,7 +363,21 @@ impl<E: TransferEngine> RankTask<E> {
 
     /// A transfer completed: a load is checked, then the driver hears of it.
     fn complete(&mut self, d: CopyDone) -> Result<(), RunError> {
+        tracing::trace!(
+            rank = self.rank,
+            job = d.job.0,
+            bytes = d.bytes,
+            "transfer done"
+        );
         self.stats.copies += d.copies;
+        if let Some(start) = self.transfer_started.remove(&d.job) {
+            let (what, tid) = match d.direction {
+                TransferDirection::Store => ("store", 1),
+                TransferDirection::Load => ("load", 2),
+            };
+            let name = || format!("{what} job {} ({} bytes)", d.job.0, d.bytes);
+            self.stats.trace.span(name, start, self.rank + 1, tid);
+        }
         match d.direction {
             TransferDirection::Store => {
                 self.stats.bytes_stored += d.bytes;

@@ -131,7 +131,9 @@ pub(crate) async fn write_frame<W: AsyncWrite + Unpin, T: Serialize>(
     w: &mut W,
     msg: &T,
 ) -> Result<(), WireError> {
-    w.write_all(&encode(msg)).await?;
+    let frame = encode(msg);
+    tracing::trace!(bytes = frame.len(), "frame sent");
+    w.write_all(&frame).await?;
     w.flush().await?;
     Ok(())
 }
@@ -159,6 +161,7 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
     }
     let mut body = vec![0u8; len as usize];
     r.read_exact(&mut body).await?;
+    tracing::trace!(bytes = len, "frame received");
     decode_body(&body)
 }
 
@@ -178,6 +181,7 @@ mod tests {
             groups: vec![GroupKind::FullAttention],
             check: true,
             corrupt_first_load: false,
+            trace: false,
         }
     }
 
