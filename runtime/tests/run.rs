@@ -57,6 +57,31 @@ fn a_corrupted_host_slot_is_caught_when_its_load_completes() {
     }
 }
 
+// Protects async scheduling with real bytes: every step after the first is scheduled while the
+// ranks run the previous one, the ranks receive the sampled tokens before they compute them, and
+// every check still holds.
+#[test]
+fn async_scheduling_depth_2_verifies_too() {
+    let c = RunConfig {
+        async_depth: 2,
+        ..small()
+    };
+    let records = requests(&c).unwrap();
+    let r = run(&c, &records, &mut ()).unwrap();
+    assert_eq!(r.finished, r.requests);
+    assert!(r.scheduled_ahead > r.steps / 2, "{r:#?}");
+    assert_eq!(r.loaded_blocks_verified, r.blocks_loaded);
+    assert_eq!(r.invariant_checks, 3 * r.steps);
+    let bad = RunConfig {
+        async_depth: 3,
+        ..small()
+    };
+    assert!(matches!(
+        run(&bad, &records, &mut ()),
+        Err(RunError::Config(_))
+    ));
+}
+
 // Protects several ranks and other shapes: 1 and 3 ranks, block-major is not needed, ARC.
 #[test]
 fn other_rank_counts_and_the_arc_policy_verify_too() {

@@ -75,6 +75,9 @@ pub struct RunArgs {
     /// CPU eviction policy: lru or arc.
     #[arg(long, value_parser = ["lru", "arc"])]
     pub policy: Option<String>,
+    /// Steps scheduled ahead: 1 (synchronous) or 2 (async scheduling).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=2))]
+    pub async_depth: Option<u32>,
     /// Virtual milliseconds per engine step.
     #[arg(long)]
     pub step_ms: Option<f64>,
@@ -112,7 +115,8 @@ impl RunArgs {
             layers,
             block_bytes,
             hash_block_tokens,
-            step_ms
+            step_ms,
+            async_depth
         );
         if let Some(t) = &self.trace {
             c.trace = Some(t.clone());

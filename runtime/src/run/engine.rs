@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use kvrelay_core::{
     EngineCore, GroupKind, KvLayout, LayoutError, LayoutOrder, ManagerConfig, Mode,
-    OffloadingConfig, OffloadingConnector, Rank, RequestId, RequestOutput, RequestSpec,
-    SchedulerConfig, StepId, Token,
+    OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta, Rank, RequestId, RequestOutput,
+    RequestSpec, ScheduledStep, SchedulerConfig, StepId, Token,
 };
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
@@ -45,6 +45,8 @@ pub(crate) struct Figures {
     pub(crate) idle_steps: u64,
     pub(crate) preemptions: u64,
     pub(crate) tokens_computed: u64,
+    /// Steps scheduled while the ranks ran the previous one (async scheduling).
+    pub(crate) scheduled_ahead: u64,
     /// Loads reported complete (`finished_recving`, summed over ranks).
     pub(crate) loads_reported: u64,
     /// Per request, its computed tokens when first scheduled (prefix hit + loaded).
@@ -82,6 +84,10 @@ pub struct Engine {
     tokens: Vec<(RequestId, Vec<Token>)>,
     /// Requests released since the last step.
     forget: Vec<RequestId>,
+    /// The step the ranks are running.
+    at_ranks: Option<StepId>,
+    /// A step scheduled ahead (async scheduling), not yet sent.
+    ahead: Option<ScheduledStep<OffloadingConnectorMeta>>,
     pub(crate) figures: Figures,
 }
 
@@ -118,6 +124,9 @@ impl Engine {
         if c.ranks == 0 || c.ranks > 64 {
             return Err(RunError::Config("ranks: 1 to 64".into()));
         }
+        if !(1..=2).contains(&c.async_depth) {
+            return Err(RunError::Config("async_depth: 1 or 2".into()));
+        }
         if c.blocks_per_chunk == 0 || !c.cpu_blocks.is_multiple_of(c.blocks_per_chunk) {
             return Err(RunError::Config(
                 "cpu_blocks must be a positive multiple of blocks_per_chunk".into(),
@@ -133,7 +142,7 @@ impl Engine {
             max_model_len: max_model_len.max(1),
             enable_prefix_caching: true,
             enable_chunked_prefill: true,
-            async_depth: 1,
+            async_depth: c.async_depth,
             mode: Mode::Compat,
             ..SchedulerConfig::default()
         };
@@ -188,6 +197,8 @@ impl Engine {
             wake,
             tokens: Vec::new(),
             forget: Vec::new(),
+            at_ranks: None,
+            ahead: None,
             figures: Figures {
                 trace: Recorder::new(c.trace_out.is_some()),
                 ..Figures::default()
@@ -229,33 +240,40 @@ impl Engine {
         Ok(self.core.reset_connector_cache()?)
     }
 
-    /// One engine step (see the module docs).
+    /// One engine step (see the module docs): the oldest step in flight is run by the ranks
+    /// and applied. With async scheduling (`async_depth` 2), the next step is scheduled while
+    /// the ranks run this one — with placeholders for the tokens this one samples — and sent to
+    /// them, with those tokens, once this one is applied.
     pub async fn step(&mut self) -> Result<StepOutcome, RunError> {
-        let f = &mut self.figures;
         let t0 = Instant::now();
-        let started = if f.trace.is_on() { now_us() } else { 0 };
-        let scheduled = self.core.schedule()?;
-        let out = &scheduled.step.output;
-        let step = out.step;
-        f.preemptions += out.preempted_req_ids.len() as u64;
-        f.tokens_computed += u64::from(out.total_num_scheduled_tokens);
-        for n in &out.scheduled_new_reqs {
-            f.reused.entry(n.id).or_insert(n.num_computed_tokens);
-        }
-        let mut core_time = t0.elapsed();
-        let msg_step = Arc::new(scheduled.step);
-        let msg_tokens = Arc::new(std::mem::take(&mut self.tokens));
-        let msg_forget = Arc::new(std::mem::take(&mut self.forget));
-        for (r, tx) in self.to_ranks.iter().enumerate() {
-            let m = StepMsg {
-                step: msg_step.clone(),
-                tokens: msg_tokens.clone(),
-                forget: msg_forget.clone(),
-            };
-            if tx.send(m).await.is_err() {
-                return Err(rank_gone(&mut self.reports, r as u32));
+        let started = if self.figures.trace.is_on() {
+            now_us()
+        } else {
+            0
+        };
+        let mut core_time = Duration::ZERO;
+        let step = match self.at_ranks {
+            Some(step) => step,
+            None => {
+                let s = match self.ahead.take() {
+                    Some(s) => s,
+                    None => self.schedule()?,
+                };
+                core_time += t0.elapsed();
+                self.send(s).await?
             }
+        };
+        // Ahead only for requests: an empty step ahead of an empty step would never end.
+        if self.config.async_depth >= 2
+            && self.ahead.is_none()
+            && self.core.scheduler().has_requests()
+        {
+            let t = Instant::now();
+            self.ahead = Some(self.schedule()?);
+            self.figures.scheduled_ahead += 1;
+            core_time += t.elapsed();
         }
+        let f = &mut self.figures;
         for _ in 0..self.to_ranks.len() {
             let Some(rep) = self.reports.recv().await else {
                 return Err(RunError::RankGone { rank: 0 });
@@ -269,6 +287,7 @@ impl Engine {
                 .rank_output(rep.step, Rank(rep.rank), Some(output))?;
             core_time += t.elapsed();
         }
+        self.at_ranks = None;
         let t = Instant::now();
         let seed = self.config.seed;
         let sampled: Vec<(RequestId, Vec<Token>)> = self
@@ -300,6 +319,10 @@ impl Engine {
             f.idle_steps += 1;
         }
         f.trace.span(|| format!("step {}", step.0), started, 0, 0);
+        if let Some(s) = self.ahead.take() {
+            // The step scheduled ahead goes to the ranks with the tokens just sampled.
+            self.send(s).await?;
+        }
         tracing::debug!(step = step.0, idle = applied.idle, "engine step");
         Ok(StepOutcome {
             step,
@@ -307,6 +330,42 @@ impl Engine {
             idle: applied.idle,
             released,
         })
+    }
+
+    /// Schedules one step.
+    fn schedule(&mut self) -> Result<ScheduledStep<OffloadingConnectorMeta>, RunError> {
+        let f = &mut self.figures;
+        let scheduled = self.core.schedule()?;
+        let out = &scheduled.step.output;
+        f.preemptions += out.preempted_req_ids.len() as u64;
+        f.tokens_computed += u64::from(out.total_num_scheduled_tokens);
+        for n in &out.scheduled_new_reqs {
+            f.reused.entry(n.id).or_insert(n.num_computed_tokens);
+        }
+        Ok(scheduled.step)
+    }
+
+    /// Sends `step` to every rank, with the tokens and releases since the last one.
+    async fn send(
+        &mut self,
+        step: ScheduledStep<OffloadingConnectorMeta>,
+    ) -> Result<StepId, RunError> {
+        let id = step.output.step;
+        let msg_step = Arc::new(step);
+        let msg_tokens = Arc::new(std::mem::take(&mut self.tokens));
+        let msg_forget = Arc::new(std::mem::take(&mut self.forget));
+        for (r, tx) in self.to_ranks.iter().enumerate() {
+            let m = StepMsg {
+                step: msg_step.clone(),
+                tokens: msg_tokens.clone(),
+                forget: msg_forget.clone(),
+            };
+            if tx.send(m).await.is_err() {
+                return Err(rank_gone(&mut self.reports, r as u32));
+            }
+        }
+        self.at_ranks = Some(id);
+        Ok(id)
     }
 
     /// After an idle step: waits for a transfer of an in-process rank to complete, at most a

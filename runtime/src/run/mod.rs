@@ -100,6 +100,9 @@ pub struct RunConfig {
     pub max_num_seqs: u32,
     /// Tokens per step at most.
     pub max_num_batched_tokens: u32,
+    /// Steps scheduled ahead of their output: 1 = synchronous, 2 = async scheduling (the next
+    /// step is scheduled while the ranks run this one).
+    pub async_depth: u32,
     /// Virtual milliseconds an engine step takes.
     pub step_ms: f64,
     /// Tokens per trace hash block (`hash_ids`).
@@ -133,6 +136,7 @@ impl Default for RunConfig {
             policy: PolicyKind::Lru,
             max_num_seqs: 16,
             max_num_batched_tokens: 1024,
+            async_depth: 1,
             step_ms: 25.0,
             hash_block_tokens: 64,
             workload: WorkloadConfig::default(),

@@ -29,6 +29,8 @@ pub struct Report {
     pub steps: u64,
     /// Idle engine steps (nothing scheduled or reported: waiting for a transfer).
     pub idle_steps: u64,
+    /// Steps scheduled while the ranks ran the previous one (`--async-depth 2`).
+    pub scheduled_ahead: u64,
     /// Requests preempted (their blocks freed, recomputed or loaded later).
     pub preemptions: u64,
     /// Prompt tokens a request did not compute when first scheduled: GPU prefix hits plus
@@ -115,6 +117,7 @@ pub(crate) fn build(
         generated_tokens: f.generated_tokens,
         steps: f.steps,
         idle_steps: f.idle_steps,
+        scheduled_ahead: f.scheduled_ahead,
         preemptions: f.preemptions,
         reused_tokens: reused,
         gpu_prefix_hit_tokens: gpu_hits,
@@ -165,8 +168,12 @@ impl fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "steps           {} ({} idle), {} preemptions, {} stores flushed before reuse",
-            self.steps, self.idle_steps, self.preemptions, self.flushed_stores
+            "steps           {} ({} idle, {} scheduled ahead), {} preemptions, {} stores flushed before reuse",
+            self.steps,
+            self.idle_steps,
+            self.scheduled_ahead,
+            self.preemptions,
+            self.flushed_stores
         )?;
         writeln!(
             f,
