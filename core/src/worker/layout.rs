@@ -226,9 +226,7 @@ pub fn copy_plan(
     let mut push = |layer: u32, i: usize| -> Result<(), PlanError> {
         let (block, slot) = (transfer.gpu_blocks[i], transfer.external[i]);
         let out_of_range = PlanError::OutOfRange { job, block, slot };
-        let g = gpu
-            .offset(layer, block.0)
-            .ok_or(out_of_range.clone())?;
+        let g = gpu.offset(layer, block.0).ok_or(out_of_range.clone())?;
         let h = host.offset(layer, slot).ok_or(out_of_range)?;
         let len = gpu.block_bytes;
         match runs.last_mut() {
