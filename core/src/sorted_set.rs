@@ -56,6 +56,17 @@ impl<T: Ord> SortedSet<T> {
         self.0
     }
 
+    /// Removes `x`; returns whether it was there.
+    pub fn remove(&mut self, x: &T) -> bool {
+        match self.0.binary_search(x) {
+            Ok(at) => {
+                self.0.remove(at);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
     /// Adds `x`; returns whether it was new.
     pub fn insert(&mut self, x: T) -> bool {
         match self.0.binary_search(&x) {

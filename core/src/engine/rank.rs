@@ -43,7 +43,7 @@
 //! as [`RankAction::Wait`] for the jobs of it that are in flight on this rank (a job already
 //! completed, or never started here, is not waited for).
 
-use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
+use alloc::collections::{BTreeMap, VecDeque};
 use alloc::sync::Arc;
 use alloc::vec::Vec;
 use core::ops::Range;
@@ -242,7 +242,7 @@ struct Running<M> {
     /// The hook `queued` came from (what a wait is [`RankAction::Wait::during`]).
     queued_by: WorkerCall,
     /// The jobs the step is blocked on.
-    waiting: BTreeSet<JobId>,
+    waiting: SortedSet<JobId>,
 }
 
 /// One rank's step driver. See the module docs.
@@ -254,7 +254,7 @@ pub struct RankDriver<W: WorkerConnector> {
     /// The model runner's input batch: per request, per group, its block table.
     tables: BTreeMap<RequestId, Vec<Vec<BlockId>>>,
     /// Transfers started on this rank whose completion was not fed back.
-    in_flight: BTreeSet<JobId>,
+    in_flight: SortedSet<JobId>,
     running: Option<Running<W::StepMeta>>,
     /// Steps this rank finished.
     steps_done: u64,
@@ -273,7 +273,7 @@ where
             config: Arc::new(config),
             worker: GuardedWorker::new(worker),
             tables: BTreeMap::new(),
-            in_flight: BTreeSet::new(),
+            in_flight: SortedSet::default(),
             running: None,
             steps_done: 0,
             error: None,
@@ -309,7 +309,7 @@ where
     }
 
     /// Transfers started whose completion has not been fed back.
-    pub fn in_flight(&self) -> &BTreeSet<JobId> {
+    pub fn in_flight(&self) -> &SortedSet<JobId> {
         &self.in_flight
     }
 
@@ -385,7 +385,7 @@ where
             next: StepPoint::HandlePreemptions,
             queued: VecDeque::new(),
             queued_by: WorkerCall::HandlePreemptions,
-            waiting: BTreeSet::new(),
+            waiting: SortedSet::default(),
         });
         Ok(())
     }
@@ -422,7 +422,7 @@ where
             };
             if !r.waiting.is_empty() {
                 return Ok(RankAction::Wait {
-                    jobs: SortedSet::from_vec(r.waiting.iter().copied().collect()),
+                    jobs: r.waiting.clone(),
                     during: r.queued_by,
                 });
             }
@@ -438,7 +438,9 @@ where
                             .copied()
                             .filter(|j| self.in_flight.contains(j))
                             .collect();
-                        r.waiting.extend(due);
+                        for j in due {
+                            r.waiting.insert(j);
+                        }
                         continue;
                     }
                 }
@@ -668,7 +670,7 @@ where
                 self.steps_done
             );
             ensure_invariant!(
-                r.waiting.is_subset(&self.in_flight),
+                r.waiting.iter().all(|j| self.in_flight.contains(j)),
                 "I-4",
                 "a rank waits for jobs not in flight"
             );

@@ -1,11 +1,11 @@
-//! Ranks as worker processes: the engine's end of the link ([`spawn_worker`], `WorkerLink`)
+//! Ranks as worker processes: the engine's end of the link (`spawn_worker`, `WorkerLink`)
 //! and the worker's own main ([`worker_main`], `kvrelay worker`).
 //!
 //! The engine listens on a Unix socket of its own, starts `kvrelay worker --socket PATH
 //! --rank R` (`RunConfig::worker_exe`, else `$KVRELAY_WORKER_EXE`, else the running
 //! executable), and speaks [`super::wire`]
 //! with it. The worker builds the same rank task an in-process rank is, from the setup it
-//! receives, so the two transports differ only in how a [`StepMsg`] and a [`RankReport`]
+//! receives, so the two transports differ only in how a `StepMsg` and a `RankReport`
 //! travel. A worker that does not connect within [`CONNECT_TIMEOUT`], a frame that does not
 //! decode, a closed connection: each stops the run with a typed error, and the worker process
 //! is killed rather than left behind.

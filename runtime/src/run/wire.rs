@@ -1,16 +1,16 @@
 //! The frames between the engine and a worker process (`kvrelay worker`).
 //!
 //! A frame is `length: u32 LE` (of what follows), `version: u32 LE` ([`WIRE_VERSION`]), then
-//! one postcard-encoded message: [`Down`] from the engine, [`Up`] from a worker. Every frame is
+//! one postcard-encoded message: `Down` from the engine, `Up` from a worker. Every frame is
 //! validated when decoded — its length bounded by [`MAX_FRAME`], its version checked, its
 //! payload decoded by the core's validating `Deserialize` impls (a `SortedSet` out of order, an
 //! `OffloadMeta` whose counts do not match its jobs, metadata nested too deep are errors) — and
 //! a frame that fails is a [`WireError`], never a panic.
 //!
-//! A session: the worker connects and sends [`Up::Hello`]; the engine answers [`Down::Setup`];
-//! then one [`Down::Step`] per engine step, each answered by [`Up::Output`] (or
-//! [`Up::Failed`], after which the worker stops); the engine closes its side to stop the worker,
-//! which answers [`Up::Stats`] and exits.
+//! A session: the worker connects and sends `Up::Hello`; the engine answers `Down::Setup`;
+//! then one `Down::Step` per engine step, each answered by `Up::Output` (or
+//! `Up::Failed`, after which the worker stops); the engine closes its side to stop the worker,
+//! which answers `Up::Stats` and exits.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
