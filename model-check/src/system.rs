@@ -793,8 +793,8 @@ const GENERATED: u64 = 1 << 63;
 /// A transfer a rank started and that has not completed.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 pub struct InFlight {
-    /// What the worker asked for.
-    pub transfer: Transfer,
+    /// What the worker asked for (shared: it does not change while in flight).
+    pub transfer: Arc<Transfer>,
     /// A store's source block was written while the store was in flight.
     pub dirty: bool,
 }
@@ -835,10 +835,8 @@ impl<P: Connectors> RankState<P> {
 /// A scheduled step whose output has not been applied.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 pub struct PendingStep<M> {
-    /// What was scheduled.
-    pub output: SchedulerOutput,
-    /// The connector metadata for every rank.
-    pub meta: M,
+    /// What was scheduled, with the connector metadata for every rank.
+    pub step: ScheduledStep<M>,
     /// Ghost: per scheduled request, the content of each of its blocks, fixed when the step is
     /// scheduled (an abort after that does not stop the step's forward pass).
     pub contents: BTreeMap<RequestId, Vec<u64>>,
@@ -890,7 +888,8 @@ pub struct SystemState<P: Connectors> {
     /// The ranks.
     pub ranks: Vec<RankState<P>>,
     /// Steps scheduled, not yet applied, oldest first (what the ranks begin).
-    pub steps: VecDeque<PendingStep<<P::Sched as SchedulerConnector>::StepMeta>>,
+    /// Shared: a step does not change once scheduled, so states share it instead of copying.
+    pub steps: VecDeque<Arc<PendingStep<<P::Sched as SchedulerConnector>::StepMeta>>>,
     /// Requests that arrived so far (ids `0..arrived`).
     pub arrived: u32,
     /// Aborts left.
@@ -1189,9 +1188,9 @@ impl<P: Connectors> SystemModel<P> {
         &self,
         state: &'s SystemState<P>,
         rank: usize,
-    ) -> Option<&'s PendingStep<<P::Sched as SchedulerConnector>::StepMeta>> {
+    ) -> Option<&'s Arc<PendingStep<<P::Sched as SchedulerConnector>::StepMeta>>> {
         let r = &state.ranks[rank];
-        let first = state.steps.front()?.output.step.0;
+        let first = state.steps.front()?.step.output.step.0;
         let idx = r.driver.steps_done().checked_sub(first)?;
         state.steps.get(usize::try_from(idx).ok()?)
     }
@@ -1232,28 +1231,20 @@ impl<P: Connectors> SystemModel<P> {
                 *p = true;
             }
         }
-        s.steps.push_back(PendingStep {
-            output: st.output,
-            meta: st.meta,
-            contents,
-        });
+        s.steps
+            .push_back(Arc::new(PendingStep { step: st, contents }));
     }
 
     /// Runs `rank`'s driver from where it stands until it waits on a transfer in flight or ends
     /// its step: the transfers it starts go in flight, its forward pass reads and writes the
     /// ghost contents, its output goes to the engine.
     fn run(&self, s: &mut SystemState<P>, rank: usize) {
-        let Some(PendingStep {
-            output,
-            meta,
-            contents,
-        }) = self.next_step_of(s, rank).cloned()
-        else {
+        let Some(pending) = self.next_step_of(s, rank).cloned() else {
             return;
         };
-        let step = ScheduledStep { output, meta };
+        let (step, contents) = (&pending.step, &pending.contents);
         if s.ranks[rank].driver.current_step().is_none()
-            && let Err(e) = s.ranks[rank].driver.begin(&step)
+            && let Err(e) = s.ranks[rank].driver.begin(step)
         {
             self.rank_failed(s, rank, &e);
             return;
@@ -1270,11 +1261,11 @@ impl<P: Connectors> SystemModel<P> {
                 RankAction::Start(t) => {
                     s.ghost.idle = 0;
                     s.ranks[rank].in_flight.push(InFlight {
-                        transfer: t,
+                        transfer: Arc::new(t),
                         dirty: false,
                     });
                 }
-                RankAction::Forward(pass) => self.forward(s, rank, &step.output, &contents, &pass),
+                RankAction::Forward(pass) => self.forward(s, rank, &step.output, contents, &pass),
                 RankAction::Wait { during, .. } => {
                     if during == WorkerCall::HandlePreemptions {
                         s.ghost.flushed = true;
@@ -1736,15 +1727,14 @@ impl<P: Connectors> Explain for SystemModel<P> {
         match *action {
             SystemAction::Schedule => {
                 // Only a step this action pushed (a failed or idle schedule pushes none).
-                let new_step = next
-                    .steps
-                    .back()
-                    .filter(|st| state.steps.back().map(|b| b.output.step) != Some(st.output.step));
+                let new_step = next.steps.back().filter(|st| {
+                    state.steps.back().map(|b| b.step.output.step) != Some(st.step.output.step)
+                });
                 if new_step.is_none() {
                     line += " → no step";
                 }
                 if let Some(st) = new_step {
-                    let o = &st.output;
+                    let o = &st.step.output;
                     line += &format!(
                         " → step {}: {:?}",
                         o.step.0,
@@ -1759,7 +1749,7 @@ impl<P: Connectors> Explain for SystemModel<P> {
                     if !o.finished_req_ids.is_empty() {
                         line += &format!(" finished {:?}", ids(&o.finished_req_ids));
                     }
-                    let meta = self.pair.describe_meta(&st.meta);
+                    let meta = self.pair.describe_meta(&st.step.meta);
                     if !meta.is_empty() {
                         line += &format!(" — {meta}");
                     }
@@ -1796,7 +1786,7 @@ impl<P: Connectors> Explain for SystemModel<P> {
             }
             SystemAction::Deliver => {
                 if let Some(st) = state.steps.front() {
-                    line += &format!(" (step {})", st.output.step.0);
+                    line += &format!(" (step {})", st.step.output.step.0);
                 }
             }
             _ => {}
