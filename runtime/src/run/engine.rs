@@ -32,6 +32,9 @@ use super::rank::{RankReport, RankSetup, RankStats, StepMsg};
 use super::trace::{Recorder, now_us};
 use super::{RunConfig, RunError, Workers, process, workload};
 
+/// How often the engine looks for a rank task that ended while it waits for outputs.
+const RANK_CHECK: Duration = Duration::from_secs(1);
+
 /// How long an idle engine step waits for a transfer to complete.
 const IDLE_WAIT: Duration = Duration::from_millis(5);
 
@@ -275,7 +278,20 @@ impl Engine {
         }
         let f = &mut self.figures;
         for _ in 0..self.to_ranks.len() {
-            let Some(rep) = self.reports.recv().await else {
+            let rep = loop {
+                tokio::select! {
+                    biased;
+                    r = self.reports.recv() => break r,
+                    // A rank task that ended without reporting (it panicked) must not leave
+                    // the engine waiting forever.
+                    () = tokio::time::sleep(RANK_CHECK) => {
+                        if let Some(r) = self.handles.iter().position(JoinHandle::is_finished) {
+                            return Err(RunError::RankGone { rank: r as u32 });
+                        }
+                    }
+                }
+            };
+            let Some(rep) = rep else {
                 return Err(RunError::RankGone { rank: 0 });
             };
             let output = rep.output?;

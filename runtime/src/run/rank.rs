@@ -229,7 +229,8 @@ impl<E: TransferEngine> RankTask<E> {
                 biased;
                 d = self.done.recv() => match d {
                     Some(d) => self.complete(d).map(|()| current.is_some()),
-                    None => break,
+                    // The copy thread is gone: said to the engine, never a silent exit.
+                    None => Err(RunError::Transfer { rank: self.rank, why: "copy thread stopped" }),
                 },
                 m = steps.recv(), if current.is_none() => match m {
                     Some(m) => {
