@@ -44,41 +44,41 @@ pub struct RunArgs {
     /// Write the requests of this run (the generated workload) as a trace, then run them.
     #[arg(long, value_name = "FILE.jsonl")]
     pub write_trace: Option<PathBuf>,
-    /// Seed of the generated workload and the sampled tokens.
+    /// Seed of the generated workload and the sampled tokens [default: 0].
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Ranks (tensor-parallel workers).
+    /// Ranks (tensor-parallel workers) [default: 2].
     #[arg(long)]
     pub ranks: Option<u32>,
     /// Where ranks run: in-process (tasks, the default) or process (`kvrelay worker`
     /// processes over Unix sockets).
     #[arg(long, value_parser = ["in-process", "process"])]
     pub workers: Option<String>,
-    /// Conversations of the generated workload.
+    /// Conversations of the generated workload [default: 160].
     #[arg(long)]
     pub conversations: Option<u32>,
-    /// GPU blocks per rank.
+    /// GPU blocks per rank, the null block included [default: 320].
     #[arg(long)]
     pub gpu_blocks: Option<u32>,
-    /// CPU offload blocks per rank.
+    /// CPU offload blocks per rank [default: 4096].
     #[arg(long)]
     pub cpu_blocks: Option<u32>,
-    /// Layers.
+    /// Layers [default: 4].
     #[arg(long)]
     pub layers: Option<u32>,
-    /// Bytes of one block of one layer on one rank.
+    /// Bytes of one block of one layer on one rank, a multiple of 8 × 16 [default: 2048].
     #[arg(long)]
     pub block_bytes: Option<u64>,
-    /// Tokens per trace hash block.
+    /// Tokens per trace hash block (Mooncake traces: 512) [default: 64].
     #[arg(long)]
     pub hash_block_tokens: Option<u32>,
-    /// CPU eviction policy: lru or arc.
+    /// CPU eviction policy [default: lru].
     #[arg(long, value_parser = ["lru", "arc"])]
     pub policy: Option<String>,
-    /// Steps scheduled ahead: 1 (synchronous) or 2 (async scheduling).
+    /// Steps scheduled ahead: 1 (synchronous) or 2 (async scheduling) [default: 1].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=2))]
     pub async_depth: Option<u32>,
-    /// Virtual milliseconds per engine step.
+    /// Virtual milliseconds per engine step [default: 25].
     #[arg(long)]
     pub step_ms: Option<f64>,
     /// Check every machine's invariants after every step.
@@ -224,4 +224,33 @@ pub fn run(args: &RunArgs) -> ExitCode {
 
 fn report_error(e: &RunError) {
     eprintln!("kvrelay run: stopped: {e}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Protects the help text: the defaults it states are RunConfig's.
+    #[test]
+    fn the_stated_defaults_are_the_real_ones() {
+        let c = RunConfig::default();
+        let stated = [
+            ("seed", c.seed.to_string(), "0"),
+            ("ranks", c.ranks.to_string(), "2"),
+            ("conversations", c.workload.conversations.to_string(), "160"),
+            ("gpu_blocks", c.gpu_blocks.to_string(), "320"),
+            ("cpu_blocks", c.cpu_blocks.to_string(), "4096"),
+            ("layers", c.layers.to_string(), "4"),
+            ("block_bytes", c.block_bytes.to_string(), "2048"),
+            ("hash_block_tokens", c.hash_block_tokens.to_string(), "64"),
+            ("async_depth", c.async_depth.to_string(), "1"),
+            ("step_ms", c.step_ms.to_string(), "25"),
+        ];
+        for (name, real, help) in stated {
+            assert_eq!(real, help, "{name}");
+        }
+        assert_eq!(c.policy, PolicyKind::Lru);
+        assert_eq!(c.block_size, 16);
+        assert_eq!(RunArgs::default().config().unwrap(), c);
+    }
 }
