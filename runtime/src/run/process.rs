@@ -154,7 +154,10 @@ impl WorkerLink {
                             forget: (*m.forget).clone(),
                         };
                         if let Err(e) = write_frame(&mut wr, &frame).await {
-                            let _ = reports.send(failed(rank, current, e.into())).await;
+                            let why = format!("sending a step: {e}");
+                            let _ = reports
+                                .send(failed(rank, current, RunError::Worker { rank, why }))
+                                .await;
                             break None;
                         }
                     }
@@ -180,7 +183,10 @@ impl WorkerLink {
                             rank,
                             why: format!("unexpected frame {other:?}"),
                         }),
-                        Some(Err(e)) => failed(rank, current, RunError::Wire(e)),
+                        Some(Err(e)) => failed(rank, current, RunError::Worker {
+                            rank,
+                            why: format!("connection: {e}"),
+                        }),
                         None => failed(rank, current, RunError::RankGone { rank }),
                     };
                     let stop = report.output.is_err();
