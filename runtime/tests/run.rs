@@ -98,6 +98,28 @@ fn other_rank_counts_and_the_arc_policy_verify_too() {
     }
 }
 
+// Protects "never hangs": a rank that stops without reporting (a crash, injected) stops the run
+// with an error naming it, on both transports.
+#[test]
+fn a_rank_that_vanishes_stops_the_run_instead_of_hanging_it() {
+    for workers in [
+        kvrelay_runtime::run::Workers::InProcess,
+        kvrelay_runtime::run::Workers::Process,
+    ] {
+        let c = RunConfig {
+            workers,
+            worker_exe: Some(env!("CARGO_BIN_EXE_kvrelay").into()),
+            vanish_after_steps: Some(5),
+            ..small()
+        };
+        let records = requests(&c).unwrap();
+        match run(&c, &records, &mut ()) {
+            Err(RunError::RankGone { rank: 0 }) | Err(RunError::Worker { rank: 0, .. }) => {}
+            other => panic!("{workers:?}: expected rank 0 gone, got {other:?}"),
+        }
+    }
+}
+
 // Protects bad configurations: a typed error, not a panic.
 #[test]
 fn bad_configurations_are_errors() {

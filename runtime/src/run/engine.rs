@@ -176,6 +176,7 @@ impl Engine {
                 groups: sc.groups.clone(),
                 check: c.check,
                 corrupt_first_load: c.corrupt_first_load && r == 0,
+                vanish_after_steps: c.vanish_after_steps.filter(|_| r == 0),
                 trace: c.trace_out.is_some(),
             };
             let (tx, rx) = mpsc::channel::<StepMsg>(1);

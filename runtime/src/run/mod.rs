@@ -118,6 +118,10 @@ pub struct RunConfig {
     /// Test-only fault: the first load reads a corrupted host slot.
     #[serde(skip)]
     pub corrupt_first_load: bool,
+    /// Test-only fault: rank 0 stops silently (no output, as a crashed rank) after this many
+    /// steps.
+    #[serde(skip)]
+    pub vanish_after_steps: Option<u64>,
 }
 
 impl Default for RunConfig {
@@ -144,6 +148,7 @@ impl Default for RunConfig {
             check: false,
             trace_out: None,
             corrupt_first_load: false,
+            vanish_after_steps: None,
         }
     }
 }

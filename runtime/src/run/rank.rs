@@ -99,6 +99,8 @@ pub(crate) struct RankSetup {
     pub(crate) groups: Vec<GroupKind>,
     pub(crate) check: bool,
     pub(crate) corrupt_first_load: bool,
+    /// Test-only fault: stop silently after this many steps (a crashed rank).
+    pub(crate) vanish_after_steps: Option<u64>,
     /// Record steps and transfers for `--trace-out`.
     pub(crate) trace: bool,
 }
@@ -142,6 +144,7 @@ impl RankSetup {
             self.check,
         );
         task.stats.trace = Recorder::new(self.trace);
+        task.vanish_after_steps = self.vanish_after_steps;
         task
     }
 }
@@ -167,6 +170,8 @@ pub(crate) struct RankTask<E: TransferEngine> {
     corrupt_next_load: bool,
     /// Check the driver's invariants after every step.
     check: bool,
+    /// Test-only fault: stop silently after this many steps.
+    vanish_after_steps: Option<u64>,
     /// When the running step began, and when each transfer in flight started (tracing only).
     step_started: u64,
     transfer_started: HashMap<JobId, u64>,
@@ -211,6 +216,7 @@ impl<E: TransferEngine> RankTask<E> {
             flush_counted: false,
             corrupt_next_load: corrupt_first_load,
             check,
+            vanish_after_steps: None,
             step_started: 0,
             transfer_started: HashMap::new(),
             stats: RankStats::default(),
@@ -250,6 +256,12 @@ impl<E: TransferEngine> RankTask<E> {
                 Ok(None) => continue,
                 Err(e) => Err(e),
             };
+            if self
+                .vanish_after_steps
+                .is_some_and(|n| self.driver.steps_done() >= n)
+            {
+                return self.stats;
+            }
             let failed = output.is_err();
             let step = current.take().unwrap_or(StepId(u64::MAX));
             let report = RankReport {

@@ -181,6 +181,7 @@ mod tests {
             groups: vec![GroupKind::FullAttention],
             check: true,
             corrupt_first_load: false,
+            vanish_after_steps: None,
             trace: false,
         }
     }
