@@ -66,6 +66,7 @@ mod tests;
 
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::string::String;
+use alloc::sync::Arc;
 use alloc::vec::Vec;
 
 pub use config::{OffloadingConfig, OffloadingError};
@@ -182,10 +183,12 @@ struct Batch {
 pub struct OffloadingConnector {
     config: OffloadingConfig,
     block_size: u32,
-    groups: Vec<GroupKind>,
+    /// The KV cache groups (this and the two orders below are fixed at construction and shared
+    /// by every clone: the model checker clones the connector with every state).
+    groups: Arc<[GroupKind]>,
     /// Full-attention groups, then sliding-window groups by decreasing window (lookup order).
-    lookup_groups: Vec<usize>,
-    swa_groups: Vec<usize>,
+    lookup_groups: Arc<[usize]>,
+    swa_groups: Arc<[usize]>,
     manager: CpuOffloadingManager,
     requests: BTreeMap<RequestId, ReqState>,
     jobs: BTreeMap<JobId, JobStatus>,
@@ -267,9 +270,9 @@ impl OffloadingConnector {
         lookup_groups.extend_from_slice(&swa);
         Ok(Self {
             block_size: scheduler.block_size,
-            groups,
-            lookup_groups,
-            swa_groups: swa,
+            groups: groups.into(),
+            lookup_groups: lookup_groups.into(),
+            swa_groups: swa.into(),
             manager,
             requests: BTreeMap::new(),
             jobs: BTreeMap::new(),
