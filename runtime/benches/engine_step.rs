@@ -13,7 +13,7 @@ fn main() {
 }
 
 fn bench_empty_step(b: Bencher, config: RunConfig) {
-    let rt = kvrelay_runtime::run::runtime(&config).unwrap();
+    let rt = kvrelay_runtime::run::runtime().unwrap();
     let mut engine = rt.block_on(Engine::start(&config, 1024)).unwrap();
     b.bench_local(|| {
         let o = rt.block_on(engine.step()).unwrap();

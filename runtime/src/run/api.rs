@@ -61,7 +61,7 @@ pub struct EngineHandle {
 }
 
 fn stopped() -> RunError {
-    RunError::Config("the engine stopped".into())
+    RunError::EngineStopped
 }
 
 impl EngineHandle {

@@ -9,7 +9,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvrelay_core::PolicyKind;
 
-use super::{Progress, RunConfig, RunError, Workers, workload};
+use super::{Progress, RunConfig, Workers, workload};
 
 /// The long help's epilogue of `kvrelay run --help`.
 pub const HELP: &str = "\
@@ -216,14 +216,10 @@ pub fn run(args: &RunArgs) -> ExitCode {
             }
         }
         Err(e) => {
-            report_error(&e);
+            eprintln!("kvrelay run: stopped: {e}");
             ExitCode::from(1)
         }
     }
-}
-
-fn report_error(e: &RunError) {
-    eprintln!("kvrelay run: stopped: {e}");
 }
 
 #[cfg(test)]

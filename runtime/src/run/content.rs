@@ -17,7 +17,7 @@ use kvrelay_core::{RequestId, Token};
 /// `0` marks a slot never written (a rolling hash is never 0: see [`roll`]).
 pub(crate) const UNWRITTEN: u64 = 0;
 
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     // splitmix64's finaliser.
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

@@ -53,7 +53,6 @@ use kvrelay_core::{EngineError, InvariantViolation, PlanError, PolicyKind, RankE
 use serde::{Deserialize, Serialize};
 
 pub use self::engine::{Engine, StepOutcome};
-use self::rank::RankStats;
 pub use self::report::Report;
 use self::workload::{TraceError, TraceRecord, WorkloadConfig};
 
@@ -253,6 +252,20 @@ pub enum RunError {
         /// The rank.
         rank: u32,
     },
+    /// The engine task is gone (shut down, or stopped on an earlier error): a call through an
+    /// [`api::EngineHandle`] cannot be served.
+    #[error("the engine stopped")]
+    EngineStopped,
+    /// The arena has no such block (a block id beyond the configured GPU blocks).
+    #[error("rank {rank}: block {block:?} of layer {layer} is outside the KV arena")]
+    OutOfArena {
+        /// The rank.
+        rank: u32,
+        /// The block.
+        block: kvrelay_core::BlockId,
+        /// The layer.
+        layer: u32,
+    },
     /// An invariant of a machine does not hold (`--check`).
     #[error("invariant {0}")]
     Invariant(#[from] InvariantViolation),
@@ -290,7 +303,7 @@ pub fn requests(config: &RunConfig) -> Result<Vec<TraceRecord>, RunError> {
 /// The tokio runtime a run uses: one thread for the engine and its in-process rank tasks
 /// (a step's messages then hop between tasks, not threads; copies run on the ranks' copy
 /// threads, worker processes on their own).
-pub fn runtime(_config: &RunConfig) -> Result<tokio::runtime::Runtime, RunError> {
+pub fn runtime() -> Result<tokio::runtime::Runtime, RunError> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -304,7 +317,7 @@ pub fn run(
     records: &[TraceRecord],
     progress: &mut dyn Progress,
 ) -> Result<Report, RunError> {
-    let rt = runtime(config)?;
+    let rt = runtime()?;
     rt.block_on(async {
         let longest = records
             .iter()
@@ -385,26 +398,4 @@ async fn replay(
             engine.wait_idle().await;
         }
     }
-}
-
-/// Per-rank figures, summed for the report.
-pub(crate) fn sum_ranks(ranks: &[RankStats]) -> RankStats {
-    let mut s = RankStats::default();
-    for r in ranks {
-        s.blocks_stored += r.blocks_stored;
-        s.blocks_loaded += r.blocks_loaded;
-        s.bytes_stored += r.bytes_stored;
-        s.bytes_loaded += r.bytes_loaded;
-        s.store_time += r.store_time;
-        s.load_time += r.load_time;
-        s.copies += r.copies;
-        s.loaded_blocks_verified += r.loaded_blocks_verified;
-        s.slots_read_verified += r.slots_read_verified;
-        s.flushed_stores += r.flushed_stores;
-        s.invariant_checks += r.invariant_checks;
-        for (k, v) in &r.loaded_tokens {
-            *s.loaded_tokens.entry(*k).or_default() += v;
-        }
-    }
-    s
 }

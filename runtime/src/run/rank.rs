@@ -19,15 +19,16 @@
 //! reports.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
 use std::sync::RwLock;
 
 use kvrelay_core::{
-    GroupKind, JobId, KvLayout, OffloadingConnectorMeta, OffloadingWorker, OffloadingWorkerConfig,
-    RankAction, RankConfig, RankDriver, RequestId, ScheduledStep, StepId, Token, Transfer,
-    TransferDirection, TransferDone, WorkerCall, WorkerOutput, copy_plan,
+    BlockId, GroupKind, JobId, KvLayout, OffloadingConnectorMeta, OffloadingWorker,
+    OffloadingWorkerConfig, RankAction, RankConfig, RankDriver, RequestId, ScheduledStep, StepId,
+    Token, Transfer, TransferDirection, TransferDone, WorkerCall, WorkerOutput, copy_plan,
 };
 use tokio::sync::{Notify, mpsc};
 
@@ -401,6 +402,11 @@ impl<E: TransferEngine> RankTask<E> {
                 self.stats.bytes_loaded += d.bytes;
                 self.stats.load_time += d.elapsed;
                 if let Some(t) = self.loads.remove(&d.job) {
+                    self.stats.blocks_loaded += t.gpu_blocks.len() as u64;
+                    if self.rank == 0 {
+                        let tokens = t.gpu_blocks.len() as u32 * self.shape.block_size;
+                        *self.stats.loaded_tokens.entry(t.request).or_default() += tokens;
+                    }
                     self.check_load(&t)?;
                 }
             }
@@ -416,22 +422,23 @@ impl<E: TransferEngine> RankTask<E> {
             })
     }
 
+    /// Takes each loaded block's content record from its host slot and checks the block's
+    /// bytes against it; a block counts as verified once at least one of its slots was checked
+    /// (a slot never written has no record to check against).
     fn check_load(&mut self, t: &Transfer) -> Result<(), RunError> {
         let bs = self.shape.block_size as usize;
         let arena = self.arena.read().unwrap_or_else(|p| p.into_inner());
         for ((&b, &slot), &group) in t.gpu_blocks.iter().zip(&t.external).zip(&t.groups) {
             let (g, h) = (b.0 as usize * bs, slot as usize * bs);
-            let record: Vec<u64> = self.host_shadow[h..h + bs].to_vec();
-            self.gpu_shadow[g..g + bs].copy_from_slice(&record);
+            self.gpu_shadow[g..g + bs].copy_from_slice(&self.host_shadow[h..h + bs]);
+            let mut checked = false;
             for layer in self.shape.gpu.layers_of(group) {
-                let base = self.shape.gpu.offset(layer, b.0).unwrap_or(0) as usize;
-                for (i, &prefix) in record.iter().enumerate() {
+                for (i, &prefix) in self.gpu_shadow[g..g + bs].iter().enumerate() {
                     if prefix == UNWRITTEN {
                         continue;
                     }
-                    let at = base + i * self.slot_bytes;
-                    let want = word(prefix, layer, group, self.rank);
-                    if !holds(&arena[at..at + self.slot_bytes], want) {
+                    let at = self.slot(layer, b, i as u32)?;
+                    if !holds(&arena[at], word(prefix, layer, group, self.rank)) {
                         return Err(RunError::Corrupt {
                             what: "loaded",
                             rank: self.rank,
@@ -441,15 +448,29 @@ impl<E: TransferEngine> RankTask<E> {
                             slot: i as u32,
                         });
                     }
+                    checked = true;
                 }
             }
-            self.stats.blocks_loaded += 1;
-            self.stats.loaded_blocks_verified += 1;
-            if self.rank == 0 {
-                *self.stats.loaded_tokens.entry(t.request).or_default() += bs as u32;
+            if checked {
+                self.stats.loaded_blocks_verified += 1;
             }
         }
         Ok(())
+    }
+
+    /// The bytes of token slot `index` of `block` in `layer`.
+    fn slot(&self, layer: u32, block: BlockId, index: u32) -> Result<Range<usize>, RunError> {
+        let base = self
+            .shape
+            .gpu
+            .offset(layer, block.0)
+            .ok_or(RunError::OutOfArena {
+                rank: self.rank,
+                block,
+                layer,
+            })? as usize;
+        let at = base + index as usize * self.slot_bytes;
+        Ok(at..at + self.slot_bytes)
     }
 
     fn forward(&mut self, pass: &kvrelay_core::ForwardPass) -> Result<(), RunError> {
@@ -460,26 +481,18 @@ impl<E: TransferEngine> RankTask<E> {
         let bs = self.shape.block_size;
         let mut arena = self.arena.write().unwrap_or_else(|p| p.into_inner());
         for a in pass.writes.iter().filter(|a| a.group as u32 == group) {
-            let base = self.shape.gpu.offset(layer, a.block.0).unwrap_or(0) as usize;
             for p in a.tokens.clone() {
                 let prefix = self.prefix(a.request, p)?;
-                let at = base + (p % bs) as usize * self.slot_bytes;
-                fill(
-                    &mut arena[at..at + self.slot_bytes],
-                    word(prefix, layer, group, self.rank),
-                );
+                let at = self.slot(layer, a.block, p % bs)?;
+                fill(&mut arena[at], word(prefix, layer, group, self.rank));
                 self.gpu_shadow[a.block.0 as usize * bs as usize + (p % bs) as usize] = prefix;
             }
         }
         for a in pass.reads.iter().filter(|a| a.group as u32 == group) {
-            let base = self.shape.gpu.offset(layer, a.block.0).unwrap_or(0) as usize;
             for p in a.tokens.clone() {
                 let prefix = self.prefix(a.request, p)?;
-                let at = base + (p % bs) as usize * self.slot_bytes;
-                if !holds(
-                    &arena[at..at + self.slot_bytes],
-                    word(prefix, layer, group, self.rank),
-                ) {
+                let at = self.slot(layer, a.block, p % bs)?;
+                if !holds(&arena[at], word(prefix, layer, group, self.rank)) {
                     return Err(RunError::Corrupt {
                         what: "read",
                         rank: self.rank,

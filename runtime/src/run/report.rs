@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use super::RunConfig;
 use super::engine::Figures;
 use super::rank::RankStats;
 use super::workload::TraceRecord;
-use super::{RunConfig, sum_ranks};
 
 /// What a run did. Every figure is counted by the run itself; none is estimated.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -69,6 +69,25 @@ pub struct Report {
     pub invariant_checks: u64,
     /// Wall-clock seconds.
     pub wall_s: f64,
+}
+
+/// The ranks' figures summed (per-request loaded tokens are read from rank 0 alone).
+fn sum_ranks(ranks: &[RankStats]) -> RankStats {
+    let mut s = RankStats::default();
+    for r in ranks {
+        s.blocks_stored += r.blocks_stored;
+        s.blocks_loaded += r.blocks_loaded;
+        s.bytes_stored += r.bytes_stored;
+        s.bytes_loaded += r.bytes_loaded;
+        s.store_time += r.store_time;
+        s.load_time += r.load_time;
+        s.copies += r.copies;
+        s.loaded_blocks_verified += r.loaded_blocks_verified;
+        s.slots_read_verified += r.slots_read_verified;
+        s.flushed_stores += r.flushed_stores;
+        s.invariant_checks += r.invariant_checks;
+    }
+    s
 }
 
 fn quantile(sorted: &[f64], q: f64) -> f64 {

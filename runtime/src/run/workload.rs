@@ -12,6 +12,8 @@ use std::io::{BufRead, Write};
 use std::path::Path;
 
 use kvrelay_core::Token;
+
+use super::content::mix;
 use serde::{Deserialize, Serialize};
 
 /// One request of a trace.
@@ -135,10 +137,7 @@ impl Rng {
 
     pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        mix(self.0)
     }
 
     /// Uniform in `lo..=hi`.
