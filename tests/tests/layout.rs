@@ -390,3 +390,23 @@ fn the_circle_check_finds_a_circle() {
     assert_eq!(found.len(), 1, "a.rs ↔ room/b.rs: {found:?}");
     assert_eq!(found[0].len(), 2);
 }
+
+// Protects the boundary of unsafe code: the workspace forbids it, the runtime denies it, and only
+// the CUDA backend (driver copies and allocations) may allow it.
+#[test]
+fn only_the_cuda_backend_allows_unsafe_code() {
+    let mut files = Vec::new();
+    for krate in ["core", "model-check", "runtime", "tests"] {
+        rust_files(&src_of(krate), &mut files);
+    }
+    let allowing: Vec<PathBuf> = files
+        .into_iter()
+        .filter(|f| {
+            let text = std::fs::read_to_string(f).unwrap();
+            text.lines()
+                .any(|l| l.trim_start().starts_with("#") && l.contains("allow(unsafe_code)"))
+        })
+        .collect();
+    let expected = src_of("runtime").join("run").join("cuda.rs");
+    assert_eq!(allowing, vec![expected]);
+}

@@ -9,7 +9,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvrelay_core::PolicyKind;
 
-use super::{Progress, RunConfig, Workers, workload};
+use super::{Backend, Progress, RunConfig, Workers, workload};
 
 /// The long help's epilogue of `kvrelay run --help`.
 pub const HELP: &str = "\
@@ -54,6 +54,11 @@ pub struct RunArgs {
     /// processes over Unix sockets).
     #[arg(long, value_parser = ["in-process", "process"])]
     pub workers: Option<String>,
+    /// Where the KV lives: host (host memory, the default), cuda (a device arena per rank
+    /// on CUDA device 0 and a pinned host pool; fails without a CUDA driver or device) or
+    /// auto (cuda when present, else host, said on stderr).
+    #[arg(long, value_parser = ["host", "cuda", "auto"])]
+    pub backend: Option<String>,
     /// Conversations of the generated workload [default: 160].
     #[arg(long)]
     pub conversations: Option<u32>,
@@ -129,6 +134,13 @@ impl RunArgs {
                 Workers::Process
             } else {
                 Workers::InProcess
+            };
+        }
+        if let Some(b) = &self.backend {
+            c.backend = match b.as_str() {
+                "cuda" => Backend::Cuda,
+                "auto" => Backend::Auto,
+                _ => Backend::Host,
             };
         }
         if let Some(p) = &self.policy {
@@ -246,6 +258,7 @@ mod tests {
             assert_eq!(real, help, "{name}");
         }
         assert_eq!(c.policy, PolicyKind::Lru);
+        assert_eq!(c.backend, Backend::Host);
         assert_eq!(c.block_size, 16);
         assert_eq!(RunArgs::default().config().unwrap(), c);
     }

@@ -11,6 +11,7 @@
 //! word repeated (little-endian).
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use kvrelay_core::{RequestId, Token};
 
@@ -74,12 +75,15 @@ impl TokenBook {
         self.prefixes.remove(&request);
     }
 
-    /// The prefix hash of token `position` of `request`, if known.
-    pub(crate) fn prefix(&self, request: RequestId, position: u32) -> Option<u64> {
-        self.prefixes
-            .get(&request)
-            .and_then(|v| v.get(position as usize))
-            .copied()
+    /// The prefix hashes of `request`'s tokens at `positions`, if all are known.
+    pub(crate) fn prefixes(&self, request: RequestId, positions: Range<u32>) -> Option<&[u64]> {
+        let v = self.prefixes.get(&request)?;
+        v.get(positions.start as usize..positions.end as usize)
+    }
+
+    /// How many of `request`'s tokens are known.
+    pub(crate) fn known(&self, request: RequestId) -> u32 {
+        self.prefixes.get(&request).map_or(0, |v| v.len() as u32)
     }
 }
 
@@ -96,7 +100,7 @@ mod tests {
         b.extend(RequestId(2), &[5, 6]);
         b.extend(RequestId(2), &[7]);
         b.extend(RequestId(3), &[9, 6, 7]);
-        let p = |r, i| b.prefix(RequestId(r), i).unwrap();
+        let p = |r, i: u32| b.prefixes(RequestId(r), i..i + 1).unwrap()[0];
         assert_eq!(p(1, 2), p(2, 2));
         assert_ne!(p(1, 1), p(3, 1));
         assert_ne!(p(1, 2), p(3, 2));
@@ -120,6 +124,8 @@ mod tests {
             "one flipped bit shows"
         );
         b.forget(RequestId(1));
-        assert_eq!(b.prefix(RequestId(1), 0), None);
+        assert_eq!(b.prefixes(RequestId(1), 0..1), None);
+        assert_eq!(b.prefixes(RequestId(2), 2..4), None, "token 3 unknown");
+        assert_eq!(b.known(RequestId(2)), 3);
     }
 }

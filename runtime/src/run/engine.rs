@@ -41,6 +41,8 @@ const IDLE_WAIT: Duration = Duration::from_millis(5);
 /// What the engine side counts.
 #[derive(Debug, Default)]
 pub(crate) struct Figures {
+    /// The backend the ranks run on (`host` or `cuda`, resolved).
+    pub(crate) backend: super::Backend,
     pub(crate) finished: u64,
     pub(crate) prompt_tokens: u64,
     pub(crate) generated_tokens: u64,
@@ -136,6 +138,7 @@ impl Engine {
             ));
         }
         let (gpu, host) = layouts(c)?;
+        let backend = c.backend.resolve().map_err(RunError::Backend)?;
         let sc = SchedulerConfig {
             block_size: c.block_size,
             num_gpu_blocks: c.gpu_blocks,
@@ -169,6 +172,7 @@ impl Engine {
         for r in 0..c.ranks {
             let setup = RankSetup {
                 rank: r,
+                backend,
                 gpu: gpu.clone(),
                 host: host.clone(),
                 block_size: c.block_size,
@@ -183,7 +187,7 @@ impl Engine {
             to_ranks.push(tx);
             handles.push(match c.workers {
                 Workers::InProcess => {
-                    let task = setup.build(wake.clone());
+                    let task = setup.build(wake.clone())?;
                     tokio::spawn(task.run(rx, report_tx.clone()))
                 }
                 Workers::Process => {
@@ -204,6 +208,7 @@ impl Engine {
             at_ranks: None,
             ahead: None,
             figures: Figures {
+                backend,
                 trace: Recorder::new(c.trace_out.is_some()),
                 ..Figures::default()
             },

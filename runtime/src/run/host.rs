@@ -15,49 +15,49 @@
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use kvrelay_core::{CopyRun, JobId, TransferDirection};
+use kvrelay_core::{CopyRun, TransferDirection};
 use tokio::sync::{Notify, mpsc};
 
-/// Transfers started and not yet copied, at most (per rank).
-pub(crate) const COPY_QUEUE_BOUND: usize = 4096;
+use super::content::{fill, holds};
+use super::transfer::{
+    COPY_QUEUE_BOUND, CopyDone, CopyJob, KvArena, Slot, TransferEngine, TransferError,
+};
 
-/// A rank's "GPU" KV arena, shared by its forward pass and its copy thread.
-pub(crate) type Arena = Arc<RwLock<Vec<u8>>>;
-
-/// One transfer to perform.
-#[derive(Debug)]
-pub(crate) struct CopyJob {
-    pub(crate) job: JobId,
-    pub(crate) direction: TransferDirection,
-    pub(crate) runs: Vec<CopyRun>,
-    /// Test-only fault: flip one byte of the host side before a load copies it.
-    pub(crate) corrupt: bool,
+/// A rank's "GPU" KV arena in host memory, shared by its forward pass and its copy thread.
+#[derive(Clone, Debug)]
+pub(crate) struct HostArena {
+    bytes: Arc<RwLock<Vec<u8>>>,
+    slot_bytes: usize,
 }
 
-/// One transfer performed.
-#[derive(Debug)]
-pub(crate) struct CopyDone {
-    pub(crate) job: JobId,
-    pub(crate) direction: TransferDirection,
-    pub(crate) bytes: u64,
-    pub(crate) copies: u64,
-    /// Time copying (the arena lock held), not waiting for the lock.
-    pub(crate) elapsed: Duration,
+impl HostArena {
+    /// A zeroed arena of `total` bytes whose token slots have `slot_bytes` bytes.
+    pub(crate) fn new(total: usize, slot_bytes: usize) -> Self {
+        Self {
+            bytes: Arc::new(RwLock::new(vec![0u8; total])),
+            slot_bytes,
+        }
+    }
 }
 
-/// Where transfers go: started in order, completions reported in order on the channel given at
-/// construction.
-pub(crate) trait TransferEngine: Send {
-    /// Starts `job`. Fails when the engine's queue is full or the engine stopped.
-    fn start(&mut self, job: CopyJob) -> Result<(), EngineGone>;
-}
+impl KvArena for HostArena {
+    fn fill(&mut self, slots: &[Slot]) -> Result<(), TransferError> {
+        let mut arena = self.bytes.write().unwrap_or_else(|p| p.into_inner());
+        for s in slots {
+            fill(&mut arena[s.at..s.at + self.slot_bytes], s.word);
+        }
+        Ok(())
+    }
 
-/// The transfer engine stopped or its queue is full.
-#[derive(Debug, thiserror::Error)]
-#[error("transfer engine: {0}")]
-pub(crate) struct EngineGone(pub(crate) &'static str);
+    fn first_mismatch(&mut self, slots: &[Slot]) -> Result<Option<usize>, TransferError> {
+        let arena = self.bytes.read().unwrap_or_else(|p| p.into_inner());
+        Ok(slots
+            .iter()
+            .position(|s| !holds(&arena[s.at..s.at + self.slot_bytes], s.word)))
+    }
+}
 
 /// The host engine of one rank.
 #[derive(Debug)]
@@ -71,29 +71,30 @@ impl HostEngine {
     /// `host_bytes` bytes. Completions go to `done`; `wake` is notified after each.
     pub(crate) fn spawn(
         rank: u32,
-        gpu: Arena,
+        gpu: &HostArena,
         host_bytes: usize,
         done: mpsc::Sender<CopyDone>,
         wake: Arc<Notify>,
-    ) -> Self {
+    ) -> Result<Self, TransferError> {
         let (tx, rx) = std::sync::mpsc::sync_channel(COPY_QUEUE_BOUND);
+        let gpu = gpu.bytes.clone();
         let thread = std::thread::Builder::new()
             .name(format!("kvrelay-copy-{rank}"))
             .spawn(move || copy_loop(&rx, &gpu, vec![0u8; host_bytes], &done, &wake))
-            .expect("spawn a copy thread");
-        Self {
+            .map_err(|e| TransferError::Thread(e.to_string()))?;
+        Ok(Self {
             tx: Some(tx),
             thread: Some(thread),
-        }
+        })
     }
 }
 
 impl TransferEngine for HostEngine {
-    fn start(&mut self, job: CopyJob) -> Result<(), EngineGone> {
-        let tx = self.tx.as_ref().ok_or(EngineGone("stopped"))?;
+    fn start(&mut self, job: CopyJob) -> Result<(), TransferError> {
+        let tx = self.tx.as_ref().ok_or(TransferError::Stopped)?;
         tx.try_send(job).map_err(|e| match e {
-            TrySendError::Full(_) => EngineGone("copy queue full"),
-            TrySendError::Disconnected(_) => EngineGone("copy thread gone"),
+            TrySendError::Full(_) => TransferError::QueueFull,
+            TrySendError::Disconnected(_) => TransferError::Stopped,
         })
     }
 }
@@ -109,7 +110,7 @@ impl Drop for HostEngine {
 
 fn copy_loop(
     rx: &Receiver<CopyJob>,
-    gpu: &Arena,
+    gpu: &RwLock<Vec<u8>>,
     mut host: Vec<u8>,
     done: &mpsc::Sender<CopyDone>,
     wake: &Notify,
@@ -138,6 +139,7 @@ fn copy_loop(
             bytes,
             copies: job.runs.len() as u64,
             elapsed,
+            result: Ok(()),
         };
         if done.blocking_send(out).is_err() {
             return;

@@ -25,7 +25,10 @@
 //! * [`args`] — the command line: flags, config file, progress bar, exit status.
 //! * [`workload`] — the requests: Mooncake-format traces, the generated default.
 //! * `content` — what every KV byte must be, and the per-request token book ranks derive it from.
-//! * [`host`] — the host transfer engine (one copy thread per rank).
+//! * [`transfer`] — the seam between a rank and its memory: the arena and transfer-engine
+//!   traits, and the backend choice (`host`, `cuda`, `auto`).
+//! * [`host`] — the host backend (one copy thread per rank).
+//! * [`cuda`] — the CUDA backend (cudarc, loaded at run time).
 //! * `engine` — [`Engine`]: the core's engine step with W ranks attached, one step at a time.
 //! * `rank` — the rank task.
 //! * [`wire`] — the frames between the engine and a worker process.
@@ -36,12 +39,14 @@
 pub mod api;
 pub mod args;
 mod content;
+pub mod cuda;
 mod engine;
 pub mod host;
 pub mod process;
 mod rank;
 pub mod report;
 mod trace;
+pub mod transfer;
 pub mod wire;
 pub mod workload;
 
@@ -54,6 +59,7 @@ use serde::{Deserialize, Serialize};
 
 pub use self::engine::{Engine, StepOutcome};
 pub use self::report::Report;
+pub use self::transfer::{Backend, TransferError};
 use self::workload::{TraceError, TraceRecord, WorkloadConfig};
 
 /// Where ranks run.
@@ -77,6 +83,9 @@ pub struct RunConfig {
     pub ranks: u32,
     /// Where ranks run: tasks of this process, or worker processes over Unix sockets.
     pub workers: Workers,
+    /// Where the KV lives and how it moves: `host` memory, a `cuda` device, or `auto` (CUDA
+    /// when a driver and a device are present, else host).
+    pub backend: Backend,
     /// The executable started as `kvrelay worker` (default: `$KVRELAY_WORKER_EXE`, else the
     /// running executable).
     pub worker_exe: Option<PathBuf>,
@@ -129,6 +138,7 @@ impl Default for RunConfig {
             seed: 0,
             ranks: 2,
             workers: Workers::InProcess,
+            backend: Backend::Host,
             worker_exe: None,
             layers: 4,
             block_size: 16,
@@ -182,12 +192,12 @@ pub enum RunError {
         error: PlanError,
     },
     /// The transfer engine refused a transfer.
-    #[error("rank {rank}: transfer engine: {why}")]
+    #[error("rank {rank}: transfer engine: {error}")]
     Transfer {
         /// The rank.
         rank: u32,
         /// Why.
-        why: &'static str,
+        error: TransferError,
     },
     /// A KV block does not hold what it must.
     #[error(
@@ -246,6 +256,9 @@ pub enum RunError {
         /// Why.
         why: String,
     },
+    /// `--backend cuda` where CUDA cannot be used.
+    #[error("backend cuda: {0}")]
+    Backend(String),
     /// A rank task ended while the engine still needed it.
     #[error("rank {rank} stopped")]
     RankGone {

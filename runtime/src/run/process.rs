@@ -275,7 +275,15 @@ async fn worker(socket: &Path, rank: u32) -> Result<(), RunError> {
         Some(Err(e)) => return Err(e.into()),
         None => return Err(RunError::RankGone { rank }),
     };
-    let task = setup.build(Arc::new(Notify::new()));
+    let task = match setup.build(Arc::new(Notify::new())) {
+        Ok(task) => task,
+        Err(e) => {
+            let step = kvrelay_core::StepId(u64::MAX);
+            let message = e.to_string();
+            write_frame(&mut wr, &Up::Failed { step, message }).await?;
+            return Err(e);
+        }
+    };
     let (step_tx, step_rx) = mpsc::channel(1);
     let (rep_tx, mut rep_rx) = mpsc::channel::<RankReport>(1);
     let handle = tokio::spawn(task.run(step_rx, rep_tx));

@@ -23,8 +23,6 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-use std::sync::RwLock;
-
 use kvrelay_core::{
     BlockId, GroupKind, JobId, KvLayout, OffloadingConnectorMeta, OffloadingWorker,
     OffloadingWorkerConfig, RankAction, RankConfig, RankDriver, RequestId, ScheduledStep, StepId,
@@ -33,9 +31,13 @@ use kvrelay_core::{
 use tokio::sync::{Notify, mpsc};
 
 use super::RunError;
-use super::content::{TokenBook, UNWRITTEN, fill, holds, word};
-use super::host::{Arena, COPY_QUEUE_BOUND, CopyDone, CopyJob, HostEngine, TransferEngine};
+use super::content::{TokenBook, UNWRITTEN, word};
+use super::cuda::{CudaArena, CudaEngine, Device};
+use super::host::{HostArena, HostEngine};
 use super::trace::{Recorder, now_us};
+use super::transfer::{
+    Backend, COPY_QUEUE_BOUND, CopyDone, CopyJob, KvArena, Slot, TransferEngine, TransferError,
+};
 
 /// What the engine sends a rank.
 #[derive(Debug)]
@@ -93,6 +95,8 @@ pub(crate) struct RankShape {
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct RankSetup {
     pub(crate) rank: u32,
+    /// `host` or `cuda` (resolved by the engine, never `auto`).
+    pub(crate) backend: Backend,
     pub(crate) gpu: KvLayout,
     pub(crate) host: KvLayout,
     pub(crate) block_size: u32,
@@ -107,18 +111,34 @@ pub(crate) struct RankSetup {
 }
 
 impl RankSetup {
-    /// The rank task with its arena and host transfer engine; `wake` is notified after every
+    /// The rank task with its arena and transfer engine; `wake` is notified after every
     /// completed transfer.
-    pub(crate) fn build(&self, wake: Arc<Notify>) -> RankTask<HostEngine> {
-        let arena = Arc::new(RwLock::new(vec![0u8; self.gpu.total_bytes() as usize]));
-        let (done_tx, done_rx) = mpsc::channel(COPY_QUEUE_BOUND);
-        let engine = HostEngine::spawn(
-            self.rank,
-            arena.clone(),
+    pub(crate) fn build(&self, wake: Arc<Notify>) -> Result<RankTask, RunError> {
+        let failed = |error: TransferError| RunError::Transfer {
+            rank: self.rank,
+            error,
+        };
+        let (arena_bytes, host_bytes) = (
+            self.gpu.total_bytes() as usize,
             self.host.total_bytes() as usize,
-            done_tx,
-            wake,
         );
+        let slot_bytes = (self.gpu.block_bytes() / u64::from(self.block_size)) as usize;
+        let (done_tx, done_rx) = mpsc::channel(COPY_QUEUE_BOUND);
+        let (arena, engine): (Box<dyn KvArena>, Box<dyn TransferEngine>) = match self.backend {
+            Backend::Cuda => {
+                let dev = Device::open(arena_bytes).map_err(failed)?;
+                let engine = CudaEngine::spawn(self.rank, dev.clone(), host_bytes, done_tx, wake)
+                    .map_err(failed)?;
+                let arena = CudaArena::new(dev, slot_bytes).map_err(failed)?;
+                (Box::new(arena), Box::new(engine))
+            }
+            Backend::Host | Backend::Auto => {
+                let arena = HostArena::new(arena_bytes, slot_bytes);
+                let engine = HostEngine::spawn(self.rank, &arena, host_bytes, done_tx, wake)
+                    .map_err(failed)?;
+                (Box::new(arena), Box::new(engine))
+            }
+        };
         let worker = OffloadingWorker::new(OffloadingWorkerConfig {
             blocks_per_chunk: self.blocks_per_chunk,
             is_store_writer: true,
@@ -146,16 +166,28 @@ impl RankSetup {
         );
         task.stats.trace = Recorder::new(self.trace);
         task.vanish_after_steps = self.vanish_after_steps;
-        task
+        Ok(task)
     }
 }
 
-pub(crate) struct RankTask<E: TransferEngine> {
+/// Slots a forward collects before it checks them.
+const CHECK_BATCH: usize = 4096;
+
+/// A checked slot, as an error names it.
+#[derive(Clone, Copy, Debug)]
+struct SlotName {
+    request: RequestId,
+    block: BlockId,
+    layer: u32,
+    slot: u32,
+}
+
+pub(crate) struct RankTask {
     rank: u32,
     driver: RankDriver<OffloadingWorker>,
     shape: RankShape,
     slot_bytes: usize,
-    arena: Arena,
+    arena: Box<dyn KvArena>,
     /// Per GPU block and token slot, the prefix hash it holds (`UNWRITTEN`: none).
     gpu_shadow: Vec<u64>,
     /// Per host slot and token slot, the prefix hash it holds.
@@ -164,8 +196,11 @@ pub(crate) struct RankTask<E: TransferEngine> {
     /// Blocks of each store in flight.
     stores: HashMap<JobId, u64>,
     book: TokenBook,
-    engine: E,
+    engine: Box<dyn TransferEngine>,
     done: mpsc::Receiver<CopyDone>,
+    /// Reused buffers: the slots a forward writes or a check reads, and what each one is.
+    slots: Vec<Slot>,
+    whose: Vec<SlotName>,
     flush_counted: bool,
     /// Test-only fault: corrupt the host side of the next load.
     corrupt_next_load: bool,
@@ -179,7 +214,7 @@ pub(crate) struct RankTask<E: TransferEngine> {
     stats: RankStats,
 }
 
-impl<E: TransferEngine> std::fmt::Debug for RankTask<E> {
+impl std::fmt::Debug for RankTask {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RankTask")
             .field("rank", &self.rank)
@@ -187,14 +222,14 @@ impl<E: TransferEngine> std::fmt::Debug for RankTask<E> {
     }
 }
 
-impl<E: TransferEngine> RankTask<E> {
+impl RankTask {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         rank: u32,
         driver: RankDriver<OffloadingWorker>,
         shape: RankShape,
-        arena: Arena,
-        engine: E,
+        arena: Box<dyn KvArena>,
+        engine: Box<dyn TransferEngine>,
         done: mpsc::Receiver<CopyDone>,
         corrupt_first_load: bool,
         check: bool,
@@ -214,6 +249,8 @@ impl<E: TransferEngine> RankTask<E> {
             book: TokenBook::default(),
             engine,
             done,
+            slots: Vec::new(),
+            whose: Vec::new(),
             flush_counted: false,
             corrupt_next_load: corrupt_first_load,
             check,
@@ -237,7 +274,7 @@ impl<E: TransferEngine> RankTask<E> {
                 d = self.done.recv() => match d {
                     Some(d) => self.complete(d).map(|()| current.is_some()),
                     // The copy thread is gone: said to the engine, never a silent exit.
-                    None => Err(RunError::Transfer { rank: self.rank, why: "copy thread stopped" }),
+                    None => Err(RunError::Transfer { rank: self.rank, error: TransferError::Stopped }),
                 },
                 m = steps.recv(), if current.is_none() => match m {
                     Some(m) => {
@@ -369,9 +406,9 @@ impl<E: TransferEngine> RankTask<E> {
                 runs,
                 corrupt,
             })
-            .map_err(|e| RunError::Transfer {
+            .map_err(|error| RunError::Transfer {
                 rank: self.rank,
-                why: e.0,
+                error,
             })
     }
 
@@ -383,6 +420,10 @@ impl<E: TransferEngine> RankTask<E> {
             bytes = d.bytes,
             "transfer done"
         );
+        d.result.clone().map_err(|error| RunError::Transfer {
+            rank: self.rank,
+            error,
+        })?;
         self.stats.copies += d.copies;
         if let Some(start) = self.transfer_started.remove(&d.job) {
             let (what, tid) = match d.direction {
@@ -427,50 +468,77 @@ impl<E: TransferEngine> RankTask<E> {
     /// (a slot never written has no record to check against).
     fn check_load(&mut self, t: &Transfer) -> Result<(), RunError> {
         let bs = self.shape.block_size as usize;
-        let arena = self.arena.read().unwrap_or_else(|p| p.into_inner());
+        let (mut slots, mut whose) = (
+            std::mem::take(&mut self.slots),
+            std::mem::take(&mut self.whose),
+        );
+        slots.clear();
+        whose.clear();
         for ((&b, &slot), &group) in t.gpu_blocks.iter().zip(&t.external).zip(&t.groups) {
             let (g, h) = (b.0 as usize * bs, slot as usize * bs);
             self.gpu_shadow[g..g + bs].copy_from_slice(&self.host_shadow[h..h + bs]);
-            let mut checked = false;
             for layer in self.shape.gpu.layers_of(group) {
                 for (i, &prefix) in self.gpu_shadow[g..g + bs].iter().enumerate() {
                     if prefix == UNWRITTEN {
                         continue;
                     }
-                    let at = self.slot(layer, b, i as u32)?;
-                    if !holds(&arena[at], word(prefix, layer, group, self.rank)) {
-                        return Err(RunError::Corrupt {
-                            what: "loaded",
-                            rank: self.rank,
-                            request: t.request,
-                            block: b,
-                            layer,
-                            slot: i as u32,
-                        });
-                    }
-                    checked = true;
+                    slots.push(Slot {
+                        at: self.slot(layer, b, i as u32)?,
+                        word: word(prefix, layer, group, self.rank),
+                    });
+                    whose.push(SlotName {
+                        request: t.request,
+                        block: b,
+                        layer,
+                        slot: i as u32,
+                    });
                 }
             }
-            if checked {
-                self.stats.loaded_blocks_verified += 1;
-            }
         }
+        let bad = self.arena.first_mismatch(&slots);
+        let checked: std::collections::BTreeSet<BlockId> = whose.iter().map(|w| w.block).collect();
+        let named = self.mismatch("loaded", bad, |i| whose.get(i).copied());
+        (self.slots, self.whose) = (slots, whose);
+        named?;
+        self.stats.loaded_blocks_verified += checked.len() as u64;
         Ok(())
     }
 
-    /// The bytes of token slot `index` of `block` in `layer`.
-    fn slot(&self, layer: u32, block: BlockId, index: u32) -> Result<Range<usize>, RunError> {
-        let base = self
-            .shape
-            .gpu
-            .offset(layer, block.0)
-            .ok_or(RunError::OutOfArena {
+    /// `Ok` when no slot mismatched; else the error naming the slot (`name(i)` of the first
+    /// mismatch `i`).
+    fn mismatch(
+        &self,
+        what: &'static str,
+        found: Result<Option<usize>, TransferError>,
+        name: impl Fn(usize) -> Option<SlotName>,
+    ) -> Result<(), RunError> {
+        let found = found.map_err(|error| RunError::Transfer {
+            rank: self.rank,
+            error,
+        })?;
+        match found.and_then(name) {
+            None => Ok(()),
+            Some(n) => Err(RunError::Corrupt {
+                what,
+                rank: self.rank,
+                request: n.request,
+                block: n.block,
+                layer: n.layer,
+                slot: n.slot,
+            }),
+        }
+    }
+
+    /// The byte offset of token slot `index` of `block` in `layer`.
+    fn slot(&self, layer: u32, block: BlockId, index: u32) -> Result<usize, RunError> {
+        match self.shape.gpu.offset(layer, block.0) {
+            Some(base) => Ok(base as usize + index as usize * self.slot_bytes),
+            None => Err(RunError::OutOfArena {
                 rank: self.rank,
                 block,
                 layer,
-            })? as usize;
-        let at = base + index as usize * self.slot_bytes;
-        Ok(at..at + self.slot_bytes)
+            }),
+        }
     }
 
     fn forward(&mut self, pass: &kvrelay_core::ForwardPass) -> Result<(), RunError> {
@@ -479,42 +547,78 @@ impl<E: TransferEngine> RankTask<E> {
             return Ok(());
         };
         let bs = self.shape.block_size;
-        let mut arena = self.arena.write().unwrap_or_else(|p| p.into_inner());
+        let mut slots = std::mem::take(&mut self.slots);
+        slots.clear();
+        let (sb, rank) = (self.slot_bytes, self.rank);
         for a in pass.writes.iter().filter(|a| a.group as u32 == group) {
-            for p in a.tokens.clone() {
-                let prefix = self.prefix(a.request, p)?;
-                let at = self.slot(layer, a.block, p % bs)?;
-                fill(&mut arena[at], word(prefix, layer, group, self.rank));
-                self.gpu_shadow[a.block.0 as usize * bs as usize + (p % bs) as usize] = prefix;
+            let base = self.slot(layer, a.block, 0)?;
+            let prefixes = prefixes(&self.book, rank, a.request, &a.tokens)?;
+            let shadow = a.block.0 as usize * bs as usize;
+            for (p, &prefix) in a.tokens.clone().zip(prefixes) {
+                let i = (p % bs) as usize;
+                slots.push(Slot {
+                    at: base + i * sb,
+                    word: word(prefix, layer, group, rank),
+                });
+                self.gpu_shadow[shadow + i] = prefix;
             }
         }
-        for a in pass.reads.iter().filter(|a| a.group as u32 == group) {
-            for p in a.tokens.clone() {
-                let prefix = self.prefix(a.request, p)?;
-                let at = self.slot(layer, a.block, p % bs)?;
-                if !holds(&arena[at], word(prefix, layer, group, self.rank)) {
-                    return Err(RunError::Corrupt {
-                        what: "read",
-                        rank: self.rank,
-                        request: a.request,
-                        block: a.block,
-                        layer,
-                        slot: p % bs,
-                    });
+        // Reads are checked in batches that stay in cache.
+        let mut bad = self.arena.fill(&slots).map(|()| None);
+        slots.clear();
+        let mut read = 0usize;
+        let mut check = |slots: &mut Vec<Slot>, arena: &mut Box<dyn KvArena>| {
+            if let Ok(None) = bad {
+                bad = arena.first_mismatch(slots).map(|m| m.map(|i| read + i));
+            }
+            read += slots.len();
+            slots.clear();
+        };
+        let reads = || pass.reads.iter().filter(|a| a.group as u32 == group);
+        for a in reads() {
+            let base = self.slot(layer, a.block, 0)?;
+            let prefixes = prefixes(&self.book, rank, a.request, &a.tokens)?;
+            for (p, &prefix) in a.tokens.clone().zip(prefixes) {
+                slots.push(Slot {
+                    at: base + (p % bs) as usize * sb,
+                    word: word(prefix, layer, group, rank),
+                });
+                if slots.len() == CHECK_BATCH {
+                    check(&mut slots, &mut self.arena);
                 }
-                self.stats.slots_read_verified += 1;
             }
         }
+        check(&mut slots, &mut self.arena);
+        let read = read as u64;
+        self.slots = slots;
+        // The i-th slot read, named only when one mismatched.
+        let name = |i: usize| {
+            let mut all = reads().flat_map(|a| a.tokens.clone().map(move |p| (a, p)));
+            all.nth(i).map(|(a, p)| SlotName {
+                request: a.request,
+                block: a.block,
+                layer,
+                slot: p % bs,
+            })
+        };
+        self.mismatch("read", bad, name)?;
+        self.stats.slots_read_verified += read;
         Ok(())
     }
+}
 
-    fn prefix(&self, request: RequestId, position: u32) -> Result<u64, RunError> {
-        self.book
-            .prefix(request, position)
-            .ok_or(RunError::UnknownTokens {
-                rank: self.rank,
-                request,
-                position,
-            })
-    }
+/// The prefix hashes of `request`'s tokens at `positions`, or the error naming the first
+/// unknown one.
+fn prefixes<'b>(
+    book: &'b TokenBook,
+    rank: u32,
+    request: RequestId,
+    positions: &Range<u32>,
+) -> Result<&'b [u64], RunError> {
+    book.prefixes(request, positions.clone())
+        .ok_or_else(|| RunError::UnknownTokens {
+            rank,
+            request,
+            position: book.known(request).max(positions.start),
+        })
 }

@@ -17,6 +17,8 @@ pub struct Report {
     pub seed: u64,
     /// Ranks.
     pub ranks: u32,
+    /// Where the KV lived: `host` or `cuda`.
+    pub backend: super::Backend,
     /// Requests submitted.
     pub requests: u64,
     /// Requests finished.
@@ -130,6 +132,7 @@ pub(crate) fn build(
     Report {
         seed: c.seed,
         ranks: c.ranks,
+        backend: f.backend,
         requests: records.len() as u64,
         finished: f.finished,
         prompt_tokens: f.prompt_tokens,
@@ -169,8 +172,13 @@ impl fmt::Display for Report {
         };
         writeln!(
             f,
-            "requests        {} submitted, {} finished ({} ranks, seed {}, {:.1} s)",
-            self.requests, self.finished, self.ranks, self.seed, self.wall_s
+            "requests        {} submitted, {} finished ({} ranks, {} backend, seed {}, {:.1} s)",
+            self.requests,
+            self.finished,
+            self.ranks,
+            self.backend.name(),
+            self.seed,
+            self.wall_s
         )?;
         writeln!(
             f,

@@ -23,7 +23,7 @@ use kvrelay_core::{
 use super::rank::{RankSetup, RankStats};
 
 /// The wire version; a frame of another version is refused.
-pub const WIRE_VERSION: u32 = 1;
+pub const WIRE_VERSION: u32 = 2;
 /// The largest frame accepted, in bytes.
 pub const MAX_FRAME: u32 = 64 << 20;
 
@@ -174,6 +174,7 @@ mod tests {
         let gpu = KvLayout::new(vec![0, 0], 4, 64, LayoutOrder::LayerMajor).unwrap();
         RankSetup {
             rank: 1,
+            backend: crate::run::Backend::Host,
             host: gpu.with_blocks(8, LayoutOrder::LayerMajor).unwrap(),
             gpu,
             block_size: 4,
@@ -191,7 +192,7 @@ mod tests {
     #[test]
     fn golden_bytes() {
         let hello = encode(&Up::Hello { rank: 3 });
-        assert_eq!(hello, [6, 0, 0, 0, 1, 0, 0, 0, 0, 3]);
+        assert_eq!(hello, [6, 0, 0, 0, 2, 0, 0, 0, 0, 3]);
         let out = encode(&Up::Output {
             step: StepId(5),
             output: WorkerOutput {
@@ -203,7 +204,7 @@ mod tests {
         assert_eq!(
             out,
             [
-                20, 0, 0, 0, 1, 0, 0, 0, 1, 5, 1, 1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0
+                20, 0, 0, 0, 2, 0, 0, 0, 1, 5, 1, 1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0
             ],
             "{out:?}"
         );
@@ -218,7 +219,7 @@ mod tests {
             tokens: vec![(RequestId(1), vec![300])],
             forget: vec![RequestId(4)],
         });
-        assert_eq!(&step[..9], [step.len() as u8 - 4, 0, 0, 0, 1, 0, 0, 0, 1]);
+        assert_eq!(&step[..9], [step.len() as u8 - 4, 0, 0, 0, 2, 0, 0, 0, 1]);
         let back: Down = decode_body(&step[4..]).unwrap();
         assert!(
             matches!(back, Down::Step { ref tokens, .. } if tokens == &vec![(RequestId(1), vec![300])])
@@ -233,10 +234,10 @@ mod tests {
     #[test]
     fn bad_frames_are_typed_errors() {
         let mut f = encode(&Up::Hello { rank: 3 });
-        f[4] = 2;
+        f[4] = 1;
         assert!(matches!(
             decode_body::<Up>(&f[4..]),
-            Err(WireError::Version { found: 2 })
+            Err(WireError::Version { found: 1 })
         ));
         let f = encode(&Up::Hello { rank: 3 });
         assert!(matches!(
