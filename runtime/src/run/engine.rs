@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvrelay_core::{
     EngineCore, GroupKind, KvLayout, LayoutError, LayoutOrder, ManagerConfig, Mode,
@@ -30,7 +30,8 @@ use tokio::task::JoinHandle;
 
 use super::rank::{RankReport, RankSetup, RankStats, StepMsg};
 use super::trace::{Recorder, now_us};
-use super::{RunConfig, RunError, Workers, process, workload};
+use super::transport::{Clock, InProcess, Processes, TokioClock, Transport};
+use super::{RunConfig, RunError, Workers, workload};
 
 /// How often the engine looks for a rank task that ended while it waits for outputs.
 const RANK_CHECK: Duration = Duration::from_secs(1);
@@ -80,6 +81,7 @@ pub struct StepOutcome {
 #[derive(Debug)]
 pub struct Engine {
     config: RunConfig,
+    clock: Arc<dyn Clock>,
     core: EngineCore<OffloadingConnector>,
     to_ranks: Vec<mpsc::Sender<StepMsg>>,
     reports: mpsc::Receiver<RankReport>,
@@ -124,8 +126,29 @@ fn sample(seed: u64, request: RequestId, position: u32) -> Token {
 }
 
 impl Engine {
-    /// Builds the engine for requests of at most `max_model_len` tokens and starts its ranks.
+    /// Builds the engine for requests of at most `max_model_len` tokens and starts its ranks
+    /// over the transport `c.workers` names, on tokio's clock.
     pub async fn start(c: &RunConfig, max_model_len: u32) -> Result<Self, RunError> {
+        let clock = Arc::new(TokioClock::default());
+        match c.workers {
+            Workers::InProcess => Self::start_with(c, max_model_len, &InProcess, clock).await,
+            Workers::Process => {
+                let transport = Processes {
+                    exe: c.worker_exe.clone(),
+                };
+                Self::start_with(c, max_model_len, &transport, clock).await
+            }
+        }
+    }
+
+    /// [`Engine::start`] with the ranks reached over `transport` and every wait and
+    /// measurement on `clock` (see [`super::transport`]).
+    pub(crate) async fn start_with(
+        c: &RunConfig,
+        max_model_len: u32,
+        transport: &dyn Transport,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, RunError> {
         if c.ranks == 0 || c.ranks > 64 {
             return Err(RunError::Config("ranks: 1 to 64".into()));
         }
@@ -183,21 +206,15 @@ impl Engine {
                 vanish_after_steps: c.vanish_after_steps.filter(|_| r == 0),
                 trace: c.trace_out.is_some(),
             };
-            let (tx, rx) = mpsc::channel::<StepMsg>(1);
-            to_ranks.push(tx);
-            handles.push(match c.workers {
-                Workers::InProcess => {
-                    let task = setup.build(wake.clone())?;
-                    tokio::spawn(task.run(rx, report_tx.clone()))
-                }
-                Workers::Process => {
-                    let link = process::spawn_worker(&setup, c.worker_exe.as_deref()).await?;
-                    tokio::spawn(link.run(rx, report_tx.clone()))
-                }
-            });
+            let conn = transport
+                .connect(setup, wake.clone(), report_tx.clone())
+                .await?;
+            to_ranks.push(conn.steps);
+            handles.push(conn.task);
         }
         Ok(Self {
             config: c.clone(),
+            clock,
             core,
             to_ranks,
             reports,
@@ -254,7 +271,7 @@ impl Engine {
     /// the ranks run this one — with placeholders for the tokens this one samples — and sent to
     /// them, with those tokens, once this one is applied.
     pub async fn step(&mut self) -> Result<StepOutcome, RunError> {
-        let t0 = Instant::now();
+        let t0 = self.clock.now();
         let started = if self.figures.trace.is_on() {
             now_us()
         } else {
@@ -268,7 +285,7 @@ impl Engine {
                     Some(s) => s,
                     None => self.schedule()?,
                 };
-                core_time += t0.elapsed();
+                core_time += self.clock.now().saturating_sub(t0);
                 self.send(s).await?
             }
         };
@@ -277,10 +294,10 @@ impl Engine {
             && self.ahead.is_none()
             && self.core.scheduler().has_requests()
         {
-            let t = Instant::now();
+            let t = self.clock.now();
             self.ahead = Some(self.schedule()?);
             self.figures.scheduled_ahead += 1;
-            core_time += t.elapsed();
+            core_time += self.clock.now().saturating_sub(t);
         }
         let f = &mut self.figures;
         for _ in 0..self.to_ranks.len() {
@@ -290,7 +307,7 @@ impl Engine {
                     r = self.reports.recv() => break r,
                     // A rank task that ended without reporting (it panicked) must not leave
                     // the engine waiting forever.
-                    () = tokio::time::sleep(RANK_CHECK) => {
+                    () = self.clock.sleep(RANK_CHECK) => {
                         if let Some(r) = self.handles.iter().position(JoinHandle::is_finished) {
                             return Err(RunError::RankGone { rank: r as u32 });
                         }
@@ -304,13 +321,13 @@ impl Engine {
             if let Some(l) = output.finished_recving.as_ref() {
                 f.loads_reported += l.len() as u64;
             }
-            let t = Instant::now();
+            let t = self.clock.now();
             self.core
                 .rank_output(rep.step, Rank(rep.rank), Some(output))?;
-            core_time += t.elapsed();
+            core_time += self.clock.now().saturating_sub(t);
         }
         self.at_ranks = None;
-        let t = Instant::now();
+        let t = self.clock.now();
         let seed = self.config.seed;
         let sampled: Vec<(RequestId, Vec<Token>)> = self
             .core
@@ -320,7 +337,7 @@ impl Engine {
             .collect();
         let applied = self.core.apply(sampled)?;
         let released = self.core.take_released();
-        core_time += t.elapsed();
+        core_time += self.clock.now().saturating_sub(t);
         if self.config.check {
             self.core.check_invariants()?;
             f.invariant_checks += 1;
@@ -393,7 +410,10 @@ impl Engine {
     /// After an idle step: waits for a transfer of an in-process rank to complete, at most a
     /// few milliseconds (worker processes are polled by stepping again).
     pub async fn wait_idle(&self) {
-        let _ = tokio::time::timeout(IDLE_WAIT, self.wake.notified()).await;
+        tokio::select! {
+            () = self.wake.notified() => {}
+            () = self.clock.sleep(IDLE_WAIT) => {}
+        }
     }
 
     /// Stops the ranks and waits for them (and for worker processes to exit).
@@ -426,4 +446,56 @@ fn rank_gone(reports: &mut mpsc::Receiver<RankReport>, rank: u32) -> RunError {
         }
     }
     RunError::RankGone { rank }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run::transport::BoxFuture;
+    use std::sync::Mutex;
+
+    /// A clock whose sleeps end at once (after a yield) and advance it by their length.
+    #[derive(Debug, Default)]
+    struct Skipping {
+        slept: Mutex<Vec<Duration>>,
+    }
+
+    impl Clock for Skipping {
+        fn now(&self) -> Duration {
+            self.slept.lock().unwrap().iter().sum()
+        }
+
+        fn sleep(&self, d: Duration) -> BoxFuture<'static, ()> {
+            self.slept.lock().unwrap().push(d);
+            Box::pin(tokio::task::yield_now())
+        }
+    }
+
+    // Protects the clock seam (what a simulation relies on): the engine's wait for a vanished
+    // rank is a sleep of the injected clock, so a clock that skips time ends it at once.
+    #[tokio::test]
+    async fn the_engine_waits_on_its_clock() {
+        // Two ranks: rank 1 keeps the report channel open while rank 0 is gone.
+        let c = RunConfig {
+            ranks: 2,
+            vanish_after_steps: Some(2),
+            ..RunConfig::default()
+        };
+        let clock = Arc::new(Skipping::default());
+        let mut e = Engine::start_with(&c, 256, &InProcess, clock.clone())
+            .await
+            .unwrap();
+        e.add(RequestId(1), (0..64).collect(), 32).unwrap();
+        let wall = std::time::Instant::now();
+        let error = loop {
+            match e.step().await {
+                Ok(_) => continue,
+                Err(error) => break error,
+            }
+        };
+        assert!(matches!(error, RunError::RankGone { rank: 0 }), "{error}");
+        assert!(clock.slept.lock().unwrap().contains(&RANK_CHECK));
+        assert!(wall.elapsed() < RANK_CHECK / 2, "{:?}", wall.elapsed());
+        e.stop().await;
+    }
 }

@@ -31,6 +31,8 @@
 //! * [`cuda`] — the CUDA backend (cudarc, loaded at run time).
 //! * `engine` — [`Engine`]: the core's engine step with W ranks attached, one step at a time.
 //! * `rank` — the rank task.
+//! * `transport` — how the engine reaches its ranks (in-process, worker processes) and the
+//!   clock it waits on: the seams a simulation replaces.
 //! * [`wire`] — the frames between the engine and a worker process.
 //! * [`process`] — worker processes: the engine's side of the link and `kvrelay worker`.
 //! * `trace` — `--trace-out`: steps and transfers as a Chrome / Perfetto trace.
@@ -47,6 +49,7 @@ mod rank;
 pub mod report;
 mod trace;
 pub mod transfer;
+mod transport;
 pub mod wire;
 pub mod workload;
 
