@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvrelay_core::{
     BlockId, GroupKind, JobId, KvLayout, OffloadingConnectorMeta, OffloadingWorker,
@@ -76,6 +76,9 @@ pub(crate) struct RankStats {
     pub(crate) flushed_stores: u64,
     /// Tokens loaded, per request (rank 0 reports them).
     pub(crate) loaded_tokens: HashMap<RequestId, u32>,
+    /// Per step, the time in the rank driver and the worker connector's hooks (no forward, no
+    /// copies), in µs.
+    pub(crate) hook_us: Vec<f32>,
     /// Steps after which the driver's invariants were checked.
     pub(crate) invariant_checks: u64,
     /// Steps and transfers, for `--trace-out`.
@@ -211,6 +214,8 @@ pub(crate) struct RankTask {
     /// When the running step began, and when each transfer in flight started (tracing only).
     step_started: u64,
     transfer_started: HashMap<JobId, u64>,
+    /// Time in the driver's calls during the running step.
+    hook_time: Duration,
     stats: RankStats,
 }
 
@@ -257,6 +262,7 @@ impl RankTask {
             vanish_after_steps: None,
             step_started: 0,
             transfer_started: HashMap::new(),
+            hook_time: Duration::ZERO,
             stats: RankStats::default(),
         }
     }
@@ -328,7 +334,10 @@ impl RankTask {
         if self.stats.trace.is_on() {
             self.step_started = now_us();
         }
-        self.driver.begin(&m.step).map_err(|error| RunError::Rank {
+        let t = Instant::now();
+        let begun = self.driver.begin(&m.step);
+        self.hook_time += t.elapsed();
+        begun.map_err(|error| RunError::Rank {
             rank: self.rank,
             error,
         })
@@ -337,7 +346,10 @@ impl RankTask {
     /// Polls the driver until it waits, or the step is done.
     fn drive(&mut self) -> Result<Option<WorkerOutput>, RunError> {
         loop {
-            let action = self.driver.poll().map_err(|error| RunError::Rank {
+            let t = Instant::now();
+            let polled = self.driver.poll();
+            self.hook_time += t.elapsed();
+            let action = polled.map_err(|error| RunError::Rank {
                 rank: self.rank,
                 error,
             })?;
@@ -357,6 +369,8 @@ impl RankTask {
                     }
                 }
                 RankAction::Done(out) => {
+                    let hooks = std::mem::take(&mut self.hook_time);
+                    self.stats.hook_us.push(hooks.as_secs_f32() * 1e6);
                     if self.check {
                         self.driver.check_invariants()?;
                         self.stats.invariant_checks += 1;
@@ -452,15 +466,16 @@ impl RankTask {
                 }
             }
         }
-        self.driver
-            .transfer_done(TransferDone {
-                job: d.job,
-                ok: true,
-            })
-            .map_err(|error| RunError::Rank {
-                rank: self.rank,
-                error,
-            })
+        let t = Instant::now();
+        let heard = self.driver.transfer_done(TransferDone {
+            job: d.job,
+            ok: true,
+        });
+        self.hook_time += t.elapsed();
+        heard.map_err(|error| RunError::Rank {
+            rank: self.rank,
+            error,
+        })
     }
 
     /// Takes each loaded block's content record from its host slot and checks the block's

@@ -64,6 +64,11 @@ pub struct Report {
     pub core_step_us_median: f64,
     /// The same, 99th percentile.
     pub core_step_us_p99: f64,
+    /// Rank-side connector overhead per step and rank: time in the rank driver and the worker
+    /// connector's hooks (no forward pass, no copies): median, µs.
+    pub rank_hooks_us_median: f64,
+    /// The same, 99th percentile.
+    pub rank_hooks_us_p99: f64,
     /// Whether every machine's invariants were checked after every step (`--check`); they held
     /// if the run finished.
     pub invariants_checked: bool,
@@ -88,6 +93,7 @@ fn sum_ranks(ranks: &[RankStats]) -> RankStats {
         s.slots_read_verified += r.slots_read_verified;
         s.flushed_stores += r.flushed_stores;
         s.invariant_checks += r.invariant_checks;
+        s.hook_us.extend_from_slice(&r.hook_us);
     }
     s
 }
@@ -118,6 +124,8 @@ pub(crate) fn build(
     let s = sum_ranks(ranks);
     let mut us = f.core_us.clone();
     us.sort_by(f64::total_cmp);
+    let mut hooks: Vec<f64> = s.hook_us.iter().map(|&x| f64::from(x)).collect();
+    hooks.sort_by(f64::total_cmp);
     let reused: u64 = f.reused.values().map(|&n| u64::from(n)).sum();
     // Rank 0 counts the tokens loaded per request; a request's GPU hit is what it reused
     // beyond them.
@@ -155,6 +163,8 @@ pub(crate) fn build(
         read_slots_verified: s.slots_read_verified,
         core_step_us_median: quantile(&us, 0.5),
         core_step_us_p99: quantile(&us, 0.99),
+        rank_hooks_us_median: quantile(&hooks, 0.5),
+        rank_hooks_us_p99: quantile(&hooks, 0.99),
         invariants_checked: c.check,
         invariant_checks: f.invariant_checks + s.invariant_checks,
         wall_s: wall.as_secs_f64(),
@@ -220,6 +230,11 @@ impl fmt::Display for Report {
             f,
             "engine step     {:.1} µs median, {:.1} µs p99 (schedule + rank outputs + apply)",
             self.core_step_us_median, self.core_step_us_p99
+        )?;
+        writeln!(
+            f,
+            "rank hooks      {:.1} µs median, {:.1} µs p99 per step and rank (rank driver + worker connector)",
+            self.rank_hooks_us_median, self.rank_hooks_us_p99
         )?;
         if self.invariants_checked {
             write!(
