@@ -1,10 +1,16 @@
 //! `kvrelay bench`: a conformance case as a benchmark workload.
 //!
-//! The case is parsed and its arguments converted to core values once; then its calls are
-//! replayed on fresh machines `repeat` times, each call timed on its own, and the median time per
-//! call kind is reported. Parsing, conversion and result rendering are outside the timed region.
-//! Before timing, the case is run once with its expectations checked, so a benchmark of a wrong
-//! implementation fails instead of reporting a number.
+//! The case is parsed and its arguments converted to core values once. Then it is timed two
+//! ways, each over `repeat` replays on fresh machines (building a machine is not timed):
+//!
+//! * **whole replay** — every call of the case in one timed region: what the machine costs,
+//!   with no timer inside (a 30 ns call timed on its own is mostly `Instant::now`). Quote this
+//!   one when comparing with another implementation's time for the same calls.
+//! * **per call kind** — each call timed on its own, the median per kind: where the time goes.
+//!
+//! Parsing, conversion and result rendering are outside both. Before timing, the case is run once
+//! with its expectations checked, so a benchmark of a wrong implementation fails instead of
+//! reporting a number.
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
@@ -27,8 +33,34 @@ pub struct KindStats {
     pub p90_ns: f64,
 }
 
-/// Replays `case` `repeat` times and returns per-kind timings (sorted by call name).
-pub fn bench_case(case: &AnyCase, repeat: usize) -> Result<Vec<KindStats>, String> {
+/// What [`bench_case`] measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchReport {
+    /// Replays timed, each way.
+    pub replays: usize,
+    /// Calls per replay.
+    pub calls: usize,
+    /// A whole replay (every call in one timed region): median, 10th and 90th percentile, ns.
+    pub replay_median_ns: f64,
+    /// 10th percentile of a whole replay, ns.
+    pub replay_p10_ns: f64,
+    /// 90th percentile of a whole replay, ns.
+    pub replay_p90_ns: f64,
+    /// Per call kind, each call timed on its own (sorted by call name).
+    pub kinds: Vec<KindStats>,
+}
+
+impl BenchReport {
+    /// The sum over call kinds of median × calls per replay: the per-call estimate of a
+    /// replay, timer cost included.
+    pub fn sum_of_kind_medians_ns(&self) -> f64 {
+        let per_replay = |k: &KindStats| k.samples as f64 / self.replays as f64;
+        self.kinds.iter().map(|k| k.median_ns * per_replay(k)).sum()
+    }
+}
+
+/// Replays `case` `repeat` times each way (see the module docs) and returns the timings.
+pub fn bench_case(case: &AnyCase, repeat: usize) -> Result<BenchReport, String> {
     match case {
         AnyCase::Aggregator(c) => bench_prepared(c, repeat),
         AnyCase::WorkerMeta(c) => bench_prepared(c, repeat),
@@ -43,9 +75,20 @@ pub fn bench_case(case: &AnyCase, repeat: usize) -> Result<Vec<KindStats>, Strin
 fn bench_prepared<H: Harness>(
     case: &PreparedCase<H>,
     repeat: usize,
-) -> Result<Vec<KindStats>, String> {
+) -> Result<BenchReport, String> {
     case.run()
         .map_err(|e| format!("the case does not pass, so it is not benchmarked: {e}"))?;
+    let mut replays = Vec::with_capacity(repeat);
+    for _ in 0..repeat {
+        let mut machine = H::new(&case.config).map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        for c in &case.calls {
+            drop(black_box(machine.apply(black_box(&c.op))));
+        }
+        replays.push(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX));
+        drop(black_box(machine));
+    }
+    replays.sort_unstable();
     let mut samples: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
     for _ in 0..repeat {
         let mut machine = H::new(&case.config).map_err(|e| e.to_string())?;
@@ -61,7 +104,7 @@ fn bench_prepared<H: Harness>(
                 .push(u64::try_from(ns).unwrap_or(u64::MAX));
         }
     }
-    Ok(samples
+    let kinds = samples
         .into_iter()
         .map(|(call, mut v)| {
             v.sort_unstable();
@@ -73,7 +116,15 @@ fn bench_prepared<H: Harness>(
                 p90_ns: percentile(&v, 0.9),
             }
         })
-        .collect())
+        .collect();
+    Ok(BenchReport {
+        replays: repeat,
+        calls: case.calls.len(),
+        replay_median_ns: percentile(&replays, 0.5),
+        replay_p10_ns: percentile(&replays, 0.1),
+        replay_p90_ns: percentile(&replays, 0.9),
+        kinds,
+    })
 }
 
 /// The `q`-quantile of sorted `v` (nearest rank; the mean of the two middle values for the

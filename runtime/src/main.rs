@@ -46,16 +46,21 @@ enum Command {
         #[arg(required = true)]
         paths: Vec<PathBuf>,
     },
-    /// Time a conformance case as a workload: median time per call kind.
+    /// Time a conformance case as a workload: a whole replay, and the median per call kind.
     ///
     /// The case is parsed and converted once and checked once against its expectations; then its
-    /// calls are replayed on fresh machines REPEAT times. Parsing and conversion are not timed.
+    /// calls are replayed on fresh machines REPEAT times with every call in one timed region
+    /// (the figure to compare with another implementation), and REPEAT times with each call
+    /// timed on its own (where the time goes). Parsing and conversion are not timed.
     Bench {
         /// The case file.
         case: PathBuf,
-        /// How many times to replay the case.
+        /// How many times to replay the case (each way: whole, and call by call).
         #[arg(long, default_value_t = 1000)]
         repeat: usize,
+        /// Print the figures as JSON (times in ns).
+        #[arg(long)]
+        json: bool,
     },
     /// Model-check the core: every interleaving of the environment, through the real code.
     ///
@@ -80,7 +85,7 @@ fn main() -> ExitCode {
             kvrelay_runtime::run::process::worker_main(&socket, rank)
         }
         Command::Conformance { paths } => run_conformance(&paths),
-        Command::Bench { case, repeat } => run_bench(&case, repeat),
+        Command::Bench { case, repeat, json } => run_bench(&case, repeat, json),
         Command::Check(args) => check::run(&args),
     }
 }
@@ -121,7 +126,31 @@ fn run_conformance(paths: &[PathBuf]) -> ExitCode {
     }
 }
 
-fn run_bench(path: &PathBuf, repeat: usize) -> ExitCode {
+fn bench_json(name: &str, r: &bench::BenchReport) -> String {
+    let kinds: Vec<serde_json::Value> = r
+        .kinds
+        .iter()
+        .map(|k| {
+            serde_json::json!({
+                "call": k.call, "samples": k.samples,
+                "median_ns": k.median_ns, "p10_ns": k.p10_ns, "p90_ns": k.p90_ns,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "case": name,
+        "replays": r.replays,
+        "calls_per_replay": r.calls,
+        "replay_median_ns": r.replay_median_ns,
+        "replay_p10_ns": r.replay_p10_ns,
+        "replay_p90_ns": r.replay_p90_ns,
+        "sum_of_kind_medians_ns": r.sum_of_kind_medians_ns(),
+        "kinds": kinds,
+    })
+    .to_string()
+}
+
+fn run_bench(path: &PathBuf, repeat: usize, json: bool) -> ExitCode {
     if repeat == 0 {
         eprintln!("kvrelay bench: --repeat must be at least 1");
         return ExitCode::from(2);
@@ -141,13 +170,28 @@ fn run_bench(path: &PathBuf, repeat: usize) -> ExitCode {
         }
     };
     match bench::bench_case(&case, repeat) {
-        Ok(stats) => {
-            println!("{} — {repeat} replays on fresh machines", case.name());
+        Ok(report) if json => {
+            println!("{}", bench_json(case.name(), &report));
+            ExitCode::SUCCESS
+        }
+        Ok(report) => {
+            println!("{} — {repeat} replays on fresh machines, each way", case.name());
+            println!(
+                "whole replay ({} calls in one timed region): median {} (p10 {}, p90 {})",
+                report.calls,
+                bench::fmt_ns(report.replay_median_ns),
+                bench::fmt_ns(report.replay_p10_ns),
+                bench::fmt_ns(report.replay_p90_ns)
+            );
+            println!(
+                "each call timed on its own (sum of median × count: {}, timer included):",
+                bench::fmt_ns(report.sum_of_kind_medians_ns())
+            );
             println!(
                 "{:<32} {:>9} {:>12} {:>12} {:>12}",
                 "call", "samples", "median", "p10", "p90"
             );
-            for s in stats {
+            for s in &report.kinds {
                 println!(
                     "{:<32} {:>9} {:>12} {:>12} {:>12}",
                     s.call,
