@@ -15,6 +15,7 @@
 //! one array update (no hashing). Interned ids keep the arrays as small as the number of live
 //! requests.
 
+use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
 
 use crate::Mode;
@@ -113,9 +114,10 @@ impl<T> core::ops::DerefMut for Dense<T> {
     }
 }
 
-/// A set of ranks as a bitset (strict mode's per-id reporters): ranks 0..64 inline, higher
-/// ranks in `high` (empty, so free to clone, on every common world size).
-#[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+/// A set of ranks as a bitset (one id's reporters, as [`Tally`] stores them apart: the low
+/// word dense, the high words sparse): ranks 0..64 in `low`, higher ranks in `high` (empty
+/// when there is none).
+#[derive(Clone, Debug, Default, Eq, Hash, PartialEq)]
 struct RankBits {
     low: u64,
     high: Vec<u64>,
@@ -141,11 +143,6 @@ impl RankBits {
             self.high[w - 1] |= bit;
         }
     }
-    fn clear(&mut self) {
-        // Truncate, not zero: an empty set must equal (and hash as) the default one.
-        self.low = 0;
-        self.high.clear();
-    }
     fn len(&self) -> u32 {
         self.low.count_ones() + self.high.iter().map(|w| w.count_ones()).sum::<u32>()
     }
@@ -157,10 +154,17 @@ struct Tally {
     /// Reports still needed to close the id's count cycle; 0 = no cycle open (vLLM's
     /// `_send_remaining_count` / `_recv_remaining_count`, with "absent" as 0).
     remaining: Dense<u32>,
-    /// Strict mode only: the ranks that reported in the current cycle.
-    reporters: Dense<RankBits>,
+    /// Strict mode only: the ranks below 64 that reported in the current cycle, a bit each
+    /// (dense: the hot path touches one word per report).
+    low: Dense<u64>,
+    /// Strict mode only: the ranks from 64 up that reported in the current cycle, words per id
+    /// (sparse: only ids such ranks reported; an id without any is absent).
+    high: BTreeMap<usize, Vec<u64>>,
     /// Strict mode only: touched by the call in progress (all false between calls).
     touched: Dense<bool>,
+    /// Strict mode only: ids with an open cycle (`remaining` ≠ 0, so with reporters). While it
+    /// is 0 in both directions, a call without salvaged outputs cannot hold a duplicate report.
+    open: u32,
 }
 
 /// Counts one report against an id's `remaining` reports (0 = no cycle open: one starts with
@@ -170,6 +174,13 @@ fn tick(remaining: &mut u32, quorum: u32) -> bool {
     let left = if *remaining == 0 { quorum } else { *remaining } - 1;
     *remaining = left;
     left == 0
+}
+
+/// How a call counts reports.
+#[derive(Clone, Copy, Debug, Eq, PartialEq)]
+enum Counting {
+    Compat,
+    Strict,
 }
 
 /// The state of one (direction, id) before a strict-mode call first touched it.
@@ -187,17 +198,63 @@ impl Tally {
         if max.index() >= self.remaining.len() {
             self.remaining.resize(max.index() + 1, 0);
         }
-        if strict && max.index() >= self.reporters.len() {
-            self.reporters.resize(max.index() + 1, RankBits::default());
+        if strict && max.index() >= self.low.len() {
+            self.low.resize(max.index() + 1, 0);
             self.touched.resize(max.index() + 1, false);
         }
     }
 
+    /// The ranks that reported id `i` in its current cycle.
+    fn reporters(&self, i: usize) -> RankBits {
+        RankBits {
+            low: self.low.get(i).copied().unwrap_or(0),
+            high: self.high.get(&i).cloned().unwrap_or_default(),
+        }
+    }
+
+    /// Sets the ranks that reported id `i` (a room for `i` was ensured).
+    fn set_reporters(&mut self, i: usize, r: RankBits) {
+        self.low[i] = r.low;
+        if r.high.is_empty() {
+            self.high.remove(&i);
+        } else {
+            self.high.insert(i, r.high);
+        }
+    }
+
+    fn has_reporter(&self, i: usize, rank: Rank) -> bool {
+        if rank.index() < 64 {
+            self.low[i] & (1u64 << rank.index()) != 0
+        } else {
+            self.reporters(i).contains(rank)
+        }
+    }
+
+    fn add_reporter(&mut self, i: usize, rank: Rank) {
+        if rank.index() < 64 {
+            self.low[i] |= 1u64 << rank.index();
+        } else {
+            let mut r = self.reporters(i);
+            r.insert(rank);
+            self.set_reporters(i, r);
+        }
+    }
+
+    fn clear_reporters(&mut self, i: usize) {
+        self.low[i] = 0;
+        if !self.high.is_empty() {
+            self.high.remove(&i);
+        }
+    }
+
     /// Counts `rank`'s reports of `ids` (sorted), pushing the ids whose cycle completes to
-    /// `emitted`: compat mode without `undo`, strict mode with it.
+    /// `emitted`: compat mode; strict mode with `undo` (a duplicate is possible and rolls the
+    /// call back), or strict mode on a call that cannot hold a duplicate (`Unlogged`).
     #[inline]
+    #[allow(clippy::too_many_arguments)]
     fn count(
         &mut self,
+        how: Counting,
         direction: Direction,
         rank: Rank,
         ids: &[RequestId],
@@ -205,13 +262,64 @@ impl Tally {
         emitted: &mut Vec<RequestId>,
         undo: Option<&mut Vec<Undo>>,
     ) -> Result<(), AggregateError> {
-        match undo {
-            None => {
+        match (how, undo) {
+            (Counting::Compat, _) => {
                 self.count_compat(ids, quorum, emitted);
                 Ok(())
             }
-            Some(undo) => self.count_strict(direction, rank, ids, quorum, emitted, undo),
+            (Counting::Strict, Some(undo)) => {
+                self.count_strict(direction, rank, ids, quorum, emitted, undo)
+            }
+            (Counting::Strict, None) => {
+                self.count_strict_unlogged(rank, ids, quorum, emitted);
+                Ok(())
+            }
         }
+    }
+
+    /// Strict-mode counting of a call that holds no duplicate (checked before: see
+    /// [`Aggregator::fold`]): the reporters are kept, nothing is logged for a rollback, and
+    /// `open` is left to [`Tally::settle_open`] at the end of the call.
+    #[inline]
+    fn count_strict_unlogged(
+        &mut self,
+        rank: Rank,
+        ids: &[RequestId],
+        quorum: u32,
+        emitted: &mut Vec<RequestId>,
+    ) {
+        let Some(&max) = ids.last() else { return };
+        self.ensure(max, true);
+        let mut open = self.open;
+        if rank.index() < 64 && self.high.is_empty() {
+            // The common case: one word per report, in two dense arrays.
+            let bit = 1u64 << rank.index();
+            let (remaining, low) = (&mut self.remaining[..], &mut self.low[..]);
+            for &id in ids {
+                let i = id.index();
+                if tick(&mut remaining[i], quorum) {
+                    low[i] = 0;
+                    emitted.push(id);
+                } else {
+                    low[i] |= bit;
+                }
+            }
+            // `open` is settled once for the whole call: `settle_open`.
+        } else {
+            for &id in ids {
+                let i = id.index();
+                let was_open = self.remaining[i] != 0;
+                if tick(&mut self.remaining[i], quorum) {
+                    self.clear_reporters(i);
+                    open -= u32::from(was_open);
+                    emitted.push(id);
+                } else {
+                    self.add_reporter(i, rank);
+                    open += u32::from(!was_open);
+                }
+            }
+        }
+        self.open = open;
     }
 
     /// Counts compat-mode reports of `ids` (sorted); pushes the ids whose cycle completes to
@@ -246,7 +354,7 @@ impl Tally {
         self.ensure(max, true);
         for &id in ids {
             let i = id.index();
-            if self.reporters[i].contains(rank) {
+            if self.has_reporter(i, rank) {
                 return Err(AggregateError::DuplicateReport {
                     rank,
                     request: id,
@@ -259,22 +367,40 @@ impl Tally {
                     direction,
                     id,
                     remaining: self.remaining[i],
-                    reporters: self.reporters[i].clone(),
+                    reporters: self.reporters(i),
                 });
             }
+            let was_open = self.remaining[i] != 0;
             if tick(&mut self.remaining[i], quorum) {
-                self.reporters[i].clear();
+                self.clear_reporters(i);
+                self.open -= u32::from(was_open);
                 emitted.push(id);
             } else {
-                self.reporters[i].insert(rank);
+                self.add_reporter(i, rank);
+                self.open += u32::from(!was_open);
             }
         }
         Ok(())
     }
 
+    /// Sets `open` after a call counted without a log (no cycle was open before it): `reports`
+    /// reports were counted and `emitted` ids emitted, under one `quorum` for the whole call
+    /// if `steady`. Each emission closed a cycle of exactly `quorum` of the reports, so when
+    /// they account for every report no cycle is left open — the steady state, settled in
+    /// O(1); otherwise the open cycles are counted.
+    fn settle_open(&mut self, reports: usize, emitted: usize, quorum: u32, steady: bool) {
+        self.open = if steady && reports == emitted * quorum as usize {
+            0
+        } else {
+            self.remaining.iter().filter(|&&r| r != 0).count() as u32
+        };
+    }
+
     fn restore(&mut self, u: Undo) {
+        let (was, restored) = (self.remaining[u.id.index()] != 0, u.remaining != 0);
+        self.open = self.open + u32::from(restored) - u32::from(was);
         self.remaining[u.id.index()] = u.remaining;
-        self.reporters[u.id.index()] = u.reporters;
+        self.set_reporters(u.id.index(), u.reporters);
     }
 
     fn untouch(&mut self, id: RequestId) {
@@ -485,8 +611,17 @@ impl<M: WorkerMeta> Aggregator<M> {
         let mut recvd = Vec::with_capacity(largest(|o| &o.finished_recving));
         let mut invalid: Vec<BlockId> = Vec::new();
         let mut kv_events: Option<KvEvents> = None;
-        // Strict mode logs what each call first touches, so a duplicate can be rolled back.
-        let mut undo = (self.mode == Mode::Strict).then(Vec::new);
+        // Strict mode logs what each call first touches, so a duplicate can be rolled back —
+        // unless the call cannot hold one: no salvaged output (so every rank reports each id
+        // at most once in the call) and no cycle open before it (so no rank is already among
+        // any id's reporters). Then counting needs no log: the steady state of ranks that
+        // report together, where strict costs little more than compat.
+        let how = match self.mode {
+            Mode::Compat => Counting::Compat,
+            Mode::Strict => Counting::Strict,
+        };
+        let clean = salvaged.is_empty() && self.send.open == 0 && self.recv.open == 0;
+        let mut undo = (how == Counting::Strict && !clean).then(Vec::new);
         let mut counted = || -> Result<(), AggregateError> {
             for (rank, o) in sources() {
                 if o.expected_finished_count > 0 {
@@ -494,16 +629,51 @@ impl<M: WorkerMeta> Aggregator<M> {
                 }
                 if let Some(ids) = &o.finished_sending {
                     let (d, t) = (Direction::Send, &mut self.send);
-                    t.count(d, rank, ids.as_slice(), quorum, &mut sent, undo.as_mut())?;
+                    t.count(
+                        how,
+                        d,
+                        rank,
+                        ids.as_slice(),
+                        quorum,
+                        &mut sent,
+                        undo.as_mut(),
+                    )?;
                 }
                 if let Some(ids) = &o.finished_recving {
                     let (d, t) = (Direction::Recv, &mut self.recv);
-                    t.count(d, rank, ids.as_slice(), quorum, &mut recvd, undo.as_mut())?;
+                    t.count(
+                        how,
+                        d,
+                        rank,
+                        ids.as_slice(),
+                        quorum,
+                        &mut recvd,
+                        undo.as_mut(),
+                    )?;
                 }
             }
             Ok(())
         };
+        let quorum_before = self.quorum;
         let result = counted();
+        if result.is_ok() && how == Counting::Strict && undo.is_none() {
+            // Unlogged strict counting leaves `open` to be settled here.
+            let steady = sources().all(|(_, o)| {
+                o.expected_finished_count == 0 || o.expected_finished_count == quorum_before
+            });
+            let reports = |f: fn(&WorkerOutput<M>) -> &Option<SortedSet<RequestId>>| {
+                sources()
+                    .filter_map(|(_, o)| f(o).as_ref().map(SortedSet::len))
+                    .sum::<usize>()
+            };
+            let (rs, rr) = (
+                reports(|o| &o.finished_sending),
+                reports(|o| &o.finished_recving),
+            );
+            self.send.settle_open(rs, sent.len(), quorum_before, steady);
+            self.recv
+                .settle_open(rr, recvd.len(), quorum_before, steady);
+        }
         for u in undo.into_iter().flatten() {
             let tally = match u.direction {
                 Direction::Send => &mut self.send,
@@ -582,6 +752,17 @@ impl<M: WorkerMeta> Aggregator<M> {
             self.quorum_high
         );
         for (direction, tally) in [(Direction::Send, &self.send), (Direction::Recv, &self.recv)] {
+            let open = tally.remaining.iter().filter(|&&r| r != 0).count();
+            let counted = if self.mode == Mode::Strict {
+                tally.open as usize
+            } else {
+                0
+            };
+            ensure_invariant!(
+                open == counted || self.mode == Mode::Compat,
+                "I-21",
+                "strict {direction:?}: {open} open cycles, {counted} counted"
+            );
             for (i, &r) in tally.remaining.iter().enumerate() {
                 ensure_invariant!(
                     r < self.quorum_high,
@@ -590,7 +771,7 @@ impl<M: WorkerMeta> Aggregator<M> {
                     self.quorum_high
                 );
                 if self.mode == Mode::Strict {
-                    let reporters = tally.reporters.get(i).map_or(0, RankBits::len);
+                    let reporters = tally.reporters(i).len();
                     ensure_invariant!(
                         (r == 0) == (reporters == 0),
                         "I-21",
@@ -755,7 +936,7 @@ mod tests {
 
     #[test]
     fn strict_counts_reporters_beyond_64_ranks() {
-        // Protects I-22 beyond 64 ranks: ranks 64 and up live in `RankBits::high`, and the
+        // Protects I-22 beyond 64 ranks: ranks 64 and up live in `Tally::high`, and the
         // invariant check counts reporters across both words.
         let mut a: Aggregator = Aggregator::new(66, Mode::Strict);
         let mut outputs = vec![None; 66];
@@ -795,7 +976,7 @@ mod tests {
         assert_eq!(id_of(healthy.clone(), |a| a.send.remaining[1] = 2), "I-21");
         // Strict: reports to go but nobody reported in the cycle.
         assert_eq!(
-            id_of(healthy.clone(), |a| a.send.reporters[1].clear()),
+            id_of(healthy.clone(), |a| a.send.clear_reporters(1)),
             "I-21"
         );
         // A pending failure not counted.

@@ -175,7 +175,10 @@ fn run_bench(path: &PathBuf, repeat: usize, json: bool) -> ExitCode {
             ExitCode::SUCCESS
         }
         Ok(report) => {
-            println!("{} — {repeat} replays on fresh machines, each way", case.name());
+            println!(
+                "{} — {repeat} replays on fresh machines, each way",
+                case.name()
+            );
             println!(
                 "whole replay ({} calls in one timed region): median {} (p10 {}, p90 {})",
                 report.calls,

@@ -8,10 +8,10 @@
 //! order, least recent first. Unlike LRU, pinned and write-pending keys stay in their lists;
 //! eviction skips them.
 
-use alloc::collections::BTreeSet;
 use alloc::vec::Vec;
 
 use super::arena::{Arena, List, NIL, Node, Place};
+use super::scope::RequestAccess;
 use super::types::{ChunkId, OffloadKey};
 use crate::{InvariantViolation, ensure_invariant};
 
@@ -201,8 +201,7 @@ impl Arc {
         &mut self,
         arena: &mut Arena,
         ordered: &[OffloadKey],
-        inserted: &BTreeSet<OffloadKey>,
-        reused: &BTreeSet<OffloadKey>,
+        scope: &RequestAccess,
     ) {
         let nodes = &mut arena.nodes;
         for k in ordered.iter().rev() {
@@ -210,8 +209,9 @@ impl Arc {
                 continue;
             };
             let place = nodes[s as usize].place;
-            let reused = reused.contains(k);
-            if inserted.contains(k) && !reused {
+            let access = scope.get(k);
+            let reused = access.is_some_and(|a| a.reused);
+            if access.is_some_and(|a| a.inserted) && !reused {
                 // Insert-only: refreshed in its list.
                 match place {
                     Place::T1 => self.t1.move_to_back(nodes, s),

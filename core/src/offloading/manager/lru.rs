@@ -12,7 +12,7 @@
 //! keys whose order falls beyond either end (the common case: a fresh rank, O(1)), and a B-tree
 //! for the ranks that arrive between its ends. Eviction merges the two.
 
-use alloc::collections::{BTreeMap, BTreeSet};
+use alloc::collections::BTreeSet;
 use alloc::vec::Vec;
 
 use super::arena::{Arena, List, NIL, Node, Place, Rank};
@@ -115,21 +115,21 @@ impl Lru {
         })
     }
 
-    /// `on_request_access`: present keys with a known position move up to the request's
-    /// provisional rank (ranks only move up).
+    /// `on_request_access`: the request's provisional rank is allocated if it has none, and
+    /// present keys (with their known positions, in access order) move up to it (ranks only
+    /// move up).
     pub(super) fn on_request_access(
         &mut self,
         arena: &mut Arena,
-        positions: &BTreeMap<OffloadKey, u32>,
+        positioned: &[(OffloadKey, u32)],
         request_rank: &mut Option<u64>,
-        keys: &[OffloadKey],
     ) {
         let request_rank = self.request_rank(request_rank);
-        for k in keys {
-            let (Some(&pos), Some(s)) = (positions.get(k), arena.slot(k)) else {
+        for (k, pos) in positioned {
+            let Some(s) = arena.slot(k) else {
                 continue;
             };
-            let rank = (request_rank, -i64::from(pos));
+            let rank = (request_rank, -i64::from(*pos));
             if arena.nodes[s as usize].rank < rank {
                 self.rerank(&mut arena.nodes, s, rank);
             }
@@ -142,12 +142,11 @@ impl Lru {
         &mut self,
         nodes: &mut [Node],
         s: u32,
-        positions: &BTreeMap<OffloadKey, u32>,
+        position: Option<u32>,
         request_rank: &mut Option<u64>,
     ) {
-        let k = nodes[s as usize].key;
-        nodes[s as usize].rank = match positions.get(&k) {
-            Some(&pos) => (self.request_rank(request_rank), -i64::from(pos)),
+        nodes[s as usize].rank = match position {
+            Some(pos) => (self.request_rank(request_rank), -i64::from(pos)),
             None => {
                 self.next_rank += 1;
                 (self.next_rank, 0)

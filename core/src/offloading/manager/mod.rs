@@ -49,6 +49,7 @@ mod arena;
 mod invariants;
 mod lru;
 mod policy;
+mod scope;
 mod types;
 
 #[cfg(test)]
@@ -59,27 +60,13 @@ use alloc::vec::Vec;
 
 use self::arena::{Arena, Chunk};
 use self::policy::Policy;
+use self::scope::RequestAccess;
 use crate::RequestId;
 
 pub use self::types::{
     Access, ChunkId, KeyLookup, ManagerConfig, ManagerError, OffloadEvent, OffloadKey, PolicyKind,
     PrepareStoreOutput,
 };
-
-/// A request's scope of accesses (vLLM's `_RequestCacheAccess` plus the LRU request rank).
-#[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
-struct RequestAccess {
-    /// Keys in first-access order, per KV cache group.
-    key_groups: BTreeMap<u32, Vec<OffloadKey>>,
-    seen: BTreeSet<OffloadKey>,
-    inserted: BTreeSet<OffloadKey>,
-    reused: BTreeSet<OffloadKey>,
-    store_misses: BTreeSet<OffloadKey>,
-    /// Each key's end-token position, when the caller gave it.
-    positions: BTreeMap<OffloadKey, u32>,
-    /// The LRU provisional rank, allocated on first need.
-    lru_rank: Option<u64>,
-}
 
 /// vLLM's `CPUOffloadingManager`: the chunk pool, the per-key chunk states of SEMANTICS.md §5.3,
 /// events, the store-threshold tracker, and one replacement policy.
@@ -165,22 +152,25 @@ impl CpuOffloadingManager {
             }
         }
         let mut ctx = self.take_ctx(access);
-        Self::learn_positions(&mut ctx, keys, access);
-        self.record_access(&mut ctx, keys, access, keys);
+        let at = ctx.admit(keys);
+        Self::learn_positions(&mut ctx, &at, access);
+        let all: Vec<usize> = (0..keys.len()).collect();
+        self.record_access(&mut ctx, keys, &at, &all, &all, access);
         self.put_ctx(access, ctx);
         Ok(out)
     }
 
     /// Unpins what [`Self::prepare_load`] pinned. Atomic: an unpinned key changes nothing.
     pub fn complete_load(&mut self, keys: &[OffloadKey]) -> Result<(), ManagerError> {
-        let mut need: BTreeMap<OffloadKey, i32> = BTreeMap::new();
-        for k in keys {
-            *need.entry(*k).or_default() += 1;
-        }
-        for (k, n) in &need {
-            match self.arena.chunk(k) {
-                Some(c) if c.ref_cnt >= *n => {}
-                _ => return Err(ManagerError::NotPinned(*k)),
+        // Each distinct key must be pinned at least as often as it is named (sorted, so that
+        // the key reported is the smallest failing one).
+        let mut sorted = keys.to_vec();
+        sorted.sort_unstable();
+        for run in sorted.chunk_by(|a, b| a == b) {
+            let k = run[0];
+            match self.arena.chunk(&k) {
+                Some(c) if c.ref_cnt >= run.len() as i32 => {}
+                _ => return Err(ManagerError::NotPinned(k)),
             }
         }
         for k in keys {
@@ -212,70 +202,74 @@ impl CpuOffloadingManager {
             .touch(&mut self.arena, keys, self.config.capacity_chunks);
     }
 
-    /// The request context for one call: the named request's, or a fresh one.
+    /// The request scope for one call: the named request's, or a fresh one (dropped after the
+    /// call).
     fn take_ctx(&mut self, access: Access<'_>) -> RequestAccess {
-        access
-            .request
-            .and_then(|r| self.requests.remove(&r))
-            .unwrap_or_default()
-    }
-
-    fn put_ctx(&mut self, access: Access<'_>, ctx: RequestAccess) {
-        if let Some(r) = access.request {
-            self.requests.insert(r, ctx);
+        match access.request {
+            Some(r) => core::mem::take(self.requests.entry(r).or_default()),
+            None => RequestAccess::default(),
         }
     }
 
-    fn learn_positions(ctx: &mut RequestAccess, keys: &[OffloadKey], access: Access<'_>) {
+    fn put_ctx(&mut self, access: Access<'_>, mut ctx: RequestAccess) {
+        ctx.prune();
+        if let Some(slot) = access.request.and_then(|r| self.requests.get_mut(&r)) {
+            *slot = ctx;
+        }
+    }
+
+    /// Learns the call's positions (`access.positions`, parallel to the call's keys, whose
+    /// scope indices are `at`).
+    fn learn_positions(ctx: &mut RequestAccess, at: &[u32], access: Access<'_>) {
         if let Some(pos) = access.positions {
-            for (k, p) in keys.iter().zip(pos) {
-                ctx.positions.insert(*k, *p);
+            for (&i, &p) in at.iter().zip(pos) {
+                ctx.at(i).position = Some(p);
             }
         }
     }
 
     /// `_record_request_cache_access`: first accesses in order (the LRU's provisional ranks),
-    /// and the reused keys that were not inserted by this request. Positions must have been
-    /// learnt from the whole call first (`access.positions` is parallel to the call's keys).
+    /// and the reused keys that were not inserted by this request. `recorded` and `reused`
+    /// index the call's `keys` (scope indices `at`); positions must have been learnt from the
+    /// whole call first.
     fn record_access(
         &mut self,
         ctx: &mut RequestAccess,
         keys: &[OffloadKey],
+        at: &[u32],
+        recorded: &[usize],
+        reused: &[usize],
         access: Access<'_>,
-        reused: &[OffloadKey],
     ) {
+        let positioned = |ctx: &mut RequestAccess, i: &usize| {
+            let p = ctx.at(at[*i]).position;
+            p.map(|p| (keys[*i], p))
+        };
         if access.request.is_none() {
             // A fresh scope that is dropped after this call: only the provisional LRU ranks of
             // keys with positions outlive it.
-            if !ctx.positions.is_empty() {
-                self.policy.on_request_access(
-                    &mut self.arena,
-                    &ctx.positions,
-                    &mut ctx.lru_rank,
-                    keys,
-                );
+            if ctx.has_positions() {
+                let ranked: Vec<(OffloadKey, u32)> =
+                    recorded.iter().filter_map(|i| positioned(ctx, i)).collect();
+                self.policy
+                    .on_request_access(&mut self.arena, &ranked, &mut ctx.lru_rank);
             }
             return;
         }
-        let mut new_keys = Vec::new();
-        for k in keys {
-            if ctx.seen.insert(*k) {
-                ctx.key_groups.entry(k.group).or_default().push(*k);
-                new_keys.push(*k);
-            }
+        let first: Vec<usize> = recorded
+            .iter()
+            .copied()
+            .filter(|&i| ctx.see(at[i]))
+            .collect();
+        if !first.is_empty() {
+            let ranked: Vec<(OffloadKey, u32)> =
+                first.iter().filter_map(|i| positioned(ctx, i)).collect();
+            self.policy
+                .on_request_access(&mut self.arena, &ranked, &mut ctx.lru_rank);
         }
-        if !new_keys.is_empty() {
-            self.policy.on_request_access(
-                &mut self.arena,
-                &ctx.positions,
-                &mut ctx.lru_rank,
-                &new_keys,
-            );
-        }
-        for k in reused {
-            if !ctx.inserted.contains(k) {
-                ctx.reused.insert(*k);
-            }
+        for &i in reused {
+            let a = ctx.at(at[i]);
+            a.reused |= !a.inserted;
         }
     }
 
@@ -331,17 +325,18 @@ impl CpuOffloadingManager {
         let mut sorted: Vec<OffloadKey> = keys.to_vec();
         sorted.sort_unstable();
         let has_dups = sorted.windows(2).any(|w| w[0] == w[1]);
-        let mut candidates: Vec<OffloadKey> = Vec::new();
-        let mut ready_existing: Vec<OffloadKey> = Vec::new();
-        // The offered keys recorded as accesses of the request: store candidates that passed
-        // the threshold, and ready keys.
-        let mut recorded: Vec<OffloadKey> = Vec::new();
+        // Indices into `keys`: the store candidates (first occurrences), the ready keys, and
+        // the keys recorded as accesses of the request (candidates that passed the threshold,
+        // and ready keys).
+        let mut candidates: Vec<usize> = Vec::new();
+        let mut ready_existing: Vec<usize> = Vec::new();
+        let mut recorded: Vec<usize> = Vec::new();
         // An unscoped call without positions records nothing (see `record_access`).
         let records = access.request.is_some() || access.positions.is_some_and(|p| !p.is_empty());
         // Whether a candidate has a node (an ARC ghost); if none has, none gains one before
         // `allocate` (ghost hits and evictions create no nodes), so their lookups are skipped.
         let mut ghost_candidates = false;
-        for k in keys {
+        for (i, k) in keys.iter().enumerate() {
             let slot = self.arena.slot(k);
             match slot.and_then(|s| self.arena.nodes[s as usize].chunk) {
                 None => {
@@ -349,18 +344,18 @@ impl CpuOffloadingManager {
                         threshold < 2 || self.tracker.get(k).map_or(0, |e| e.0) >= threshold;
                     if admitted {
                         ghost_candidates |= slot.is_some();
-                        if !(has_dups && candidates.contains(k)) {
-                            candidates.push(*k);
+                        if !(has_dups && candidates.iter().any(|&c| keys[c] == *k)) {
+                            candidates.push(i);
                         }
                         if records {
-                            recorded.push(*k);
+                            recorded.push(i);
                         }
                     }
                 }
                 Some(c) if c.ref_cnt >= 0 => {
                     if records {
-                        ready_existing.push(*k);
-                        recorded.push(*k);
+                        ready_existing.push(i);
+                        recorded.push(i);
                     }
                 }
                 Some(_) => {}
@@ -368,30 +363,48 @@ impl CpuOffloadingManager {
         }
         let scoped = access.request.is_some();
         let mut ctx = self.take_ctx(access);
-        Self::learn_positions(&mut ctx, keys, access);
+        let at = ctx.admit(keys);
+        Self::learn_positions(&mut ctx, &at, access);
         if ghost_candidates {
             // Only ARC has ghosts. LRU's `on_store_miss` is `touch` of absent keys: nothing to do.
-            for k in candidates.iter().rev() {
-                if !ctx.store_misses.contains(k) {
-                    self.policy
-                        .on_store_miss(&mut self.arena, k, self.config.capacity_chunks);
+            for &i in candidates.iter().rev() {
+                if !ctx.at(at[i]).store_miss {
+                    self.policy.on_store_miss(
+                        &mut self.arena,
+                        &keys[i],
+                        self.config.capacity_chunks,
+                    );
                 }
             }
         }
         if scoped {
-            ctx.store_misses.extend(candidates.iter().copied());
+            for &i in &candidates {
+                ctx.at(at[i]).store_miss = true;
+            }
         }
-        self.record_access(&mut ctx, &recorded, access, &ready_existing);
-        let out = self.allocate(&mut ctx, &sorted, candidates, ghost_candidates, scoped);
+        self.record_access(&mut ctx, keys, &at, &recorded, &ready_existing, access);
+        let out = self.allocate(
+            &mut ctx,
+            keys,
+            &at,
+            &sorted,
+            &candidates,
+            ghost_candidates,
+            scoped,
+        );
         self.put_ctx(access, ctx);
         out
     }
 
+    /// Reserves chunks for `candidates` (indices into the call's `keys`, scope indices `at`).
+    #[allow(clippy::too_many_arguments)]
     fn allocate(
         &mut self,
         ctx: &mut RequestAccess,
+        keys: &[OffloadKey],
+        at: &[u32],
         sorted_offer: &[OffloadKey],
-        candidates: Vec<OffloadKey>,
+        candidates: &[usize],
         ghost_candidates: bool,
         scoped: bool,
     ) -> Option<PrepareStoreOutput> {
@@ -424,7 +437,8 @@ impl CpuOffloadingManager {
             evicted = victims;
         }
         let mut chunks = Vec::with_capacity(candidates.len());
-        for k in &candidates {
+        for &i in candidates {
+            let k = keys[i];
             let chunk = if self.next_fresh < self.config.capacity_chunks {
                 self.next_fresh += 1;
                 ChunkId(self.next_fresh - 1)
@@ -435,26 +449,29 @@ impl CpuOffloadingManager {
             };
             // An absent key may still have a node: an ARC ghost.
             let ghost = if ghost_candidates {
-                self.arena.slot(k)
+                self.arena.slot(&k)
             } else {
                 None
             };
             let s = match ghost {
                 Some(s) => s,
-                None => self.arena.alloc(*k),
+                None => self.arena.alloc(k),
             };
             self.arena.nodes[s as usize].chunk = Some(Chunk { ref_cnt: -1, chunk });
             self.arena.stored += 1;
+            let position = ctx.at(at[i]).position;
             self.policy
-                .insert(&mut self.arena.nodes, s, &ctx.positions, &mut ctx.lru_rank);
+                .insert(&mut self.arena.nodes, s, position, &mut ctx.lru_rank);
             chunks.push(chunk);
         }
         self.write_pending += candidates.len() as u32;
         if scoped {
-            ctx.inserted.extend(candidates.iter().copied());
+            for &i in candidates {
+                ctx.at(at[i]).inserted = true;
+            }
         }
         Some(PrepareStoreOutput {
-            keys_to_store: candidates,
+            keys_to_store: candidates.iter().map(|&i| keys[i]).collect(),
             chunks,
             evicted,
         })
@@ -513,21 +530,9 @@ impl CpuOffloadingManager {
         let Some(ctx) = self.requests.remove(&request) else {
             return;
         };
-        let mut ordered: Vec<OffloadKey> = Vec::new();
-        for keys in ctx.key_groups.values() {
-            let mut keys = keys.clone();
-            if keys.iter().all(|k| ctx.positions.contains_key(k)) {
-                keys.sort_by_key(|k| ctx.positions[k]);
-            }
-            ordered.extend(keys);
-        }
-        // `order_request_keys`: one head-to-tail order across groups when every key has a
-        // position.
-        if ordered.iter().all(|k| ctx.positions.contains_key(k)) {
-            ordered.sort_by_key(|k| ctx.positions[k]);
-        }
+        let ordered = ctx.commit_order();
         self.policy
-            .on_request_finished(&mut self.arena, &ordered, &ctx.inserted, &ctx.reused);
+            .on_request_finished(&mut self.arena, &ordered, &ctx);
     }
 
     /// The events since the last call, in order: stored (`removed: false`) and removed keys.

@@ -14,12 +14,12 @@
 //! | a store fails (`complete_store`) | — (the key is in no list) | leaves T1/T2 |
 //! | `on_request_finished` | fresh ranks | reused → T2, inserted refreshed |
 
-use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::vec::Vec;
 
 use super::arc::Arc;
 use super::arena::{Arena, Node};
 use super::lru::Lru;
+use super::scope::RequestAccess;
 use super::types::{ChunkId, OffloadKey, PolicyKind};
 use crate::InvariantViolation;
 
@@ -62,17 +62,16 @@ impl Policy {
         }
     }
 
-    /// A request accessed keys for the first time (in first-access order); `positions` and
-    /// `request_rank` are the request scope's.
+    /// A request accessed keys for the first time; `positioned` are those of them whose
+    /// position is known, in access order, and `request_rank` is the scope's LRU rank.
     pub(super) fn on_request_access(
         &mut self,
         arena: &mut Arena,
-        positions: &BTreeMap<OffloadKey, u32>,
+        positioned: &[(OffloadKey, u32)],
         request_rank: &mut Option<u64>,
-        keys: &[OffloadKey],
     ) {
         if let Self::Lru(lru) = self {
-            lru.on_request_access(arena, positions, request_rank, keys);
+            lru.on_request_access(arena, positioned, request_rank);
         }
     }
 
@@ -83,16 +82,17 @@ impl Policy {
         }
     }
 
-    /// A key that was just given a chunk for a store (write-pending).
+    /// A key that was just given a chunk for a store (write-pending), at `position` of the
+    /// storing request if known.
     pub(super) fn insert(
         &mut self,
         nodes: &mut [Node],
         s: u32,
-        positions: &BTreeMap<OffloadKey, u32>,
+        position: Option<u32>,
         request_rank: &mut Option<u64>,
     ) {
         match self {
-            Self::Lru(lru) => lru.insert(nodes, s, positions, request_rank),
+            Self::Lru(lru) => lru.insert(nodes, s, position, request_rank),
             Self::Arc(arc) => arc.insert(nodes, s),
         }
     }
@@ -122,18 +122,17 @@ impl Policy {
         }
     }
 
-    /// A request finished: its keys in prefix order (`ordered`), those it inserted and those it
-    /// reused.
+    /// A request finished: its keys in prefix order (`ordered`); its `scope` says which it
+    /// inserted and which it reused.
     pub(super) fn on_request_finished(
         &mut self,
         arena: &mut Arena,
         ordered: &[OffloadKey],
-        inserted: &BTreeSet<OffloadKey>,
-        reused: &BTreeSet<OffloadKey>,
+        scope: &RequestAccess,
     ) {
         match self {
             Self::Lru(lru) => lru.on_request_finished(arena, ordered),
-            Self::Arc(arc) => arc.on_request_finished(arena, ordered, inserted, reused),
+            Self::Arc(arc) => arc.on_request_finished(arena, ordered, scope),
         }
     }
 

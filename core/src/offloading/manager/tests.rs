@@ -4,7 +4,9 @@
 
 use super::arena::{List, Node, Place};
 use super::policy::Policy;
+use super::scope::{KeyAccess, RequestAccess};
 use super::*;
+use crate::BlockHash;
 
 /// Nodes 0, 1, 2 linked in that order.
 fn three() -> (List, Vec<Node>) {
@@ -97,4 +99,99 @@ fn check_invariants_reports_a_corrupt_manager() {
         let err = m.check_invariants().expect_err(what);
         assert_eq!(err.id, "I-40", "{what}: {}", err.detail);
     }
+}
+
+// The request scope (`scope.rs`).
+
+fn key(hash: u64, group: u32) -> OffloadKey {
+    OffloadKey {
+        hash: BlockHash(hash),
+        group,
+    }
+}
+
+fn admit_all(s: &mut RequestAccess, keys: &[OffloadKey], f: impl Fn(&mut KeyAccess)) {
+    for i in s.admit(keys) {
+        f(s.at(i));
+    }
+}
+
+// Protects the model checker's state identity: the same facts in another arrival order
+// make an equal scope.
+#[test]
+fn arrival_order_does_not_show() {
+    let (mut a, mut b) = (RequestAccess::default(), RequestAccess::default());
+    admit_all(&mut a, &[key(3, 0), key(1, 0)], |e| e.inserted = true);
+    admit_all(&mut a, &[key(2, 1)], |e| e.reused = true);
+    admit_all(&mut b, &[key(2, 1)], |e| e.reused = true);
+    admit_all(&mut b, &[key(1, 0)], |e| e.inserted = true);
+    admit_all(&mut b, &[key(3, 0)], |e| e.inserted = true);
+    a.prune();
+    b.prune();
+    assert_eq!(a, b);
+    admit_all(&mut b, &[key(3, 0)], |e| e.store_miss = true);
+    assert_ne!(a, b);
+    // A key named by a call but given no fact leaves no trace.
+    admit_all(&mut a, &[key(8, 0)], |_| ());
+    a.prune();
+    admit_all(&mut a, &[key(3, 0)], |e| e.store_miss = true);
+    assert_eq!(a, b);
+}
+
+// Protects the first-access order the policy commits at the end: per group, in the order
+// of first access, later accesses not moving a key; indices from `admit` follow merges.
+#[test]
+fn first_access_order_is_kept_per_group() {
+    let mut s = RequestAccess::default();
+    for k in [
+        key(9, 0),
+        key(5, 1),
+        key(1, 0),
+        key(9, 0),
+        key(7, 0),
+        key(5, 1),
+        key(2, 1),
+    ] {
+        let at = s.admit(&[k]);
+        s.see(at[0]);
+    }
+    assert_eq!(
+        s.commit_order(),
+        alloc::vec![key(9, 0), key(1, 0), key(7, 0), key(5, 1), key(2, 1)]
+    );
+    let keys = [key(4, 0), key(0, 0), key(4, 0), key(1, 0)];
+    let at = s.admit(&keys);
+    for (n, (&i, k)) in at.iter().zip(&keys).enumerate() {
+        assert_eq!(s.at(i).key, *k);
+        s.at(i).position = Some(n as u32);
+    }
+    assert_eq!(
+        s.get(&key(4, 0)).unwrap().position,
+        Some(2),
+        "the later position wins"
+    );
+    assert_eq!(
+        s.get(&key(0, 0)).unwrap().seen,
+        None,
+        "a position is not an access"
+    );
+    assert!(s.has_positions());
+    // Every seen key of group 0 has a position now: that group goes by position.
+    for k in [key(9, 0), key(1, 0), key(7, 0)] {
+        let at = s.admit(&[k]);
+        s.at(at[0]).position = Some(10 - k.hash.0 as u32);
+    }
+    assert_eq!(
+        s.commit_order(),
+        alloc::vec![key(9, 0), key(7, 0), key(1, 0), key(5, 1), key(2, 1)]
+    );
+    // And once every seen key has one, all of them go by position.
+    for (k, p) in [(key(5, 1), 0), (key(2, 1), 20)] {
+        let at = s.admit(&[k]);
+        s.at(at[0]).position = Some(p);
+    }
+    assert_eq!(
+        s.commit_order(),
+        alloc::vec![key(5, 1), key(9, 0), key(7, 0), key(1, 0), key(2, 1)]
+    );
 }
