@@ -300,17 +300,19 @@ impl Engine {
             core_time += self.clock.now().saturating_sub(t);
         }
         let f = &mut self.figures;
+        // One timer for the whole step (not one per report): a rank task that ended without
+        // reporting (it panicked) must not leave the engine waiting forever.
+        let mut check = self.clock.sleep(RANK_CHECK);
         for _ in 0..self.to_ranks.len() {
             let rep = loop {
                 tokio::select! {
                     biased;
                     r = self.reports.recv() => break r,
-                    // A rank task that ended without reporting (it panicked) must not leave
-                    // the engine waiting forever.
-                    () = self.clock.sleep(RANK_CHECK) => {
+                    () = &mut check => {
                         if let Some(r) = self.handles.iter().position(JoinHandle::is_finished) {
                             return Err(RunError::RankGone { rank: r as u32 });
                         }
+                        check = self.clock.sleep(RANK_CHECK);
                     }
                 }
             };

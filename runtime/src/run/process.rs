@@ -234,8 +234,9 @@ async fn drain_stats(frames: &mut mpsc::Receiver<Result<Up, WireError>>) -> Opti
 /// `kvrelay run --workers process`. Exits 0 when the engine closed the connection after the
 /// last step, 1 on any error (printed on stderr).
 pub fn worker_main(socket: &Path, rank: u32) -> ExitCode {
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
+    // One thread for the link, the frame reader and the rank task: a step's frames then hop
+    // between tasks, not threads (copies run on the rank's copy thread).
+    let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
