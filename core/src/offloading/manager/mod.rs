@@ -88,6 +88,17 @@ pub struct CpuOffloadingManager {
     tracker_tick: u64,
 }
 
+/// What a call does with one of its keys in the request's scope (`record_access`).
+#[derive(Clone, Copy, Debug, Eq, PartialEq)]
+enum Mark {
+    /// Not recorded.
+    Skip,
+    /// Recorded as an access.
+    Recorded,
+    /// Recorded as an access, and reused (a load, or a ready key in a store offer).
+    Reused,
+}
+
 /// vLLM's `max_tracker_size` default.
 const MAX_TRACKER_SIZE: usize = 64_000;
 
@@ -154,8 +165,8 @@ impl CpuOffloadingManager {
         let mut ctx = self.take_ctx(access);
         let at = ctx.admit(keys);
         Self::learn_positions(&mut ctx, &at, access);
-        let all: Vec<usize> = (0..keys.len()).collect();
-        self.record_access(&mut ctx, keys, &at, &all, &all, access);
+        let marks = alloc::vec![Mark::Reused; keys.len()];
+        self.record_access(&mut ctx, keys, &at, &marks, access);
         self.put_ctx(access, ctx);
         Ok(out)
     }
@@ -229,47 +240,50 @@ impl CpuOffloadingManager {
     }
 
     /// `_record_request_cache_access`: first accesses in order (the LRU's provisional ranks),
-    /// and the reused keys that were not inserted by this request. `recorded` and `reused`
-    /// index the call's `keys` (scope indices `at`); positions must have been learnt from the
-    /// whole call first.
+    /// and the reused keys that were not inserted by this request. `marks` says, per key of
+    /// the call (scope indices `at`), whether it is recorded and whether reused; positions
+    /// must have been learnt from the whole call first.
     fn record_access(
         &mut self,
         ctx: &mut RequestAccess,
         keys: &[OffloadKey],
         at: &[u32],
-        recorded: &[usize],
-        reused: &[usize],
+        marks: &[Mark],
         access: Access<'_>,
     ) {
-        let positioned = |ctx: &mut RequestAccess, i: &usize| {
-            let p = ctx.at(at[*i]).position;
-            p.map(|p| (keys[*i], p))
-        };
+        let recorded = || (0..keys.len()).filter(|&i| marks[i] != Mark::Skip);
         if access.request.is_none() {
             // A fresh scope that is dropped after this call: only the provisional LRU ranks of
             // keys with positions outlive it.
             if ctx.has_positions() {
-                let ranked: Vec<(OffloadKey, u32)> =
-                    recorded.iter().filter_map(|i| positioned(ctx, i)).collect();
+                let ranked: Vec<(OffloadKey, u32)> = recorded()
+                    .filter_map(|i| ctx.at(at[i]).position.map(|p| (keys[i], p)))
+                    .collect();
                 self.policy
                     .on_request_access(&mut self.arena, &ranked, &mut ctx.lru_rank);
             }
             return;
         }
-        let first: Vec<usize> = recorded
-            .iter()
-            .copied()
-            .filter(|&i| ctx.see(at[i]))
-            .collect();
-        if !first.is_empty() {
-            let ranked: Vec<(OffloadKey, u32)> =
-                first.iter().filter_map(|i| positioned(ctx, i)).collect();
+        // First accesses, and of them those with a position (for the LRU).
+        let mut first = false;
+        let mut ranked: Vec<(OffloadKey, u32)> = Vec::new();
+        for i in recorded() {
+            if ctx.see(at[i]) {
+                first = true;
+                if let Some(p) = ctx.at(at[i]).position {
+                    ranked.push((keys[i], p));
+                }
+            }
+        }
+        if first {
             self.policy
                 .on_request_access(&mut self.arena, &ranked, &mut ctx.lru_rank);
         }
-        for &i in reused {
-            let a = ctx.at(at[i]);
-            a.reused |= !a.inserted;
+        for i in 0..keys.len() {
+            if marks[i] == Mark::Reused {
+                let a = ctx.at(at[i]);
+                a.reused |= !a.inserted;
+            }
         }
     }
 
@@ -325,12 +339,11 @@ impl CpuOffloadingManager {
         let mut sorted: Vec<OffloadKey> = keys.to_vec();
         sorted.sort_unstable();
         let has_dups = sorted.windows(2).any(|w| w[0] == w[1]);
-        // Indices into `keys`: the store candidates (first occurrences), the ready keys, and
-        // the keys recorded as accesses of the request (candidates that passed the threshold,
-        // and ready keys).
+        // The store candidates (indices into `keys`, first occurrences), and per key whether it
+        // is recorded as an access of the request (candidates that passed the threshold, and
+        // ready keys) and whether reused (ready keys).
         let mut candidates: Vec<usize> = Vec::new();
-        let mut ready_existing: Vec<usize> = Vec::new();
-        let mut recorded: Vec<usize> = Vec::new();
+        let mut marks = alloc::vec![Mark::Skip; keys.len()];
         // An unscoped call without positions records nothing (see `record_access`).
         let records = access.request.is_some() || access.positions.is_some_and(|p| !p.is_empty());
         // Whether a candidate has a node (an ARC ghost); if none has, none gains one before
@@ -348,14 +361,13 @@ impl CpuOffloadingManager {
                             candidates.push(i);
                         }
                         if records {
-                            recorded.push(i);
+                            marks[i] = Mark::Recorded;
                         }
                     }
                 }
                 Some(c) if c.ref_cnt >= 0 => {
                     if records {
-                        ready_existing.push(i);
-                        recorded.push(i);
+                        marks[i] = Mark::Reused;
                     }
                 }
                 Some(_) => {}
@@ -382,7 +394,7 @@ impl CpuOffloadingManager {
                 ctx.at(at[i]).store_miss = true;
             }
         }
-        self.record_access(&mut ctx, keys, &at, &recorded, &ready_existing, access);
+        self.record_access(&mut ctx, keys, &at, &marks, access);
         let out = self.allocate(
             &mut ctx,
             keys,

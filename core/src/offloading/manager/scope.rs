@@ -77,31 +77,35 @@ impl RequestAccess {
     /// further search.
     pub(super) fn admit(&mut self, keys: &[OffloadKey]) -> Vec<u32> {
         let find = |v: &[KeyAccess], k: &OffloadKey| v.binary_search_by(|a| a.key.cmp(k));
+        // Until new keys are merged in: the old index of a present key, `u32::MAX` for a new one.
         let mut at = Vec::with_capacity(keys.len());
         let mut fresh = Vec::new();
-        if self.keys.is_empty() {
-            fresh.extend_from_slice(keys);
-        } else {
-            for k in keys {
-                match find(&self.keys, k) {
-                    Ok(i) => at.push(i as u32),
-                    Err(_) => fresh.push(*k),
+        for k in keys {
+            match find(&self.keys, k) {
+                Ok(i) => at.push(i as u32),
+                Err(_) => {
+                    fresh.push(*k);
+                    at.push(u32::MAX);
                 }
             }
-            if fresh.is_empty() {
-                return at;
-            }
+        }
+        if fresh.is_empty() {
+            return at;
         }
         fresh.sort_unstable();
         fresh.dedup();
-        self.merge(&fresh);
+        let placed = self.merge(&fresh);
         self.admitted_new = true;
-        at.clear();
-        for k in keys {
-            let i = find(&self.keys, k);
-            at.push(
-                i.unwrap_or_else(|_| unreachable!("every key of the call was merged in")) as u32,
-            );
+        // After the merge a present key moved up by the new keys below it, and a new key is
+        // where the merge put it: one search in the (short) list of new keys each, none in the
+        // scope.
+        for (i, k) in at.iter_mut().zip(keys) {
+            let below = fresh.partition_point(|f| f < k);
+            *i = if *i == u32::MAX {
+                placed[below]
+            } else {
+                *i + below as u32
+            };
         }
         at
     }
@@ -123,9 +127,10 @@ impl RequestAccess {
     }
 
     /// Merges sorted keys absent from the scope, in place from the back (no allocation when
-    /// the scope has room).
-    fn merge(&mut self, fresh: &[OffloadKey]) {
+    /// the scope has room); returns where each of them now is.
+    fn merge(&mut self, fresh: &[OffloadKey]) -> Vec<u32> {
         let old_len = self.keys.len();
+        let mut placed = alloc::vec![0u32; fresh.len()];
         self.keys
             .resize(old_len + fresh.len(), KeyAccess::new(fresh[0]));
         let (mut i, mut j, mut w) = (old_len, fresh.len(), self.keys.len());
@@ -137,8 +142,10 @@ impl RequestAccess {
             } else {
                 j -= 1;
                 self.keys[w] = KeyAccess::new(fresh[j]);
+                placed[j] = w as u32;
             }
         }
+        placed
     }
 
     /// Marks the entry at `i` accessed: `true` (and it gets the next index of its group's

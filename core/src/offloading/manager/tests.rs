@@ -195,3 +195,37 @@ fn first_access_order_is_kept_per_group() {
         alloc::vec![key(5, 1), key(9, 0), key(7, 0), key(1, 0), key(2, 1)]
     );
 }
+
+// Protects `admit`'s indices (every later fact of a call is set through them): after merges of
+// new keys among old ones, duplicates included, each index names its key, and the scope stays
+// sorted with one entry per key.
+#[test]
+fn admitted_indices_name_their_keys() {
+    let mut s = RequestAccess::default();
+    let mut x: u64 = 7;
+    for round in 0..200u32 {
+        let keys: Vec<OffloadKey> = (0..1 + round % 9)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                key((x >> 33) % 97, (x >> 20) as u32 % 2)
+            })
+            .collect();
+        let at = s.admit(&keys);
+        for (&i, k) in at.iter().zip(&keys) {
+            assert_eq!(s.at(i).key, *k, "round {round}");
+            assert!(
+                s.get(k).is_some(),
+                "round {round}: the scope is out of order"
+            );
+        }
+        // Give every key a fact so that `prune` keeps them.
+        for &i in &at {
+            s.at(i).store_miss = true;
+        }
+        s.prune();
+    }
+    let all = s.admit(&[]);
+    assert!(all.is_empty());
+}
