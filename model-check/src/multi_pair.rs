@@ -140,7 +140,7 @@ pub enum ChildWorker {
     /// The P/D worker.
     Pd(PdWorker),
     /// kvrelay's offloading worker.
-    Offloading(OffloadingWorker),
+    Offloading(Box<OffloadingWorker>),
 }
 
 /// Forwards a metadata-taking call to the worker of the metadata's kind.
@@ -344,9 +344,9 @@ impl Connectors for MultiPair {
                     ChildKind::Pd(role) => {
                         ChildWorker::Pd(PdPair { role, fault: None }.worker(rank, model))
                     }
-                    ChildKind::Offloading(fault) => {
-                        ChildWorker::Offloading(OffloadingPair { fault }.worker(rank, model))
-                    }
+                    ChildKind::Offloading(fault) => ChildWorker::Offloading(Box::new(
+                        OffloadingPair { fault }.worker(rank, model),
+                    )),
                 })
                 .collect(),
         )

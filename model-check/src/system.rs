@@ -112,6 +112,9 @@ pub mod property_names {
     pub const DELAYED_FREE: &str = "a finished request's blocks are held until its send completes";
     /// `sometimes`: a state with every request finished and nothing in flight.
     pub const ALL_DONE: &str = "all requests finished, nothing in flight";
+    /// `sometimes`: a store transfer failed (its chunks were freed, `strict`) and still every
+    /// request finished with nothing in flight.
+    pub const STORE_FAILED_DONE: &str = "a store fails and every request still finishes";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -184,6 +187,10 @@ pub trait Connectors: Clone + fmt::Debug + Eq + core::hash::Hash + Send + Sync +
     fn load_may_fail(&self, _load: &Transfer) -> bool {
         false
     }
+    /// Whether the environment may fail this store. Default: no store fails.
+    fn store_may_fail(&self, _store: &Transfer) -> bool {
+        false
+    }
 }
 
 /// The external location of prompt block `index` of `request` on the remote prefill instance
@@ -244,6 +251,7 @@ impl Connectors for OffloadingPair {
             blocks_per_chunk: model.blocks_per_chunk,
             is_store_writer: true,
             bytes_per_block: 1,
+            mode: model.mode,
         })
     }
 
@@ -251,17 +259,36 @@ impl Connectors for OffloadingPair {
         c.inner.check_invariants()
     }
 
-    /// Flushes, preemption, resumption from offloaded chunks and a clean end. (A load of chunks
+    /// Flushes, preemption, resumption from offloaded chunks and a clean end; with transfer
+    /// failures, a failed load recomputed and a failed store survived. (A load of chunks
     /// another request stored is not expected: in the small presets the shared prefix stays in
     /// the GPU prefix cache; no exhaustive or random run so far reached it.)
-    fn expected_examples(&self, _config: &SystemConfig) -> Vec<&'static str> {
+    fn expected_examples(&self, config: &SystemConfig) -> Vec<&'static str> {
         use property_names as n;
-        vec![
+        let mut v = vec![
             n::FLUSHED,
             n::PREEMPTED,
             n::RESUMED_FROM_OFFLOAD,
             n::ALL_DONE,
-        ]
+        ];
+        if config.load_failures > 0 {
+            v.push(n::LOAD_FAILED_RECOMPUTED);
+        }
+        if config.store_failures > 0 {
+            v.push(n::STORE_FAILED_DONE);
+        }
+        v
+    }
+
+    /// Any offloading transfer may fail (the configuration bounds how many): `strict` workers
+    /// absorb the failure, `compat` ones stop with vLLM's assertion as a sticky error (which
+    /// [`Connectors::check_worker`] reports).
+    fn load_may_fail(&self, _load: &Transfer) -> bool {
+        true
+    }
+
+    fn store_may_fail(&self, _store: &Transfer) -> bool {
+        true
     }
 
     fn describe_meta(&self, meta: &OffloadingConnectorMeta) -> String {
@@ -633,6 +660,9 @@ pub struct SystemConfig {
     pub resets: u32,
     /// Load transfers the environment may fail (a failed load leaves its blocks half-written).
     pub load_failures: u32,
+    /// Store transfers the environment may fail (a failed store leaves its external slots
+    /// half-written).
+    pub store_failures: u32,
     /// Transfers of one rank complete in submission order (`false`: in any order).
     pub ordered_completions: bool,
     /// Consecutive engine steps without progress (see the module docs).
@@ -665,6 +695,7 @@ impl SystemConfig {
             aborts: 1,
             resets: 0,
             load_failures: 0,
+            store_failures: 0,
             ordered_completions: true,
             idle_steps: 1,
             faults: EnvFaults::default(),
@@ -863,6 +894,7 @@ pub struct Ghost {
     shared_loaded: bool,
     recomputed_after_failure: bool,
     delayed_free: bool,
+    store_failed: bool,
     /// Consecutive steps without progress.
     idle: u32,
 }
@@ -898,6 +930,8 @@ pub struct SystemState<P: Connectors> {
     pub resets_left: u32,
     /// Load failures left.
     pub failures_left: u32,
+    /// Store failures left.
+    pub store_failures_left: u32,
     /// Property history.
     pub ghost: Ghost,
 }
@@ -1034,7 +1068,7 @@ pub struct SystemModel<P: Connectors> {
 }
 
 /// The number of properties [`SystemModel`] declares (some filtered out per connector pair).
-const PROPERTIES: usize = 15;
+const PROPERTIES: usize = 16;
 
 impl<P: Connectors> Clone for SystemModel<P> {
     /// The same model, with no discovery reported yet.
@@ -1169,6 +1203,7 @@ impl<P: Connectors> SystemModel<P> {
             aborts_left: c.aborts,
             resets_left: c.resets,
             failures_left: c.load_failures,
+            store_failures_left: c.store_failures,
             ghost: Ghost {
                 recv_reports: vec![0; n],
                 recv_failed: vec![0; n],
@@ -1207,6 +1242,12 @@ impl<P: Connectors> SystemModel<P> {
 
     fn schedule(&self, s: &mut SystemState<P>) {
         let before = s.scheduler().connector().clone();
+        let statuses = |s: &SystemState<P>| -> Vec<Option<RequestStatus>> {
+            (0..s.arrived)
+                .map(|i| s.scheduler().status(RequestId(i)))
+                .collect()
+        };
+        let statuses_before = statuses(s);
         let st = match s.engine.schedule() {
             Ok(st) => st.step,
             Err(e) => {
@@ -1215,11 +1256,14 @@ impl<P: Connectors> SystemModel<P> {
                 return;
             }
         };
-        // A step that schedules nothing, preempts nothing and leaves the connector as it was
-        // only spins. (A step that only preempts frees blocks: the next one may admit.)
+        // A step that schedules nothing, preempts nothing, changes no request's status and
+        // leaves the connector as it was only spins. (A step that only preempts frees blocks:
+        // the next one may admit; one that only promotes a finished load — strict defers a
+        // request whose failed load gave its blocks back — admits it in the next.)
         if st.output.num_scheduled_tokens.is_empty()
             && st.output.preempted_req_ids.is_empty()
             && *s.scheduler().connector() == before
+            && statuses(s) == statuses_before
         {
             s.ghost.idle += 1;
         } else {
@@ -1472,14 +1516,19 @@ impl<P: Connectors> SystemModel<P> {
         };
         let t = s.ranks[rank].in_flight.remove(pos);
         s.ghost.idle = 0;
-        if !ok {
-            s.failures_left = s.failures_left.saturating_sub(1);
-        }
         let domain = if self.pair.shared_external() { 0 } else { rank };
         let req = t.transfer.request;
         match (t.transfer.direction, ok) {
-            // The environment fails loads only (`load_may_fail`).
-            (TransferDirection::Store, false) => {}
+            (TransferDirection::Store, false) => {
+                // The transfer stopped part-way: its external slots hold neither the old nor
+                // the new bytes (a later load of them would serve garbage: DATA catches it).
+                s.store_failures_left = s.store_failures_left.saturating_sub(1);
+                s.ghost.store_failed = true;
+                for slot in &t.transfer.external {
+                    s.ranks[domain].external.insert(*slot, CORRUPT);
+                    s.ghost.stored_by.remove(slot);
+                }
+            }
             (TransferDirection::Store, true) => {
                 if s.scheduler()
                     .status(req)
@@ -1500,6 +1549,7 @@ impl<P: Connectors> SystemModel<P> {
             (TransferDirection::Load, false) => {
                 // The transfer stopped part-way: its blocks hold neither the old nor the new
                 // bytes.
+                s.failures_left = s.failures_left.saturating_sub(1);
                 if let Some(f) = s.ghost.load_failed.get_mut(req.index()) {
                     *f = true;
                 }
@@ -1875,10 +1925,15 @@ impl<P: Connectors> Model for SystemModel<P> {
                     job: t.transfer.job,
                     ok: true,
                 });
-                if s.failures_left > 0
-                    && t.transfer.direction == TransferDirection::Load
-                    && self.pair.load_may_fail(&t.transfer)
-                {
+                let may_fail = match t.transfer.direction {
+                    TransferDirection::Load => {
+                        s.failures_left > 0 && self.pair.load_may_fail(&t.transfer)
+                    }
+                    TransferDirection::Store => {
+                        s.store_failures_left > 0 && self.pair.store_may_fail(&t.transfer)
+                    }
+                };
+                if may_fail {
                     actions.push(SystemAction::Complete {
                         rank: Rank(i as u32),
                         job: t.transfer.job,
@@ -2005,6 +2060,12 @@ impl<P: Connectors> Model for SystemModel<P> {
             }),
             Property::sometimes(n::ALL_DONE, |m: &Self, s: &SystemState<P>| {
                 m.first(14, s.ghost.violations.is_empty() && m.quiescent(s))
+            }),
+            Property::sometimes(n::STORE_FAILED_DONE, |m: &Self, s: &SystemState<P>| {
+                m.first(
+                    15,
+                    s.ghost.store_failed && s.ghost.violations.is_empty() && m.quiescent(s),
+                )
             }),
         ];
         debug_assert_eq!(all.len(), PROPERTIES);

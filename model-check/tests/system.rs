@@ -125,3 +125,35 @@ fn environment_faults_are_found_in_the_ci_config() {
         );
     }
 }
+
+/// The ci configuration with one load and one store failure (issue 22): strict workers absorb
+/// them — a failed load is recomputed, a failed store's chunks are freed so no load serves its
+/// half-written slots — and every property holds exhaustively; compat keeps vLLM's assertion,
+/// which the model reports as a core violation (the engine would have to stop).
+#[test]
+fn strict_absorbs_transfer_failures_and_compat_stops_on_them() {
+    use kvrelay_core::Mode;
+    use system_properties as n;
+    let failing = |mode| SystemConfig {
+        mode,
+        load_failures: 1,
+        store_failures: 1,
+        ..SystemConfig::ci()
+    };
+    let report = run(failing(Mode::Strict), &CheckOptions::default());
+    assert_eq!(report.stop, Stop::Exhaustive);
+    for p in &report.properties {
+        assert!(p.holds, "{} {:?}: {:#?}", p.expectation, p.name, p.path);
+    }
+    for sometimes in [n::LOAD_FAILED_RECOMPUTED, n::STORE_FAILED_DONE] {
+        let p = report.property(sometimes).expect("expected with failures");
+        assert!(p.path.is_some(), "{sometimes}: an example");
+    }
+    // Pinned (see ci_config_explores_exhaustively_and_every_property_holds).
+    assert_eq!(report.unique_states, 116_736);
+
+    let report = run(failing(Mode::Compat), &CheckOptions::default());
+    assert!(!report.passed());
+    let failure = report.first_failure().expect("a failure");
+    assert_eq!(failure.name, n::CORE);
+}

@@ -281,13 +281,25 @@ where
 
 /// [`OffloadMeta`] values: up to 4 jobs out of `0..8` with counts mostly in `0..4` (sometimes
 /// next to `u32::MAX`, to cover the wrapping count addition), and `bytes`/`transfers` mostly
-/// small (sometimes next to `u64::MAX`, to cover saturation). All are mergeable.
+/// small (sometimes next to `u64::MAX`, to cover saturation); some jobs marked failed (strict
+/// workers). All are mergeable.
 pub fn offload_meta_strategy() -> BoxedStrategy<OffloadMeta> {
     let count = prop_oneof![4 => 0u32..4, 1 => (u32::MAX - 2)..=u32::MAX];
     let stat = || prop_oneof![4 => 0u64..1_000, 1 => (u64::MAX - 2)..=u64::MAX];
-    (vec((0u64..8, count), 0..5), stat(), stat())
-        .prop_map(|(counts, bytes, transfers)| {
+    (
+        vec((0u64..8, count), 0..5),
+        vec(0u64..8, 0..2),
+        stat(),
+        stat(),
+    )
+        .prop_map(|(counts, failed, bytes, transfers)| {
             let mut meta = OffloadMeta::from_counts(counts.into_iter().map(|(j, n)| (JobId(j), n)));
+            for j in failed {
+                // Only a completed job can be failed: `mark_failed` also sets its count to 1.
+                if meta.count(JobId(j)) > 0 {
+                    meta.mark_failed(JobId(j));
+                }
+            }
             meta.bytes = bytes;
             meta.transfers = transfers;
             meta

@@ -49,6 +49,7 @@ fn use_offloading_step(step: ScheduledStep<OffloadingConnectorMeta>) {
         blocks_per_chunk: 2,
         is_store_writer: true,
         bytes_per_block: 1,
+        mode: kvrelay_core::Mode::Compat,
     });
     let mut cmds = w.handle_preemptions(&step.meta);
     w.bind(&step.meta);
@@ -116,48 +117,59 @@ proptest! {
     }
 }
 
-/// An [`OffloadMeta`] whose jobs are unsorted, repeated, or not matched one to one by counts is
-/// refused when decoded (before the fix, `add` and `count` indexed past the counts and
-/// panicked). The wire layout is the struct's: jobs, counts, bytes, transfers.
+/// An [`OffloadMeta`] whose jobs are unsorted, repeated, or not matched one to one by counts,
+/// or whose failed jobs are unsorted or not completed jobs, is refused when decoded (before the
+/// fix, `add` and `count` indexed past the counts and panicked). The wire layout is the
+/// struct's: jobs, counts, failed, bytes, transfers.
 #[test]
 fn malformed_offload_metadata_is_refused() {
     #[derive(serde::Serialize)]
     struct Raw {
         jobs: Vec<u64>,
         counts: Vec<u32>,
+        failed: Vec<u64>,
         bytes: u64,
         transfers: u64,
     }
-    let enc = |jobs: Vec<u64>, counts: Vec<u32>| {
+    let enc = |jobs: Vec<u64>, counts: Vec<u32>, failed: Vec<u64>| {
         postcard::to_allocvec(&Raw {
             jobs,
             counts,
+            failed,
             bytes: 0,
             transfers: 0,
         })
         .unwrap()
     };
-    let ok = enc(vec![1, 4], vec![1, 2]);
+    let ok = enc(vec![1, 4], vec![1, 2], vec![4]);
     let m: OffloadMeta = postcard::from_bytes(&ok).unwrap();
     assert_eq!(m.count(JobId(4)), 2);
-    for (jobs, counts) in [
-        (vec![4, 1], vec![1, 1]),
-        (vec![1, 1], vec![1, 1]),
-        (vec![1, 2, 3], vec![1]),
-        (vec![1], vec![1, 1]),
+    assert!(m.is_failed(JobId(4)) && !m.is_failed(JobId(1)));
+    for (jobs, counts, failed) in [
+        (vec![4, 1], vec![1, 1], vec![]),
+        (vec![1, 1], vec![1, 1], vec![]),
+        (vec![1, 2, 3], vec![1], vec![]),
+        (vec![1], vec![1, 1], vec![]),
+        (vec![1, 2], vec![1, 1], vec![2, 1]),
+        (vec![1, 2], vec![1, 1], vec![3]),
     ] {
-        let bytes = enc(jobs.clone(), counts.clone());
+        let bytes = enc(jobs.clone(), counts.clone(), failed.clone());
         assert!(
             postcard::from_bytes::<OffloadMeta>(&bytes).is_err(),
-            "jobs {jobs:?} counts {counts:?}"
+            "jobs {jobs:?} counts {counts:?} failed {failed:?}"
         );
     }
-    // The same rule holds for JSON.
+    // The same rule holds for JSON, where `failed` may be left out (no job failed).
     let e = serde_json::from_str::<OffloadMeta>(
         r#"{"jobs": [2, 1], "counts": [1, 1], "bytes": 0, "transfers": 0}"#,
     )
     .unwrap_err();
     assert!(e.to_string().contains("strictly ascending"), "{e}");
+    let m = serde_json::from_str::<OffloadMeta>(
+        r#"{"jobs": [1, 2], "counts": [1, 1], "bytes": 0, "transfers": 0}"#,
+    )
+    .unwrap();
+    assert!(m.failed_jobs().is_empty());
 }
 
 /// `multi` metadata nests at most [`MAX_META_DEPTH`] deep when decoded: deeper input is an error,

@@ -188,6 +188,7 @@ fn errors_come_through_the_driver_and_stick() {
             blocks_per_chunk: 1,
             is_store_writer: true,
             bytes_per_block: 1,
+            mode: kvrelay_core::Mode::Compat,
         }),
     );
     let e = off

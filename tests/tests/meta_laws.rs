@@ -74,6 +74,12 @@ proptest! {
         prop_assert_eq!(jobs, union.into_iter().collect::<Vec<_>>());
         prop_assert_eq!(m.bytes, a.bytes.saturating_add(b.bytes));
         prop_assert_eq!(m.transfers, a.transfers.saturating_add(b.transfers));
+        // A job that failed on any rank is failed (strict workers), and only a completed one.
+        for j in (0..8).map(JobId) {
+            prop_assert_eq!(m.is_failed(j), a.is_failed(j) || b.is_failed(j));
+        }
+        prop_assert!(m.failed_jobs().windows(2).all(|w| w[0] < w[1]));
+        prop_assert!(m.failed_jobs().iter().all(|&j| m.completed_jobs().any(|(c, _)| c == j)));
     }
 
     /// S10 / I-31: the MultiConnector's build is `None` iff every child built `None`, and slot i

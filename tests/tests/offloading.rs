@@ -90,6 +90,7 @@ impl Sim {
         let w = off.num_workers as usize;
         assert_eq!(writers.len(), w);
         let per_rank = rank_config(&config, 1);
+        let mode = config.mode;
         let conn = OffloadingConnector::new(off.clone(), &config).unwrap();
         let engine = EngineCore::new(config, conn, off.num_workers).unwrap();
         let ranks = writers
@@ -99,6 +100,7 @@ impl Sim {
                     blocks_per_chunk: off.blocks_per_chunk,
                     is_store_writer,
                     bytes_per_block: 64,
+                    mode,
                 });
                 RankDriver::new(per_rank.clone(), worker)
             })
@@ -1225,6 +1227,7 @@ fn worker_reports_head_of_line_and_errors_on_unknown_completions() {
         blocks_per_chunk: 1,
         is_store_writer: true,
         bytes_per_block: 8,
+        mode: kvrelay_core::Mode::Compat,
     });
     let job = |r: u32, b: u64| TransferJob {
         request: rid(r),
@@ -1278,6 +1281,128 @@ fn worker_reports_head_of_line_and_errors_on_unknown_completions() {
     assert_eq!(
         w.error(),
         Some(kvrelay_core::WorkerError::UnknownJob(JobId(7)))
+    );
+}
+
+/// A worker of `mode` with one async load (job 0, request 1, block 1), one sync load (job 1,
+/// request 2, blocks 2 and 3 of `sync_groups` groups) and one store (job 2, request 3, block 4)
+/// in flight, as one step submits them.
+fn worker_with_three_jobs(mode: kvrelay_core::Mode, sync_groups: usize) -> OffloadingWorker {
+    use kvrelay_core::{GpuSpec, TransferJob};
+    let mut w = OffloadingWorker::new(OffloadingWorkerConfig {
+        blocks_per_chunk: 1,
+        is_store_writer: true,
+        bytes_per_block: 8,
+        mode,
+    });
+    let job = |r: u32, blocks: Vec<Vec<u64>>, sync: bool| TransferJob {
+        request: rid(r),
+        gpu: GpuSpec {
+            block_indices: vec![0; blocks.len()],
+            block_ids: blocks
+                .iter()
+                .map(|g| g.iter().map(|&b| BlockId(b)).collect())
+                .collect(),
+        },
+        chunks: blocks
+            .iter()
+            .map(|g| g.iter().map(|&b| ChunkId(b as u32)).collect())
+            .collect(),
+        sync,
+    };
+    let sync_blocks = if sync_groups == 1 {
+        vec![vec![2, 3]]
+    } else {
+        vec![vec![2], vec![3]]
+    };
+    let mut meta = OffloadingConnectorMeta::default();
+    meta.load_jobs
+        .insert(JobId(0), job(1, vec![vec![1]], false));
+    meta.load_jobs.insert(JobId(1), job(2, sync_blocks, true));
+    meta.store_jobs
+        .insert(JobId(2), job(3, vec![vec![4]], false));
+    assert!(w.handle_preemptions(&meta).is_empty());
+    w.bind(&meta);
+    assert_eq!(
+        w.start_load_kv().len(),
+        3,
+        "two starts and the sync load's wait"
+    );
+    assert!(w.wait_for_save().is_empty());
+    w.clear();
+    // The store is deferred to the next step's start.
+    w.handle_preemptions(&OffloadingConnectorMeta::default());
+    w.bind(&OffloadingConnectorMeta::default());
+    w
+}
+
+#[test]
+fn a_strict_worker_reports_failed_transfers_instead_of_stopping() {
+    // Protects the strict absorption of transfer failures (issue 22, SEMANTICS.md strict
+    // departures): a failed async load reports its request in finished_recving and
+    // failed_recving, a failed sync load its blocks as load errors, a failed store a failed
+    // acknowledgement; nothing is sticky, and every job is acknowledged exactly once.
+    let mut w = worker_with_three_jobs(kvrelay_core::Mode::Strict, 1);
+    for job in 0..3 {
+        w.handle_transfer_done(TransferDone {
+            job: JobId(job),
+            ok: false,
+        });
+    }
+    assert_eq!(w.error(), None);
+    w.check_invariants().unwrap();
+    let r = w.get_transfer_results(&SortedSet::new());
+    assert_eq!(r.finished_recving, Some(SortedSet::from_vec(vec![rid(1)])));
+    assert_eq!(r.failed_recving, SortedSet::from_vec(vec![rid(1)]));
+    assert_eq!(
+        w.get_block_ids_with_load_errors(),
+        SortedSet::from_vec(vec![BlockId(2), BlockId(3)])
+    );
+    let Some(Meta::Offload(m)) = w.build_connector_worker_meta() else {
+        panic!("acknowledgements")
+    };
+    assert_eq!(
+        m.completed_jobs().collect::<Vec<_>>(),
+        vec![(JobId(0), 1), (JobId(1), 1), (JobId(2), 1)]
+    );
+    assert_eq!(m.failed_jobs(), &[JobId(0), JobId(1), JobId(2)]);
+    assert_eq!(
+        (m.transfers, m.bytes),
+        (0, 0),
+        "failed transfers move nothing"
+    );
+    assert_eq!(w.in_flight().count(), 0);
+    w.check_invariants().unwrap();
+}
+
+#[test]
+fn a_compat_worker_stops_on_a_failed_transfer_as_vllm_asserts() {
+    // Protects compat (vLLM asserts `success`): the failure is a sticky typed error and the job
+    // is never acknowledged.
+    let mut w = worker_with_three_jobs(kvrelay_core::Mode::Compat, 1);
+    w.handle_transfer_done(TransferDone {
+        job: JobId(2),
+        ok: false,
+    });
+    assert_eq!(
+        w.error(),
+        Some(kvrelay_core::WorkerError::TransferFailed(JobId(2)))
+    );
+    assert!(w.in_flight().any(|j| j == JobId(2)));
+}
+
+#[test]
+fn a_strict_sync_load_over_several_groups_fails_as_in_compat() {
+    // Protects the documented limit: block-level load errors need one KV cache group (vLLM's
+    // scheduler rejects them otherwise), so such a failure stays a sticky error.
+    let mut w = worker_with_three_jobs(kvrelay_core::Mode::Strict, 2);
+    w.handle_transfer_done(TransferDone {
+        job: JobId(1),
+        ok: false,
+    });
+    assert_eq!(
+        w.error(),
+        Some(kvrelay_core::WorkerError::TransferFailed(JobId(1)))
     );
 }
 

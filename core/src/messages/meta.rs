@@ -81,6 +81,11 @@ pub enum Meta {
 /// A rank marks each job it finished (or acknowledged without transferring) with count 1; merge
 /// adds counts per job, and adds `bytes` and `transfers`.
 ///
+/// `failed` is kvrelay's addition for [`Mode::Strict`](crate::Mode::Strict) (vLLM asserts that
+/// transfers never fail): the completed jobs whose transfer failed on some rank. A failed job is
+/// still an acknowledgement (it counts towards the job's quorum); merge takes the union, so a job
+/// that failed on any rank is failed. Always empty under `compat`.
+///
 /// Jobs and counts are kept in two parallel arrays sorted by job. Job ids are strictly
 /// increasing and every rank of a step usually completes the same jobs, so the common merge is
 /// one slice comparison and one vectorisable addition of counts.
@@ -91,6 +96,8 @@ pub struct OffloadMeta {
     jobs: Vec<JobId>,
     /// `counts[i]` is the count of `jobs[i]`.
     counts: Vec<u32>,
+    /// Completed jobs whose transfer failed, ascending, each one of `jobs`.
+    failed: Vec<JobId>,
     /// Bytes moved.
     pub bytes: u64,
     /// Transfers performed.
@@ -102,6 +109,8 @@ pub struct OffloadMeta {
 struct OffloadMetaWire {
     jobs: Vec<JobId>,
     counts: Vec<u32>,
+    #[serde(default)]
+    failed: Vec<JobId>,
     bytes: u64,
     transfers: u64,
 }
@@ -118,9 +127,16 @@ impl TryFrom<OffloadMetaWire> for OffloadMeta {
         if w.jobs.windows(2).any(|p| p[0] >= p[1]) {
             return Err("offload metadata jobs must be strictly ascending");
         }
+        if w.failed.windows(2).any(|p| p[0] >= p[1]) {
+            return Err("offload metadata failed jobs must be strictly ascending");
+        }
+        if w.failed.iter().any(|j| w.jobs.binary_search(j).is_err()) {
+            return Err("offload metadata failed jobs must be completed jobs");
+        }
         Ok(Self {
             jobs: w.jobs,
             counts: w.counts,
+            failed: w.failed,
             bytes: w.bytes,
             transfers: w.transfers,
         })
@@ -269,9 +285,29 @@ impl OffloadMeta {
         Self {
             jobs,
             counts,
+            failed: Vec::new(),
             bytes: 0,
             transfers: 0,
         }
+    }
+
+    /// Records that this rank's transfer of `job` failed ([`Mode::Strict`](crate::Mode::Strict)
+    /// only): an acknowledgement (count 1) that says so.
+    pub fn mark_failed(&mut self, job: JobId) {
+        self.mark_completed(job);
+        if let Err(at) = self.failed.binary_search(&job) {
+            self.failed.insert(at, job);
+        }
+    }
+
+    /// The completed jobs whose transfer failed on some rank, ascending.
+    pub fn failed_jobs(&self) -> &[JobId] {
+        &self.failed
+    }
+
+    /// Whether `job` failed on some rank.
+    pub fn is_failed(&self, job: JobId) -> bool {
+        self.failed.binary_search(&job).is_ok()
     }
 
     /// Records that this rank completed `job` (count 1, as `mark_completed` does).
@@ -311,6 +347,12 @@ impl OffloadMeta {
     pub fn add(&mut self, other: &OffloadMeta) {
         self.bytes = self.bytes.saturating_add(other.bytes);
         self.transfers = self.transfers.saturating_add(other.transfers);
+        if !other.failed.is_empty() {
+            let mut failed: Vec<JobId> = self.failed.iter().chain(&other.failed).copied().collect();
+            failed.sort_unstable();
+            failed.dedup();
+            self.failed = failed;
+        }
         // Fast path: the same jobs on both sides (the common case): add the counts in place.
         // Counts add modulo 2^32 (wrapping keeps the addition vectorisable and the merge a
         // commutative monoid; a count is bounded by the number of ranks, far below 2^32).

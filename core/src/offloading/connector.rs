@@ -197,6 +197,7 @@ impl SchedulerConnector for OffloadingConnector {
                 is_sync_load: sync,
                 fenced: Vec::new(),
                 deferred_fence: Vec::new(),
+                failed: false,
             },
         );
         self.batch.load_jobs.insert(
@@ -306,12 +307,14 @@ impl SchedulerConnector for OffloadingConnector {
                 continue;
             }
             j.pending -= count;
+            j.failed |= meta.is_failed(job);
             if j.pending > 0 {
                 continue;
             }
             let j = self.jobs.remove(&job).expect("present above");
             if j.is_store {
-                self.manager.complete_store(&j.keys, true);
+                // A store that failed on any rank left its chunks incomplete: freed.
+                self.manager.complete_store(&j.keys, !j.failed);
             } else {
                 if let Err(e) = self.manager.complete_load(&j.keys) {
                     self.fail(ConnectorError::StoreRefused {

@@ -154,6 +154,9 @@ struct JobStatus {
     fenced: Vec<BlockId>,
     /// Full-attention sources, fenced once the request finished.
     deferred_fence: Vec<BlockId>,
+    /// Some rank acknowledged the job as failed (`strict` workers only): a store then completes
+    /// with `success = false` and its chunks are freed.
+    failed: bool,
 }
 
 impl Batch {

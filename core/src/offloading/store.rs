@@ -198,6 +198,7 @@ impl OffloadingConnector {
                 is_sync_load: false,
                 fenced,
                 deferred_fence: deferred,
+                failed: false,
             },
         );
         store_jobs.insert(

@@ -25,6 +25,7 @@ fn job(request: RequestId, kind: char) -> JobStatus {
         is_sync_load: kind == 'y',
         fenced: Vec::new(),
         deferred_fence: Vec::new(),
+        failed: false,
     }
 }
 

@@ -23,9 +23,24 @@
 //!
 //! # Errors
 //!
-//! vLLM asserts that transfers never fail and that specs are well formed. Here a failed or
-//! unknown completion, or a job whose host chunks do not cover its GPU blocks, is kept as a
-//! sticky [`WorkerError`] ([`OffloadingWorker::error`]); the job is not acknowledged.
+//! vLLM asserts that transfers never fail and that specs are well formed. Here an unknown
+//! completion, or a job whose host chunks do not cover its GPU blocks, is kept as a sticky
+//! [`WorkerError`] ([`OffloadingWorker::error`]); the job is not acknowledged.
+//!
+//! A failed transfer (`TransferDone { ok: false }`) depends on the mode
+//! ([`OffloadingWorkerConfig::mode`]):
+//!
+//! * [`Mode::Compat`]: where vLLM asserts, a sticky [`WorkerError::TransferFailed`]; the job is
+//!   never acknowledged, so the engine must stop.
+//! * [`Mode::Strict`]: absorbed. The job is reported in its queue's order like any other, as a
+//!   failed acknowledgement ([`OffloadMeta::mark_failed`]): the scheduler side then frees a
+//!   failed store's chunks (`complete_store(success = false)`). A failed async load also reports
+//!   its request in `failed_recving` (with `finished_recving`), so the scheduler recomputes or
+//!   fails it per `load_failure_policy`; a failed sync load reports its GPU blocks from
+//!   `get_block_ids_with_load_errors` (block-level, as vLLM's scheduler handles them). A sync
+//!   load that spans several KV cache groups cannot be reported block by block (the scheduler
+//!   accepts block-level errors for one group only, as vLLM does): its failure stays a sticky
+//!   `TransferFailed`, documented in SEMANTICS.md's strict departures.
 
 use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
 use alloc::vec::Vec;
@@ -43,7 +58,7 @@ use crate::worker::TransferDone;
 use crate::worker::TransferResults;
 use crate::worker::WorkerConnector;
 use crate::worker::WorkerError;
-use crate::{InvariantViolation, ensure_invariant};
+use crate::{InvariantViolation, Mode, ensure_invariant};
 
 /// Configuration of one rank's offloading worker.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -55,6 +70,19 @@ pub struct OffloadingWorkerConfig {
     pub is_store_writer: bool,
     /// Bytes of one GPU block on this rank, for the transfer statistics.
     pub bytes_per_block: u64,
+    /// What a failed transfer does (see the module docs): a sticky error (`compat`, where vLLM
+    /// asserts) or a failed acknowledgement the scheduler absorbs (`strict`).
+    pub mode: Mode,
+}
+
+/// An in-flight load: what its failure reports under [`Mode::Strict`].
+#[derive(Clone, Debug, Eq, Hash, PartialEq)]
+enum Load {
+    /// An async load of this request: `finished_recving` (and `failed_recving` on failure).
+    Async(RequestId),
+    /// A sync load (its request runs this step): its GPU blocks become load errors on failure;
+    /// `None` under `compat` or when the blocks span several groups (not reportable by block).
+    Sync(Option<Vec<BlockId>>),
 }
 
 /// The three DMA queues of `CPUOffloadingWorker`, reported in this order.
@@ -73,14 +101,18 @@ pub struct OffloadingWorker {
     bound: Option<OffloadingConnectorMeta>,
     /// Jobs flushed by this step's `handle_preemptions`.
     flushed: BTreeSet<JobId>,
-    /// In-flight loads: the request of async ones, `None` for sync ones.
-    load_jobs: BTreeMap<JobId, Option<RequestId>>,
+    /// In-flight loads.
+    load_jobs: BTreeMap<JobId, Load>,
     /// Stores deferred to the start of the next step.
     unsubmitted: Vec<(JobId, TransferJob)>,
     /// Submitted transfers per queue, in submission order, with their block count.
     queues: [VecDeque<(JobId, u64)>; 3],
     /// Submitted transfers whose completion was fed back, not yet reported.
     done: BTreeSet<JobId>,
+    /// The subset of `done` whose transfer failed (`strict` only).
+    failed: BTreeSet<JobId>,
+    /// GPU blocks of failed sync loads, for the next `get_block_ids_with_load_errors`.
+    load_errors: Vec<BlockId>,
     /// Acknowledgements since the last `build_connector_worker_meta`.
     completed: OffloadMeta,
     error: Option<WorkerError>,
@@ -97,6 +129,8 @@ impl OffloadingWorker {
             unsubmitted: Vec::new(),
             queues: [VecDeque::new(), VecDeque::new(), VecDeque::new()],
             done: BTreeSet::new(),
+            failed: BTreeSet::new(),
+            load_errors: Vec::new(),
             completed: OffloadMeta::new(),
             error: None,
         }
@@ -163,23 +197,32 @@ impl OffloadingWorker {
         })
     }
 
+    /// Queues `job` and emits its `Start`; `false` (and a sticky error) when it is malformed.
     fn submit(
         &mut self,
         id: JobId,
         job: &TransferJob,
         queue: Queue,
         out: &mut Vec<TransferCommand>,
-    ) {
+    ) -> bool {
         let dir = match queue {
             Queue::Store => TransferDirection::Store,
             Queue::Load | Queue::Expedited => TransferDirection::Load,
         };
         let Some(t) = self.transfer(id, job, dir) else {
             self.fail(WorkerError::MalformedJob(id));
-            return;
+            return false;
         };
+        if queue == Queue::Expedited {
+            // What a failure of this sync load reports (strict, one group only).
+            let one_group = t.groups.windows(2).all(|p| p[0] == p[1]);
+            let blocks =
+                (self.config.mode == Mode::Strict && one_group).then(|| t.gpu_blocks.clone());
+            self.load_jobs.insert(id, Load::Sync(blocks));
+        }
         self.queues[queue as usize].push_back((id, t.gpu_blocks.len() as u64));
         out.push(TransferCommand::Start(t));
+        true
     }
 
     fn submit_deferred_stores(&mut self, out: &mut Vec<TransferCommand>) {
@@ -205,6 +248,13 @@ impl OffloadingWorker {
                 seen.contains(j),
                 "I-46",
                 "completion of {j:?} kept for a job not queued"
+            );
+        }
+        for j in &self.failed {
+            ensure_invariant!(
+                self.done.contains(j),
+                "I-46",
+                "failure of {j:?} kept without its completion"
             );
         }
         for j in self.load_jobs.keys() {
@@ -280,17 +330,13 @@ impl WorkerConnector for OffloadingWorker {
         for (&id, job) in &meta.load_jobs {
             if job.sync {
                 // Its request runs this step: no finished_recving.
-                self.load_jobs.insert(id, None);
-                self.submit(id, job, Queue::Expedited, &mut out);
-                sync.push(id);
-            } else {
-                self.load_jobs.insert(id, Some(job.request));
-                self.submit(id, job, Queue::Load, &mut out);
+                if self.submit(id, job, Queue::Expedited, &mut out) {
+                    sync.push(id);
+                }
+            } else if self.submit(id, job, Queue::Load, &mut out) {
+                self.load_jobs.insert(id, Load::Async(job.request));
             }
         }
-        let queues = &self.queues;
-        self.load_jobs
-            .retain(|j, _| queues.iter().flatten().any(|&(q, _)| q == *j));
         self.bound = Some(meta);
         let sync: Vec<JobId> = sync
             .into_iter()
@@ -324,40 +370,58 @@ impl WorkerConnector for OffloadingWorker {
             return;
         }
         if !done.ok {
-            self.fail(WorkerError::TransferFailed(done.job));
-            return;
+            let absorbed = self.config.mode == Mode::Strict
+                && !matches!(self.load_jobs.get(&done.job), Some(Load::Sync(None)));
+            if !absorbed {
+                self.fail(WorkerError::TransferFailed(done.job));
+                return;
+            }
+            self.failed.insert(done.job);
         }
         self.done.insert(done.job);
     }
 
     fn get_transfer_results(&mut self, _finished: &SortedSet<RequestId>) -> TransferResults {
         let mut recving = Vec::new();
+        let mut failed_recving = Vec::new();
         for q in 0..self.queues.len() {
             while let Some(&(job, blocks)) = self.queues[q].front() {
                 if !self.done.remove(&job) {
                     break;
                 }
                 self.queues[q].pop_front();
-                self.completed.transfers += 1;
-                self.completed.bytes = self
-                    .completed
-                    .bytes
-                    .saturating_add(blocks.saturating_mul(self.config.bytes_per_block));
-                self.acknowledge(job);
-                if let Some(Some(req)) = self.load_jobs.remove(&job) {
-                    recving.push(req);
+                let failed = self.failed.remove(&job);
+                if failed {
+                    self.completed.mark_failed(job);
+                } else {
+                    self.completed.transfers += 1;
+                    self.completed.bytes = self
+                        .completed
+                        .bytes
+                        .saturating_add(blocks.saturating_mul(self.config.bytes_per_block));
+                    self.acknowledge(job);
+                }
+                match self.load_jobs.remove(&job) {
+                    Some(Load::Async(req)) => {
+                        recving.push(req);
+                        if failed {
+                            failed_recving.push(req);
+                        }
+                    }
+                    Some(Load::Sync(Some(blocks))) if failed => self.load_errors.extend(blocks),
+                    _ => {}
                 }
             }
         }
         TransferResults {
             finished_sending: None,
             finished_recving: (!recving.is_empty()).then(|| SortedSet::from_vec(recving)),
-            failed_recving: SortedSet::new(),
+            failed_recving: SortedSet::from_vec(failed_recving),
         }
     }
 
     fn get_block_ids_with_load_errors(&mut self) -> SortedSet<BlockId> {
-        SortedSet::new()
+        SortedSet::from_vec(core::mem::take(&mut self.load_errors))
     }
 
     fn build_connector_worker_meta(&mut self) -> Option<Meta> {
@@ -393,18 +457,22 @@ mod tests {
             blocks_per_chunk: 1,
             is_store_writer: true,
             bytes_per_block: 1,
+            mode: Mode::Compat,
         });
         fresh.check_invariants().unwrap();
         let mut queued = fresh.clone();
         queued.queues[0].push_back((JobId(1), 1));
         queued.check_invariants().unwrap();
-        let corruptions: [fn(&mut OffloadingWorker); 3] = [
+        let corruptions: [fn(&mut OffloadingWorker); 4] = [
             |w| w.queues[1].push_back((JobId(1), 1)),
             |w| {
                 w.done.insert(JobId(2));
             },
             |w| {
-                w.load_jobs.insert(JobId(3), None);
+                w.load_jobs.insert(JobId(3), Load::Sync(None));
+            },
+            |w| {
+                w.failed.insert(JobId(1));
             },
         ];
         for corrupt in corruptions {

@@ -265,7 +265,19 @@ impl<C: SchedulerConnector> Scheduler<C> {
             n.min(pass.budget)
         };
         let reserved = if hit.load_async {
-            let ids: Vec<RequestId> = self.state.inflight_prefills.iter().copied().collect();
+            // vLLM (compat) counts every in-flight prefill's reservation, the request's own
+            // included when a failed load left it in the set (`_inflight_prefills` is not
+            // cleared by `_update_waiting_for_remote_kv`): admitting it again as an async load
+            // then needs its blocks twice, and in a pool that holds them once it never runs.
+            // Strict leaves the request's own reservation out.
+            let strict = self.state.config.mode == Mode::Strict;
+            let ids: Vec<RequestId> = self
+                .state
+                .inflight_prefills
+                .iter()
+                .copied()
+                .filter(|&p| !(strict && p == id))
+                .collect();
             ids.iter().map(|&p| self.state.remaining_blocks(p)).sum()
         } else {
             0

@@ -154,10 +154,15 @@ pub struct CheckArgs {
     /// reset_connector_cache calls the environment may issue.
     #[arg(long, value_name = "N", help_heading = "System model")]
     pub(super) resets: Option<u32>,
-    /// Load transfers the environment may fail (connectors with remote loads: pd) [default: 1
-    /// for pd, 0 otherwise].
+    /// Load transfers the environment may fail (pd: remote loads; offloading: any load, absorbed
+    /// under --mode strict, vLLM's assertion as an error under compat) [default: 1 for pd, 0
+    /// otherwise].
     #[arg(long, value_name = "N", help_heading = "System model")]
     pub(super) load_failures: Option<u32>,
+    /// Store transfers the environment may fail (offloading: the failed store's chunks are
+    /// freed under --mode strict; vLLM's assertion as an error under compat) [default: 0].
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    pub(super) store_failures: Option<u32>,
     /// Consecutive engine steps without progress that are explored.
     #[arg(long, value_name = "N", help_heading = "System model")]
     pub(super) idle_steps: Option<u32>,
@@ -373,6 +378,7 @@ pub(super) fn model_flags_given(
         (a.connector.is_some(), "--connector", SYSTEM),
         (a.pd_role.is_some(), "--pd-role", SYSTEM),
         (a.load_failures.is_some(), "--load-failures", SYSTEM),
+        (a.store_failures.is_some(), "--store-failures", SYSTEM),
         (a.idle_steps.is_some(), "--idle-steps", SYSTEM),
         (a.policy.is_some(), "--policy", SYSTEM),
         (a.sliding_window.is_some(), "--sliding-window", SYSTEM),

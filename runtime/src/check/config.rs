@@ -85,6 +85,7 @@ pub(super) fn system(a: &CheckArgs) -> Result<SystemSetup, CheckError> {
         c.prefix_caching = false;
     }
     set(&mut c.load_failures, a.load_failures);
+    set(&mut c.store_failures, a.store_failures);
     let connector = a.connector.unwrap_or(ConnectorArg::Offloading);
     if matches!(connector, ConnectorArg::Pd | ConnectorArg::Multi) && a.load_failures.is_none() {
         c.load_failures = 1;
@@ -131,6 +132,13 @@ pub(super) fn system(a: &CheckArgs) -> Result<SystemSetup, CheckError> {
             "--fault {} applies to --connector {}, not {}",
             value_name(f),
             names.join(", "),
+            value_name(connector)
+        )));
+    }
+    if c.store_failures > 0 && connector != ConnectorArg::Offloading {
+        return Err(invalid(format!(
+            "--store-failures applies to --connector offloading (the {} connector's stores \
+             cannot fail in the model)",
             value_name(connector)
         )));
     }
@@ -195,6 +203,7 @@ impl SystemSetup {
             ("aborts", c.aborts.to_string()),
             ("resets", c.resets.to_string()),
             ("load_failures", c.load_failures.to_string()),
+            ("store_failures", c.store_failures.to_string()),
             ("idle_steps", c.idle_steps.to_string()),
             ("policy", policy_name(c.policy)),
             ("sliding_window", optional(c.sliding_window)),

@@ -215,6 +215,7 @@ impl OffloadEngine {
                     blocks_per_chunk: c.blocks_per_chunk,
                     is_store_writer: !c.non_writers.contains(&r),
                     bytes_per_block: c.bytes_per_block,
+                    mode: sc.mode,
                 });
                 RankDriver::new(rank_config.clone(), worker)
             })

@@ -201,6 +201,7 @@ impl Engine {
                 block_size: c.block_size,
                 blocks_per_chunk: c.blocks_per_chunk,
                 groups: sc.groups.clone(),
+                mode: sc.mode,
                 check: c.check,
                 corrupt_first_load: c.corrupt_first_load && r == 0,
                 vanish_after_steps: c.vanish_after_steps.filter(|_| r == 0),

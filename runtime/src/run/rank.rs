@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvrelay_core::{
-    BlockId, GroupKind, JobId, KvLayout, OffloadingConnectorMeta, OffloadingWorker,
+    BlockId, GroupKind, JobId, KvLayout, Mode, OffloadingConnectorMeta, OffloadingWorker,
     OffloadingWorkerConfig, RankAction, RankConfig, RankDriver, RequestId, ScheduledStep, StepId,
     Token, Transfer, TransferDirection, TransferDone, WorkerCall, WorkerOutput, copy_plan,
 };
@@ -105,6 +105,8 @@ pub(crate) struct RankSetup {
     pub(crate) block_size: u32,
     pub(crate) blocks_per_chunk: u32,
     pub(crate) groups: Vec<GroupKind>,
+    /// The offloading worker's mode: what a failed transfer does (the engine's mode).
+    pub(crate) mode: Mode,
     pub(crate) check: bool,
     pub(crate) corrupt_first_load: bool,
     /// Test-only fault: stop silently after this many steps (a crashed rank).
@@ -146,6 +148,7 @@ impl RankSetup {
             blocks_per_chunk: self.blocks_per_chunk,
             is_store_writer: true,
             bytes_per_block: self.gpu.block_bytes() * u64::from(self.gpu.layers()),
+            mode: self.mode,
         });
         let rc = RankConfig {
             layers: self.gpu.layers(),

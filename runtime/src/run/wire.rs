@@ -23,7 +23,7 @@ use kvrelay_core::{
 use super::rank::{RankSetup, RankStats};
 
 /// The wire version; a frame of another version is refused.
-pub const WIRE_VERSION: u32 = 2;
+pub const WIRE_VERSION: u32 = 3;
 /// The largest frame accepted, in bytes.
 pub const MAX_FRAME: u32 = 64 << 20;
 
@@ -180,6 +180,7 @@ mod tests {
             block_size: 4,
             blocks_per_chunk: 1,
             groups: vec![GroupKind::FullAttention],
+            mode: kvrelay_core::Mode::Compat,
             check: true,
             corrupt_first_load: false,
             vanish_after_steps: None,
@@ -192,7 +193,7 @@ mod tests {
     #[test]
     fn golden_bytes() {
         let hello = encode(&Up::Hello { rank: 3 });
-        assert_eq!(hello, [6, 0, 0, 0, 2, 0, 0, 0, 0, 3]);
+        assert_eq!(hello, [6, 0, 0, 0, 3, 0, 0, 0, 0, 3]);
         let out = encode(&Up::Output {
             step: StepId(5),
             output: WorkerOutput {
@@ -204,7 +205,7 @@ mod tests {
         assert_eq!(
             out,
             [
-                20, 0, 0, 0, 2, 0, 0, 0, 1, 5, 1, 1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0
+                21, 0, 0, 0, 3, 0, 0, 0, 1, 5, 1, 1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0
             ],
             "{out:?}"
         );
@@ -219,7 +220,7 @@ mod tests {
             tokens: vec![(RequestId(1), vec![300])],
             forget: vec![RequestId(4)],
         });
-        assert_eq!(&step[..9], [step.len() as u8 - 4, 0, 0, 0, 2, 0, 0, 0, 1]);
+        assert_eq!(&step[..9], [step.len() as u8 - 4, 0, 0, 0, 3, 0, 0, 0, 1]);
         let back: Down = decode_body(&step[4..]).unwrap();
         assert!(
             matches!(back, Down::Step { ref tokens, .. } if tokens == &vec![(RequestId(1), vec![300])])
