@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use kvrelay_runtime::check::{self, CheckArgs};
 use kvrelay_runtime::run::args::{self as run_args, RunArgs};
+use kvrelay_runtime::run::sim_args::{self, SimArgs};
 use kvrelay_runtime::{bench, conformance};
 
 /// kvrelay: the KV-cache connector layer whose lifecycle is a model-checked state machine.
@@ -71,6 +72,15 @@ enum Command {
     /// expected `sometimes` example is missing, 2 on bad flags.
     #[command(after_long_help = check::HELP)]
     Check(Box<CheckArgs>),
+    /// Simulate the runtime deterministically with injected faults, one seed per run: transfers
+    /// that fail or are slow, frames delayed or duplicated, aborts, cache resets, a lost rank.
+    ///
+    /// Every run checks every machine's invariants after every step and every loaded or read KV
+    /// byte, then (faults off) must end quiescent with nothing left behind, or in the stop its
+    /// faults call for. Prints a summary (--json for machines); a failing seed, the command that
+    /// replays it.
+    #[command(after_long_help = sim_args::HELP)]
+    Sim(SimArgs),
 }
 
 fn main() -> ExitCode {
@@ -87,6 +97,7 @@ fn main() -> ExitCode {
         Command::Conformance { paths } => run_conformance(&paths),
         Command::Bench { case, repeat, json } => run_bench(&case, repeat, json),
         Command::Check(args) => check::run(&args),
+        Command::Sim(args) => sim_args::run(&args),
     }
 }
 

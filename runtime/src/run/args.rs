@@ -80,6 +80,10 @@ pub struct RunArgs {
     /// CPU eviction policy [default: lru].
     #[arg(long, value_parser = ["lru", "arc"])]
     pub policy: Option<String>,
+    /// Semantics: compat (vLLM 0.33.0's) or strict (kvrelay's departures where vLLM loses
+    /// something) [default: compat].
+    #[arg(long, value_parser = ["compat", "strict"])]
+    pub mode: Option<String>,
     /// Steps scheduled ahead: 1 (synchronous) or 2 (async scheduling) [default: 1].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=2))]
     pub async_depth: Option<u32>,
@@ -148,6 +152,13 @@ impl RunArgs {
                 PolicyKind::Arc
             } else {
                 PolicyKind::Lru
+            };
+        }
+        if let Some(m) = &self.mode {
+            c.mode = if m == "strict" {
+                kvrelay_core::Mode::Strict
+            } else {
+                kvrelay_core::Mode::Compat
             };
         }
         c.check |= self.check;

@@ -18,6 +18,10 @@ use kvrelay_core::{RequestId, Token};
 /// `0` marks a slot never written (a rolling hash is never 0: see [`roll`]).
 pub(crate) const UNWRITTEN: u64 = 0;
 
+/// Marks a slot a failed transfer left half-written: no token has this prefix hash (as far as a
+/// 64-bit hash can promise), so a check that expects real content there reports it.
+pub(crate) const POISON: u64 = u64::MAX;
+
 pub(crate) fn mix(mut z: u64) -> u64 {
     // splitmix64's finaliser.
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);

@@ -390,6 +390,7 @@ fn complete_loop(
             copies: i.job.runs.len() as u64,
             elapsed,
             result,
+            failed: false,
         };
         if done.blocking_send(out).is_err() {
             return;

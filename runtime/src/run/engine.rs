@@ -21,9 +21,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvrelay_core::{
-    EngineCore, GroupKind, KvLayout, LayoutError, LayoutOrder, ManagerConfig, Mode,
-    OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta, Rank, RequestId, RequestOutput,
-    RequestSpec, ScheduledStep, SchedulerConfig, StepId, Token,
+    EngineCore, GroupKind, KvLayout, LayoutError, LayoutOrder, ManagerConfig, OffloadingConfig,
+    OffloadingConnector, OffloadingConnectorMeta, Rank, RequestId, RequestOutput, RequestSpec,
+    ScheduledStep, SchedulerConfig, StepId, Token,
 };
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
@@ -55,6 +55,9 @@ pub(crate) struct Figures {
     pub(crate) scheduled_ahead: u64,
     /// Loads reported complete (`finished_recving`, summed over ranks).
     pub(crate) loads_reported: u64,
+    /// Rank reports refused before they reached the core: a second report of a rank for a
+    /// step, or one for a step that is not running (a duplicated or stale frame).
+    pub(crate) reports_rejected: u64,
     /// Per request, its computed tokens when first scheduled (prefix hit + loaded).
     pub(crate) reused: HashMap<RequestId, u32>,
     /// Engine-side time per step (schedule, rank outputs, apply), in µs.
@@ -95,6 +98,8 @@ pub struct Engine {
     at_ranks: Option<StepId>,
     /// A step scheduled ahead (async scheduling), not yet sent.
     ahead: Option<ScheduledStep<OffloadingConnectorMeta>>,
+    /// Free GPU blocks of the fresh engine (what [`Engine::leaks`] expects back).
+    free_blocks: u32,
     pub(crate) figures: Figures,
 }
 
@@ -172,7 +177,7 @@ impl Engine {
             enable_prefix_caching: true,
             enable_chunked_prefill: true,
             async_depth: c.async_depth,
-            mode: Mode::Compat,
+            mode: c.mode,
             ..SchedulerConfig::default()
         };
         let off = OffloadingConfig::new(
@@ -187,6 +192,7 @@ impl Engine {
         let connector =
             OffloadingConnector::new(off, &sc).map_err(|e| RunError::Config(e.to_string()))?;
         let core = EngineCore::new(sc.clone(), connector, c.ranks)?;
+        let free_blocks = core.scheduler().view().num_free_blocks();
 
         let wake = Arc::new(Notify::new());
         let (report_tx, reports) = mpsc::channel::<RankReport>(c.ranks as usize);
@@ -225,6 +231,7 @@ impl Engine {
             forget: Vec::new(),
             at_ranks: None,
             ahead: None,
+            free_blocks,
             figures: Figures {
                 backend,
                 trace: Recorder::new(c.trace_out.is_some()),
@@ -304,7 +311,9 @@ impl Engine {
         // One timer for the whole step (not one per report): a rank task that ended without
         // reporting (it panicked) must not leave the engine waiting forever.
         let mut check = self.clock.sleep(RANK_CHECK);
-        for _ in 0..self.to_ranks.len() {
+        let mut reported = vec![false; self.to_ranks.len()];
+        let mut left = reported.len();
+        while left > 0 {
             let rep = loop {
                 tokio::select! {
                     biased;
@@ -320,7 +329,24 @@ impl Engine {
             let Some(rep) = rep else {
                 return Err(RunError::RankGone { rank: 0 });
             };
+            // An error is never dropped, whatever step it names.
             let output = rep.output?;
+            // A duplicated or stale frame is refused here, before the core would count it.
+            let fresh = rep.step == step
+                && reported
+                    .get_mut(rep.rank as usize)
+                    .is_some_and(|seen| !std::mem::replace(seen, true));
+            if !fresh {
+                f.reports_rejected += 1;
+                tracing::warn!(
+                    rank = rep.rank,
+                    step = rep.step.0,
+                    running = step.0,
+                    "rank report refused: duplicate or stale"
+                );
+                continue;
+            }
+            left -= 1;
             if let Some(l) = output.finished_recving.as_ref() {
                 f.loads_reported += l.len() as u64;
             }
@@ -417,6 +443,46 @@ impl Engine {
             () = self.wake.notified() => {}
             () = self.clock.sleep(IDLE_WAIT) => {}
         }
+    }
+
+    /// What is not back to empty, each as a sentence (empty when nothing is): to call once
+    /// every request finished and nothing is in flight, when a run must leave no request, job,
+    /// pinned chunk, fenced block or GPU block behind.
+    pub fn leaks(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let sched = self.core.scheduler();
+        if sched.has_requests() {
+            out.push("the scheduler still holds requests".to_owned());
+        }
+        if let Some(s) = self.core.steps_in_flight().next() {
+            out.push(format!("step {} still in flight", s.0));
+        }
+        let free = sched.view().num_free_blocks();
+        if free != self.free_blocks {
+            out.push(format!(
+                "{} GPU blocks not returned ({free} free of {})",
+                self.free_blocks.saturating_sub(free),
+                self.free_blocks
+            ));
+        }
+        let conn = sched.connector();
+        let jobs: Vec<u64> = conn.jobs_in_flight().map(|j| j.0).collect();
+        if !jobs.is_empty() {
+            out.push(format!("offloading jobs still in flight: {jobs:?}"));
+        }
+        let fenced: Vec<u64> = conn.fenced_blocks().map(|b| b.0).collect();
+        if !fenced.is_empty() {
+            out.push(format!("blocks still fenced: {fenced:?}"));
+        }
+        let m = conn.manager();
+        let pinned = m.num_pinned();
+        if pinned > 0 || m.num_write_pending() > 0 {
+            out.push(format!(
+                "{pinned} CPU chunks still pinned, {} stores pending",
+                m.num_write_pending()
+            ));
+        }
+        out
     }
 
     /// Stops the ranks and waits for them (and for worker processes to exit).

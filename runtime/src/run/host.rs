@@ -40,6 +40,11 @@ impl HostArena {
             slot_bytes,
         }
     }
+
+    /// The arena's bytes, shared with a transfer engine.
+    pub(crate) fn shared(&self) -> Arc<RwLock<Vec<u8>>> {
+        self.bytes.clone()
+    }
 }
 
 impl KvArena for HostArena {
@@ -140,6 +145,7 @@ fn copy_loop(
             copies: job.runs.len() as u64,
             elapsed,
             result: Ok(()),
+            failed: false,
         };
         if done.blocking_send(out).is_err() {
             return;

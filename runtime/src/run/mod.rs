@@ -36,6 +36,8 @@
 //! * [`wire`] — the frames between the engine and a worker process.
 //! * [`process`] — worker processes: the engine's side of the link and `kvrelay worker`.
 //! * `trace` — `--trace-out`: steps and transfers as a Chrome / Perfetto trace.
+//! * [`sim`] — deterministic simulation of all of the above with injected faults, one seed per
+//!   run; [`sim_args`] is `kvrelay sim`.
 //! * [`report`] — the figures of a run, readable and `--json`.
 
 pub mod api;
@@ -47,6 +49,8 @@ pub mod host;
 pub mod process;
 mod rank;
 pub mod report;
+pub mod sim;
+pub mod sim_args;
 mod trace;
 pub mod transfer;
 mod transport;
@@ -57,7 +61,9 @@ use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use kvrelay_core::{EngineError, InvariantViolation, PlanError, PolicyKind, RankError, RequestId};
+use kvrelay_core::{
+    EngineError, InvariantViolation, Mode, PlanError, PolicyKind, RankError, RequestId,
+};
 use serde::{Deserialize, Serialize};
 
 pub use self::engine::{Engine, StepOutcome};
@@ -107,6 +113,10 @@ pub struct RunConfig {
     pub blocks_per_chunk: u32,
     /// CPU eviction policy.
     pub policy: PolicyKind,
+    /// `compat` (vLLM 0.33.0's semantics: a failed transfer stops the engine, as vLLM asserts)
+    /// or `strict` (kvrelay's departures, a failed transfer absorbed: see the README's *compat
+    /// and strict*).
+    pub mode: Mode,
     /// Running requests at most.
     pub max_num_seqs: u32,
     /// Tokens per step at most.
@@ -150,6 +160,7 @@ impl Default for RunConfig {
             cpu_blocks: 4096,
             blocks_per_chunk: 1,
             policy: PolicyKind::Lru,
+            mode: Mode::Compat,
             max_num_seqs: 16,
             max_num_batched_tokens: 1024,
             async_depth: 1,

@@ -31,7 +31,7 @@ use kvrelay_core::{
 use tokio::sync::{Notify, mpsc};
 
 use super::RunError;
-use super::content::{TokenBook, UNWRITTEN, word};
+use super::content::{POISON, TokenBook, UNWRITTEN, word};
 use super::cuda::{CudaArena, CudaEngine, Device};
 use super::host::{HostArena, HostEngine};
 use super::trace::{Recorder, now_us};
@@ -74,6 +74,8 @@ pub(crate) struct RankStats {
     pub(crate) slots_read_verified: u64,
     /// Stores waited for in `handle_preemptions` before their blocks were rewritten.
     pub(crate) flushed_stores: u64,
+    /// Transfers that failed part-way (injected by the simulation), stores and loads.
+    pub(crate) failed_transfers: u64,
     /// Tokens loaded, per request (rank 0 reports them).
     pub(crate) loaded_tokens: HashMap<RequestId, u32>,
     /// Per step, the time in the rank driver and the worker connector's hooks (no forward, no
@@ -144,6 +146,17 @@ impl RankSetup {
                 (Box::new(arena), Box::new(engine))
             }
         };
+        Ok(self.build_on(arena, engine, done_rx))
+    }
+
+    /// The rank task over a given arena and transfer engine whose completions arrive on `done`
+    /// (the simulation's engine; [`RankSetup::build`] makes the backend's).
+    pub(crate) fn build_on(
+        &self,
+        arena: Box<dyn KvArena>,
+        engine: Box<dyn TransferEngine>,
+        done_rx: mpsc::Receiver<CopyDone>,
+    ) -> RankTask {
         let worker = OffloadingWorker::new(OffloadingWorkerConfig {
             blocks_per_chunk: self.blocks_per_chunk,
             is_store_writer: true,
@@ -172,7 +185,7 @@ impl RankSetup {
         );
         task.stats.trace = Recorder::new(self.trace);
         task.vanish_after_steps = self.vanish_after_steps;
-        Ok(task)
+        task
     }
 }
 
@@ -199,8 +212,8 @@ pub(crate) struct RankTask {
     /// Per host slot and token slot, the prefix hash it holds.
     host_shadow: Vec<u64>,
     loads: HashMap<JobId, Transfer>,
-    /// Blocks of each store in flight.
-    stores: HashMap<JobId, u64>,
+    /// The host slots of each store in flight.
+    stores: HashMap<JobId, Vec<u64>>,
     book: TokenBook,
     engine: Box<dyn TransferEngine>,
     done: mpsc::Receiver<CopyDone>,
@@ -408,7 +421,7 @@ impl RankTask {
                     let (src, dst) = (g..g + bs, h..h + bs);
                     self.host_shadow[dst].copy_from_slice(&self.gpu_shadow[src]);
                 }
-                self.stores.insert(t.job, t.gpu_blocks.len() as u64);
+                self.stores.insert(t.job, t.external.clone());
                 false
             }
             TransferDirection::Load => {
@@ -441,6 +454,9 @@ impl RankTask {
             rank: self.rank,
             error,
         })?;
+        if d.failed {
+            return self.failed(&d);
+        }
         self.stats.copies += d.copies;
         if let Some(start) = self.transfer_started.remove(&d.job) {
             let (what, tid) = match d.direction {
@@ -454,7 +470,8 @@ impl RankTask {
             TransferDirection::Store => {
                 self.stats.bytes_stored += d.bytes;
                 self.stats.store_time += d.elapsed;
-                self.stats.blocks_stored += self.stores.remove(&d.job).unwrap_or(0);
+                self.stats.blocks_stored +=
+                    self.stores.remove(&d.job).map_or(0, |s| s.len() as u64);
             }
             TransferDirection::Load => {
                 self.stats.bytes_loaded += d.bytes;
@@ -469,15 +486,51 @@ impl RankTask {
                 }
             }
         }
-        let t = Instant::now();
-        let heard = self.driver.transfer_done(TransferDone {
+        self.tell_driver(TransferDone {
             job: d.job,
             ok: true,
-        });
+        })
+    }
+
+    /// The driver hears of a completed (or failed) transfer.
+    fn tell_driver(&mut self, done: TransferDone) -> Result<(), RunError> {
+        let t = Instant::now();
+        let heard = self.driver.transfer_done(done);
         self.hook_time += t.elapsed();
         heard.map_err(|error| RunError::Rank {
             rank: self.rank,
             error,
+        })
+    }
+
+    /// A transfer failed part-way: its destination is marked [`POISON`] (a load's GPU blocks, a
+    /// store's host slots), so that any later check expecting content there reports it — the
+    /// core must never let a request read them — and the driver hears `ok: false`.
+    fn failed(&mut self, d: &CopyDone) -> Result<(), RunError> {
+        self.stats.failed_transfers += 1;
+        self.transfer_started.remove(&d.job);
+        let bs = self.shape.block_size as usize;
+        match d.direction {
+            TransferDirection::Store => {
+                if let Some(slots) = self.stores.remove(&d.job) {
+                    for slot in slots {
+                        let h = slot as usize * bs;
+                        self.host_shadow[h..h + bs].fill(POISON);
+                    }
+                }
+            }
+            TransferDirection::Load => {
+                if let Some(t) = self.loads.remove(&d.job) {
+                    for b in &t.gpu_blocks {
+                        let g = b.0 as usize * bs;
+                        self.gpu_shadow[g..g + bs].fill(POISON);
+                    }
+                }
+            }
+        }
+        self.tell_driver(TransferDone {
+            job: d.job,
+            ok: false,
         })
     }
 

@@ -120,6 +120,10 @@ pub(crate) struct CopyDone {
     pub(crate) elapsed: Duration,
     /// `Err` when the copies failed (CUDA); the rank stops with it.
     pub(crate) result: Result<(), TransferError>,
+    /// The transfer failed part-way (the simulation's injected fault): its destination holds
+    /// neither the old nor the new bytes. The rank tells its driver `ok: false`; a strict
+    /// worker absorbs it, a compat one stops (vLLM asserts).
+    pub(crate) failed: bool,
 }
 
 /// Where transfers go: started in order, completions reported in that order on the channel

@@ -575,6 +575,17 @@ impl CpuOffloadingManager {
         self.write_pending = 0;
     }
 
+    /// The configuration.
+    pub fn config(&self) -> &ManagerConfig {
+        &self.config
+    }
+
+    /// Keys held but neither evictable nor being written: pinned by loads in flight (or by
+    /// requests whose scope holds them). Zero when nothing is in flight.
+    pub fn num_pinned(&self) -> u32 {
+        self.config.capacity_chunks - self.num_free_chunks() - self.evictable - self.write_pending
+    }
+
     /// Whether the manager has work of its own in flight: never, for the CPU manager.
     pub fn has_pending_work(&self) -> bool {
         false
