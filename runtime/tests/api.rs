@@ -11,6 +11,7 @@ async fn collect(mut s: RequestStream) -> (usize, Option<FinishReason>) {
         match e {
             RequestEvent::Tokens(t) => tokens += t.len(),
             RequestEvent::Finished(r) => return (tokens, Some(r)),
+            RequestEvent::Failed(why) => panic!("the engine stopped: {why}"),
         }
     }
     (tokens, None)

@@ -10,7 +10,8 @@
 //! which is the engine's backpressure). The engine task applies the commands that arrived
 //! between two steps, steps while it has work, and sleeps on the queue when it has none. A
 //! request's stream yields [`RequestEvent::Tokens`] per step that accepted tokens and ends
-//! with one [`RequestEvent::Finished`]; dropping the stream aborts the request.
+//! with one [`RequestEvent::Finished`] — or, if the engine stops on an error first, one
+//! [`RequestEvent::Failed`] naming it; dropping the stream aborts the request.
 //! [`EngineHandle::shutdown`] stops the ranks and returns the error that stopped the engine,
 //! if one did.
 
@@ -32,6 +33,10 @@ pub enum RequestEvent {
     Tokens(Vec<Token>),
     /// The request finished; nothing follows.
     Finished(FinishReason),
+    /// The engine stopped on an error before the request finished (a rank lost, a byte
+    /// mismatch…): the error's message, which names the rank where there is one. Nothing
+    /// follows.
+    Failed(String),
 }
 
 /// A request's event stream. Bounded by construction: it holds at most one event per output
@@ -177,6 +182,14 @@ async fn serve(mut engine: Engine, mut commands: mpsc::Receiver<Command>) -> Res
             engine.wait_idle().await;
         }
     };
+    if let Err(e) = &outcome {
+        // Every live request ends with the error that stopped the engine (its stream has room:
+        // it holds at most its tokens and one final event).
+        let why = e.to_string();
+        for (_, s) in streams.drain() {
+            let _ = s.try_send(RequestEvent::Failed(why.clone()));
+        }
+    }
     let _ = engine.shutdown().await;
     outcome
 }
