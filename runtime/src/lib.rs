@@ -6,10 +6,13 @@
 //! * [`conformance`] — the conformance runner (`kvrelay conformance`).
 //! * [`mod@bench`] — the case-replay benchmark (`kvrelay bench`).
 //! * [`check`] — the model check's command line (`kvrelay check`).
+//! * [`fuzz`] — the fuzz entry points (bytes in, no panic out), shared by the fuzz targets in
+//!   `tests/fuzz/` and the proptest suite that runs them in CI.
 //!
 //! `main.rs` only parses the command line and prints.
 
 pub mod bench;
 pub mod check;
 pub mod conformance;
+pub mod fuzz;
 pub mod run;

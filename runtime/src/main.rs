@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use kvrelay_runtime::check::{self, CheckArgs};
 use kvrelay_runtime::run::args::{self as run_args, RunArgs};
-use kvrelay_runtime::run::sim_args::{self, SimArgs};
+use kvrelay_runtime::run::sim::args::{self as sim_args, SimArgs};
 use kvrelay_runtime::{bench, conformance};
 
 /// kvrelay: the KV-cache connector layer whose lifecycle is a model-checked state machine.

@@ -29,6 +29,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
 use super::rank::{RankReport, RankSetup, RankStats, StepMsg};
+use super::samples::Samples;
 use super::trace::{Recorder, now_us};
 use super::transport::{Clock, InProcess, Processes, TokioClock, Transport};
 use super::{RunConfig, RunError, Workers, workload};
@@ -61,7 +62,7 @@ pub(crate) struct Figures {
     /// Per request, its computed tokens when first scheduled (prefix hit + loaded).
     pub(crate) reused: HashMap<RequestId, u32>,
     /// Engine-side time per step (schedule, rank outputs, apply), in µs.
-    pub(crate) core_us: Vec<f64>,
+    pub(crate) core_us: Samples<f64>,
     pub(crate) invariant_checks: u64,
     /// Engine steps, for `--trace-out`.
     pub(crate) trace: Recorder,

@@ -37,8 +37,9 @@
 //! * [`process`] — worker processes: the engine's side of the link and `kvrelay worker`.
 //! * `trace` — `--trace-out`: steps and transfers as a Chrome / Perfetto trace.
 //! * [`sim`] — deterministic simulation of all of the above with injected faults, one seed per
-//!   run; [`sim_args`] is `kvrelay sim`.
-//! * [`report`] — the figures of a run, readable and `--json`.
+//!   run (`kvrelay sim`).
+//! * [`report`] — the figures of a run, readable and `--json`; `samples` keeps a long run's
+//!   per-step times in bounded memory.
 
 pub mod api;
 pub mod args;
@@ -49,8 +50,9 @@ pub mod host;
 pub mod process;
 mod rank;
 pub mod report;
+mod samples;
 pub mod sim;
-pub mod sim_args;
+
 mod trace;
 pub mod transfer;
 mod transport;

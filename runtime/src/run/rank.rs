@@ -18,7 +18,7 @@
 //! (polled after every hook by the driver), stops the rank with a typed error the engine
 //! reports.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,6 +34,7 @@ use super::RunError;
 use super::content::{POISON, TokenBook, UNWRITTEN, word};
 use super::cuda::{CudaArena, CudaEngine, Device};
 use super::host::{HostArena, HostEngine};
+use super::samples::Samples;
 use super::trace::{Recorder, now_us};
 use super::transfer::{
     Backend, COPY_QUEUE_BOUND, CopyDone, CopyJob, KvArena, Slot, TransferEngine, TransferError,
@@ -76,11 +77,12 @@ pub(crate) struct RankStats {
     pub(crate) flushed_stores: u64,
     /// Transfers that failed part-way (injected by the simulation), stores and loads.
     pub(crate) failed_transfers: u64,
-    /// Tokens loaded, per request (rank 0 reports them).
-    pub(crate) loaded_tokens: HashMap<RequestId, u32>,
+    /// Tokens loaded, per request (rank 0 reports them). Ordered, so that its encoding does
+    /// not depend on hash order (a fuzz finding: a decoded report re-encoded differently).
+    pub(crate) loaded_tokens: BTreeMap<RequestId, u32>,
     /// Per step, the time in the rank driver and the worker connector's hooks (no forward, no
     /// copies), in µs.
-    pub(crate) hook_us: Vec<f32>,
+    pub(crate) hook_us: Samples<f32>,
     /// Steps after which the driver's invariants were checked.
     pub(crate) invariant_checks: u64,
     /// Steps and transfers, for `--trace-out`.

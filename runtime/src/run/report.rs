@@ -93,7 +93,7 @@ fn sum_ranks(ranks: &[RankStats]) -> RankStats {
         s.slots_read_verified += r.slots_read_verified;
         s.flushed_stores += r.flushed_stores;
         s.invariant_checks += r.invariant_checks;
-        s.hook_us.extend_from_slice(&r.hook_us);
+        s.hook_us.absorb(&r.hook_us);
     }
     s
 }
@@ -122,9 +122,9 @@ pub(crate) fn build(
     wall: Duration,
 ) -> Report {
     let s = sum_ranks(ranks);
-    let mut us = f.core_us.clone();
+    let mut us = f.core_us.values().to_vec();
     us.sort_by(f64::total_cmp);
-    let mut hooks: Vec<f64> = s.hook_us.iter().map(|&x| f64::from(x)).collect();
+    let mut hooks: Vec<f64> = s.hook_us.values().iter().map(|&x| f64::from(x)).collect();
     hooks.sort_by(f64::total_cmp);
     let reused: u64 = f.reused.values().map(|&n| u64::from(n)).sum();
     // Rank 0 counts the tokens loaded per request; a request's GPU hit is what it reused

@@ -1,6 +1,6 @@
 //! Deterministic simulation of the runtime with injected faults (TigerBeetle's VOPR, FoundationDB's
 //! simulation): the real [`Engine`], rank tasks, rank drivers, offloading connector and content
-//! checks, with the three seams of [`super::transport`] and [`super::transfer`] replaced, and
+//! checks, with the three seams of `run::transport` and [`super::transfer`] replaced, and
 //! every choice drawn from one seed.
 //!
 //! # What is simulated
@@ -8,12 +8,12 @@
 //! * **Time**: a current-thread tokio runtime with a paused clock. Every wait (the engine's idle
 //!   wait and rank check, a transfer's duration, a frame's delay) is virtual: a run of minutes of
 //!   simulated time takes milliseconds, and the interleaving depends on the seed only.
-//! * **Transfers** ([`SimEngine`]): one queue per rank, completed in the order started (as
+//! * **Transfers** (`world::SimEngine`): one queue per rank, completed in the order started (as
 //!   vLLM's worker runs them). A transfer's bytes move when it *completes*, not when it starts, so
 //!   a block rewritten under an in-flight store, or read before its load completed, shows as
 //!   wrong bytes. Faults: a transfer fails part-way (its destination is garbage; the rank tells
 //!   the core `ok: false`), or is slow.
-//! * **Frames** ([`SimTransport`]): ranks are tasks of this process, but every step frame and
+//! * **Frames** (`world::SimTransport`): ranks are tasks of this process, but every step frame and
 //!   every report goes through a relay that may delay it (a slow rank; reports of different ranks
 //!   reordered) or duplicate it (the engine must refuse the copy). One rank may be lost: it stops
 //!   answering after a drawn step (the engine must say which rank, and stop without hanging).
@@ -29,21 +29,28 @@
 //! Which seeds: seed 0 is fault-free, seed 1 has every fault kind, every other seed draws its own
 //! mix ([`FaultMix::for_seed`]).
 
+//! # Rooms
+//!
+//! * this file — the fault mix, one seed's run ([`simulate`]) and what it reports;
+//! * `world` — the simulated seams: the transport with its faulty relays, the transfer engine;
+//! * `sweep` — many seeds ([`sweep()`]), and one long soak run ([`soak()`]);
+//! * [`args`] — `kvrelay sim`.
+
+pub mod args;
+mod sweep;
+mod world;
+
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use kvrelay_core::{Mode, RankError, RequestId, Token, TransferDirection, WorkerError};
+use kvrelay_core::{Mode, RankError, RequestId, Token, WorkerError};
 use serde::Serialize;
-use tokio::sync::{Notify, mpsc};
 
+pub use self::sweep::{SoakReport, SweepReport, soak, sweep};
+use self::world::SimTransport;
 use super::content::mix;
-use super::engine::Engine;
-use super::host::{HostArena, load, store};
-use super::rank::{RankReport, RankSetup, StepMsg};
-use super::transfer::{COPY_QUEUE_BOUND, CopyDone, CopyJob, TransferEngine, TransferError};
-use super::transport::{BoxFuture, Clock, RankConn, TokioClock, Transport};
 use super::{RunConfig, RunError};
 
 /// Steps of the fault phase at most (arrivals come within it).
@@ -328,10 +335,7 @@ async fn run_seed(seed: u64, options: SimOptions) -> Result<SimReport, String> {
         lost,
         seed: r.next_u64(),
     };
-    let clock: Arc<dyn Clock> = Arc::new(TokioClock::default());
-    let mut engine = Engine::start_with(&config, 256, &transport, clock)
-        .await
-        .map_err(|e| format!("engine start: {e}"))?;
+    let mut engine = transport.start(&config).await?;
     let mut report = SimReport {
         seed,
         mode: match config.mode {
@@ -446,391 +450,4 @@ fn expected_stop(e: &RunError, lost: Option<(u32, u64)>, mode: Mode) -> Result<S
         )),
         other => Err(format!("the engine stopped: {other}")),
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The simulated transport: ranks in this process, frames through faulty relays.
-
-/// In-process ranks whose transfer engine is a [`SimEngine`] and whose frames go through relays
-/// that delay and duplicate them.
-#[derive(Debug)]
-struct SimTransport {
-    faults: FaultMix,
-    /// Faults off (the quiescence phase).
-    calm: Arc<AtomicBool>,
-    /// The rank that stops answering, and after how many steps.
-    lost: Option<(u32, u64)>,
-    seed: u64,
-}
-
-impl Transport for SimTransport {
-    fn connect(
-        &self,
-        mut setup: RankSetup,
-        wake: Arc<Notify>,
-        reports: mpsc::Sender<RankReport>,
-    ) -> BoxFuture<'_, Result<RankConn, RunError>> {
-        Box::pin(async move {
-            let mut r = SimRng::new(self.seed ^ u64::from(setup.rank).wrapping_mul(0x9e37));
-            if let Some((rank, after)) = self.lost
-                && rank == setup.rank
-            {
-                setup.vanish_after_steps = Some(after);
-            }
-            let slot_bytes = (setup.gpu.block_bytes() / u64::from(setup.block_size)) as usize;
-            let arena = HostArena::new(setup.gpu.total_bytes() as usize, slot_bytes);
-            let (done_tx, done_rx) = mpsc::channel(COPY_QUEUE_BOUND);
-            let engine = SimEngine::spawn(
-                arena.shared(),
-                setup.host.total_bytes() as usize,
-                done_tx,
-                wake,
-                r.fork(1),
-                self.faults,
-                self.calm.clone(),
-            );
-            let task = setup.build_on(Box::new(arena), Box::new(engine), done_rx);
-            let (steps, from_engine) = mpsc::channel::<StepMsg>(1);
-            let (to_rank, rank_steps) = mpsc::channel::<StepMsg>(1);
-            let (rank_reports, from_rank) = mpsc::channel::<RankReport>(1);
-            tokio::spawn(relay_steps(
-                from_engine,
-                to_rank,
-                r.fork(2),
-                self.faults,
-                self.calm.clone(),
-            ));
-            tokio::spawn(relay_reports(
-                from_rank,
-                reports,
-                r.fork(3),
-                self.faults,
-                self.calm.clone(),
-            ));
-            let task = tokio::spawn(task.run(rank_steps, rank_reports));
-            Ok(RankConn { steps, task })
-        })
-    }
-}
-
-/// Engine → rank: each step frame, late with probability `step_delay`.
-async fn relay_steps(
-    mut from: mpsc::Receiver<StepMsg>,
-    to: mpsc::Sender<StepMsg>,
-    mut r: SimRng,
-    f: FaultMix,
-    calm: Arc<AtomicBool>,
-) {
-    while let Some(m) = from.recv().await {
-        if !calm.load(Ordering::Relaxed) && r.chance(f.step_delay) {
-            tokio::time::sleep(Duration::from_micros(r.range(100, 10_000))).await;
-        }
-        if to.send(m).await.is_err() {
-            return;
-        }
-    }
-}
-
-/// Rank → engine: each report, late with probability `report_delay`, sent twice with probability
-/// `report_duplicate` (the copy at once, or after a delay: then it is stale).
-async fn relay_reports(
-    mut from: mpsc::Receiver<RankReport>,
-    to: mpsc::Sender<RankReport>,
-    mut r: SimRng,
-    f: FaultMix,
-    calm: Arc<AtomicBool>,
-) {
-    while let Some(rep) = from.recv().await {
-        let faulty = !calm.load(Ordering::Relaxed);
-        if faulty && r.chance(f.report_delay) {
-            tokio::time::sleep(Duration::from_micros(r.range(100, 20_000))).await;
-        }
-        let copy = match &rep.output {
-            Ok(out) if faulty && r.chance(f.report_duplicate) => Some(RankReport {
-                rank: rep.rank,
-                step: rep.step,
-                output: Ok(out.clone()),
-            }),
-            _ => None,
-        };
-        if to.send(rep).await.is_err() {
-            return;
-        }
-        if let Some(copy) = copy {
-            let later = Duration::from_micros(r.range(0, 1) * r.range(100, 30_000));
-            let to = to.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(later).await;
-                let _ = to.send(copy).await;
-            });
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The simulated transfer engine.
-
-/// A rank's transfers, performed by a task of the simulation in the order started; each takes a
-/// drawn (virtual) time, and its bytes move when it completes.
-pub(crate) struct SimEngine {
-    queue: Arc<Mutex<VecDeque<CopyJob>>>,
-    more: Arc<Notify>,
-    stopped: Arc<AtomicBool>,
-}
-
-impl SimEngine {
-    fn spawn(
-        gpu: Arc<RwLock<Vec<u8>>>,
-        host_bytes: usize,
-        done: mpsc::Sender<CopyDone>,
-        wake: Arc<Notify>,
-        r: SimRng,
-        f: FaultMix,
-        calm: Arc<AtomicBool>,
-    ) -> Self {
-        let queue = Arc::new(Mutex::new(VecDeque::new()));
-        let more = Arc::new(Notify::new());
-        let stopped = Arc::new(AtomicBool::new(false));
-        let worker = Completer {
-            queue: queue.clone(),
-            more: more.clone(),
-            stopped: stopped.clone(),
-            gpu,
-            host: vec![0u8; host_bytes],
-            done,
-            wake,
-            r,
-            f,
-            calm,
-        };
-        tokio::spawn(worker.run());
-        Self {
-            queue,
-            more,
-            stopped,
-        }
-    }
-}
-
-impl TransferEngine for SimEngine {
-    fn start(&mut self, job: CopyJob) -> Result<(), TransferError> {
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        if q.len() >= COPY_QUEUE_BOUND {
-            return Err(TransferError::QueueFull);
-        }
-        q.push_back(job);
-        self.more.notify_one();
-        Ok(())
-    }
-}
-
-impl Drop for SimEngine {
-    fn drop(&mut self) {
-        self.stopped.store(true, Ordering::Relaxed);
-        self.more.notify_one();
-    }
-}
-
-/// The task behind a [`SimEngine`].
-struct Completer {
-    queue: Arc<Mutex<VecDeque<CopyJob>>>,
-    more: Arc<Notify>,
-    stopped: Arc<AtomicBool>,
-    gpu: Arc<RwLock<Vec<u8>>>,
-    host: Vec<u8>,
-    done: mpsc::Sender<CopyDone>,
-    wake: Arc<Notify>,
-    r: SimRng,
-    f: FaultMix,
-    calm: Arc<AtomicBool>,
-}
-
-impl Completer {
-    async fn run(mut self) {
-        loop {
-            let next = self
-                .queue
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .pop_front();
-            let Some(job) = next else {
-                if self.stopped.load(Ordering::Relaxed) {
-                    return;
-                }
-                tokio::select! {
-                    () = self.more.notified() => continue,
-                    () = self.done.closed() => return,
-                }
-            };
-            let faulty = !self.calm.load(Ordering::Relaxed);
-            let micros = if faulty && self.r.chance(self.f.transfer_slow) {
-                self.r.range(5_000, 40_000)
-            } else {
-                self.r.range(10, 200)
-            };
-            tokio::time::sleep(Duration::from_micros(micros)).await;
-            let failed = faulty && self.r.chance(self.f.transfer_fail);
-            let out = self.perform(&job, failed);
-            if self.done.send(out).await.is_err() {
-                return;
-            }
-            self.wake.notify_one();
-        }
-    }
-
-    /// Moves the job's bytes now; a failed job moves its first half and leaves garbage in the
-    /// rest of its destination.
-    fn perform(&mut self, job: &CopyJob, failed: bool) -> CopyDone {
-        if job.corrupt
-            && let Some(r) = job.runs.first()
-        {
-            self.host[r.host as usize] ^= 0x5a;
-        }
-        let keep = if failed {
-            job.runs.len() / 2
-        } else {
-            job.runs.len()
-        };
-        let (done, garbage) = job.runs.split_at(keep);
-        let bytes = match job.direction {
-            TransferDirection::Store => {
-                let gpu = self.gpu.read().unwrap_or_else(|p| p.into_inner());
-                let n = store(done, &gpu, &mut self.host);
-                for g in garbage {
-                    let h = g.host as usize;
-                    self.host[h..h + g.len as usize].fill(0xa5);
-                }
-                n
-            }
-            TransferDirection::Load => {
-                let mut gpu = self.gpu.write().unwrap_or_else(|p| p.into_inner());
-                let n = load(done, &self.host, &mut gpu);
-                for g in garbage {
-                    let at = g.gpu as usize;
-                    gpu[at..at + g.len as usize].fill(0xa5);
-                }
-                n
-            }
-        };
-        CopyDone {
-            job: job.job,
-            direction: job.direction,
-            bytes,
-            copies: keep as u64,
-            elapsed: Duration::ZERO,
-            result: Ok(()),
-            failed,
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Sweeps.
-
-/// The runs of a sweep, summed.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct SweepReport {
-    /// Seeds run.
-    pub runs: u64,
-    /// Runs that ended quiescent (the others ended in the stop their faults call for).
-    pub quiescent: u64,
-    /// Engine steps, all runs.
-    pub steps: u64,
-    /// Requests, all runs.
-    pub requests: u64,
-    /// Faults survived, all runs: failed transfers, refused reports, aborts, resets, lost ranks.
-    pub transfers_failed: u64,
-    /// Duplicate or stale reports refused.
-    pub reports_rejected: u64,
-    /// Aborts.
-    pub aborts: u64,
-    /// Cache resets.
-    pub resets: u64,
-    /// Runs that lost a rank (and stopped cleanly, naming it).
-    pub ranks_lost: u64,
-    /// Runs that stopped on a failed transfer under compat (cleanly).
-    pub compat_stops: u64,
-    /// Runs with each fault kind in their mix.
-    pub runs_with: std::collections::BTreeMap<&'static str, u64>,
-    /// Invariant checks and verified blocks and slots, all runs.
-    pub invariant_checks: u64,
-    /// Loaded blocks and read token slots verified byte for byte, all runs.
-    pub blocks_verified: u64,
-    /// Seeds that failed.
-    pub failures: Vec<SimFailure>,
-}
-
-impl SweepReport {
-    fn add(&mut self, r: &SimReport) {
-        self.runs += 1;
-        self.quiescent += u64::from(r.ending == "quiescent");
-        self.steps += r.steps;
-        self.requests += r.requests;
-        self.transfers_failed += r.transfers_failed;
-        self.reports_rejected += r.reports_rejected;
-        self.aborts += r.aborts;
-        self.resets += r.resets;
-        self.ranks_lost += u64::from(r.ending.ends_with("lost"));
-        self.compat_stops += u64::from(r.ending.ends_with("under compat"));
-        for k in r.faults.kinds() {
-            *self.runs_with.entry(k).or_default() += 1;
-        }
-        self.invariant_checks += r.invariant_checks;
-        self.blocks_verified += r.blocks_verified;
-    }
-
-    /// How many times a fault of `kind` was injected and survived (runs for the per-run kinds).
-    pub fn survived(&self, kind: &str) -> u64 {
-        match kind {
-            "transfer_fail" => self.transfers_failed,
-            "report_duplicate" => self.reports_rejected,
-            "abort" => self.aborts,
-            "reset" => self.resets,
-            "rank_lost" => self.ranks_lost,
-            other => self.runs_with.get(other).copied().unwrap_or(0),
-        }
-    }
-}
-
-/// Runs every seed of `seeds` on `threads` threads; `progress` hears of each run (in seed order
-/// per thread).
-pub fn sweep(
-    seeds: std::ops::Range<u64>,
-    threads: usize,
-    progress: &mut (dyn FnMut(&Result<SimReport, SimFailure>) + Send),
-) -> SweepReport {
-    let next = std::sync::atomic::AtomicU64::new(seeds.start);
-    let results = Mutex::new(Vec::new());
-    let progress = Mutex::new(progress);
-    std::thread::scope(|s| {
-        for _ in 0..threads.max(1) {
-            s.spawn(|| {
-                loop {
-                    let seed = next.fetch_add(1, Ordering::Relaxed);
-                    if seed >= seeds.end {
-                        return;
-                    }
-                    let out = simulate(seed);
-                    (progress.lock().unwrap_or_else(|p| p.into_inner()))(&out);
-                    results.lock().unwrap_or_else(|p| p.into_inner()).push(out);
-                }
-            });
-        }
-    });
-    let mut results = results.into_inner().unwrap_or_else(|p| p.into_inner());
-    results.sort_by_key(|r| match r {
-        Ok(r) => r.seed,
-        Err(f) => f.seed,
-    });
-    let mut out = SweepReport::default();
-    for r in results {
-        match r {
-            Ok(r) => out.add(&r),
-            Err(f) => {
-                out.runs += 1;
-                out.failures.push(f);
-            }
-        }
-    }
-    out
 }

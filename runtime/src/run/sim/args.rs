@@ -1,10 +1,10 @@
-//! `kvrelay sim`: the command line of the deterministic simulation ([`super::sim`]).
+//! `kvrelay sim`: the command line of the deterministic simulation ([`super`]).
 
 use std::process::ExitCode;
 
 use clap::Args;
 
-use super::sim::{SimFailure, SimReport, simulate, sweep};
+use super::{SimFailure, SimReport, simulate, soak, sweep};
 
 /// `kvrelay sim` flags.
 #[derive(Args, Debug)]
@@ -21,6 +21,11 @@ pub struct SimArgs {
     /// Print the sweep's (or the one seed's) report as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Instead of a sweep, one soak run of STEPS engine steps (every fault kind but a lost
+    /// rank, requests arriving as others finish, ids reused): resident memory sampled every
+    /// 10,000 steps; exits 1 if it grew more than 10 % from step 10,000 to the end.
+    #[arg(long, value_name = "STEPS")]
+    pub soak: Option<u64>,
 }
 
 /// What `kvrelay sim --help` adds after the flags.
@@ -42,6 +47,9 @@ pub fn run(a: &SimArgs) -> ExitCode {
             return ExitCode::from(2);
         };
         return one(seed, a.json);
+    }
+    if let Some(steps) = a.soak {
+        return run_soak(a.from, steps, a.json);
     }
     if a.seeds == 0 {
         eprintln!("kvrelay sim: --seeds must be at least 1");
@@ -143,3 +151,59 @@ fn one(seed: u64, json: bool) -> ExitCode {
         }
     }
 }
+
+/// `--soak STEPS`.
+fn run_soak(seed: u64, steps: u64, json: bool) -> ExitCode {
+    let bar = indicatif::ProgressBar::new(steps);
+    if json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let started = std::time::Instant::now();
+    let report = soak(seed, steps, 10_000, &mut |done| bar.set_position(done));
+    bar.finish_and_clear();
+    let report = match report {
+        Ok(r) => r,
+        Err(f) => {
+            println!("FAIL {f}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let growth = report.growth_since(10_000);
+    if json {
+        let v = serde_json::json!({ "soak": report, "growth_since_10000": growth });
+        println!("{v}");
+        return ExitCode::SUCCESS;
+    }
+    println!(
+        "kvrelay sim --soak: seed {seed}, {} steps in {:.1} s, {} requests (ids up to {}), {} \
+         failed transfers, {} reports refused, {} aborts, {} resets",
+        report.steps,
+        started.elapsed().as_secs_f64(),
+        report.requests,
+        report.max_request_id,
+        report.transfers_failed,
+        report.reports_rejected,
+        report.aborts,
+        report.resets
+    );
+    for (step, kib) in &report.rss_kib {
+        println!("  step {step:>9}: resident {kib} KiB");
+    }
+    if let Some(g) = growth {
+        println!(
+            "resident memory at the end / at step 10,000: {g:.3} ({:+.1} %)",
+            (g - 1.0) * 100.0
+        );
+        if g > 1.0 + SOAK_GROWTH_LIMIT {
+            println!(
+                "FAIL resident memory grew more than {:.0} % after step 10,000",
+                SOAK_GROWTH_LIMIT * 100.0
+            );
+            return ExitCode::FAILURE;
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// How much resident memory may grow from step 10,000 to the end of a soak.
+const SOAK_GROWTH_LIMIT: f64 = 0.10;
