@@ -1,7 +1,7 @@
 //! Deterministic simulation of the runtime with injected faults (TigerBeetle's VOPR, FoundationDB's
-//! simulation): the real [`Engine`], rank tasks, rank drivers, offloading connector and content
-//! checks, with the three seams of `run::transport` and [`super::transfer`] replaced, and
-//! every choice drawn from one seed.
+//! simulation): the real [`Engine`](crate::run::Engine), rank tasks, rank drivers, offloading
+//! connector and content checks, with the three seams of `run::transport` and
+//! [`super::transfer`] replaced, and every choice drawn from one seed.
 //!
 //! # What is simulated
 //!
@@ -23,8 +23,9 @@
 //! After every step every machine's `check_invariants()` runs (`check`), and every load and every
 //! forward read is verified byte for byte (always on in the rank). After the fault phase, a
 //! quiescence phase with every fault off must finish every request and leave nothing behind
-//! ([`Engine::leaks`]). A run that ends otherwise — an unexpected error, a hang, a leak — fails
-//! with the seed that replays it: `KVRELAY_SEED=<seed> kvrelay sim`.
+//! ([`Engine::leaks`](crate::run::Engine::leaks)). A run that ends otherwise — an unexpected
+//! error, a hang, a leak — fails with the seed that replays it: `KVRELAY_SEED=<seed> kvrelay
+//! sim`.
 //!
 //! Which seeds: seed 0 is fault-free, seed 1 has every fault kind, every other seed draws its own
 //! mix ([`FaultMix::for_seed`]).
