@@ -197,7 +197,8 @@ impl OffloadingWorker {
         })
     }
 
-    /// Queues `job` and emits its `Start`; `false` (and a sticky error) when it is malformed.
+    /// Queues `job` and emits its `Start` (a load is tracked with what its failure reports);
+    /// `false` (and a sticky error) when it is malformed.
     fn submit(
         &mut self,
         id: JobId,
@@ -213,12 +214,18 @@ impl OffloadingWorker {
             self.fail(WorkerError::MalformedJob(id));
             return false;
         };
-        if queue == Queue::Expedited {
-            // What a failure of this sync load reports (strict, one group only).
-            let one_group = t.groups.windows(2).all(|p| p[0] == p[1]);
-            let blocks =
-                (self.config.mode == Mode::Strict && one_group).then(|| t.gpu_blocks.clone());
-            self.load_jobs.insert(id, Load::Sync(blocks));
+        match queue {
+            Queue::Store => {}
+            Queue::Load => {
+                self.load_jobs.insert(id, Load::Async(job.request));
+            }
+            Queue::Expedited => {
+                // What a failure of this sync load reports (strict, one group only).
+                let one_group = t.groups.windows(2).all(|p| p[0] == p[1]);
+                let blocks =
+                    (self.config.mode == Mode::Strict && one_group).then(|| t.gpu_blocks.clone());
+                self.load_jobs.insert(id, Load::Sync(blocks));
+            }
         }
         self.queues[queue as usize].push_back((id, t.gpu_blocks.len() as u64));
         out.push(TransferCommand::Start(t));
@@ -333,8 +340,8 @@ impl WorkerConnector for OffloadingWorker {
                 if self.submit(id, job, Queue::Expedited, &mut out) {
                     sync.push(id);
                 }
-            } else if self.submit(id, job, Queue::Load, &mut out) {
-                self.load_jobs.insert(id, Load::Async(job.request));
+            } else {
+                self.submit(id, job, Queue::Load, &mut out);
             }
         }
         self.bound = Some(meta);

@@ -1,7 +1,7 @@
 //! Deterministic simulation of the runtime with injected faults (TigerBeetle's VOPR, FoundationDB's
-//! simulation): the real [`Engine`](crate::run::Engine), rank tasks, rank drivers, offloading
-//! connector and content checks, with the three seams of `run::transport` and
-//! [`super::transfer`] replaced, and every choice drawn from one seed.
+//! simulation): the real [`Engine`], rank tasks, rank drivers, offloading connector and content
+//! checks, with the three seams of `run::transport` and [`super::transfer`] replaced, and every
+//! choice drawn from one seed.
 //!
 //! # What is simulated
 //!
@@ -23,9 +23,8 @@
 //! After every step every machine's `check_invariants()` runs (`check`), and every load and every
 //! forward read is verified byte for byte (always on in the rank). After the fault phase, a
 //! quiescence phase with every fault off must finish every request and leave nothing behind
-//! ([`Engine::leaks`](crate::run::Engine::leaks)). A run that ends otherwise — an unexpected
-//! error, a hang, a leak — fails with the seed that replays it: `KVRELAY_SEED=<seed> kvrelay
-//! sim`.
+//! ([`Engine::leaks`]). A run that ends otherwise — an unexpected error, a hang, a leak — fails
+//! with the seed that replays it: `KVRELAY_SEED=<seed> kvrelay sim`.
 //!
 //! Which seeds: seed 0 is fault-free, seed 1 has every fault kind, every other seed draws its own
 //! mix ([`FaultMix::for_seed`]).
@@ -52,6 +51,8 @@ use serde::Serialize;
 pub use self::sweep::{SoakReport, SweepReport, soak, sweep};
 use self::world::SimTransport;
 use super::content::mix;
+use super::engine::{Engine, Figures};
+use super::rank::RankStats;
 use super::{RunConfig, RunError};
 
 /// Steps of the fault phase at most (arrivals come within it).
@@ -242,13 +243,53 @@ pub fn simulate(seed: u64) -> Result<SimReport, SimFailure> {
 
 /// [`simulate`] with test-only switches.
 pub fn simulate_with(seed: u64, options: SimOptions) -> Result<SimReport, SimFailure> {
+    on_paused_clock(seed, run_seed(seed, options))
+}
+
+/// Runs `run` (seed `seed`'s) to its end on a current-thread runtime whose clock is paused, so
+/// that every wait is virtual and the interleaving depends on the seed only.
+fn on_paused_clock<T>(
+    seed: u64,
+    run: impl Future<Output = Result<T, String>>,
+) -> Result<T, SimFailure> {
     let fail = |why: String| SimFailure { seed, why };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
         .build()
         .map_err(|e| fail(format!("tokio runtime: {e}")))?;
-    rt.block_on(run_seed(seed, options)).map_err(fail)
+    rt.block_on(run).map_err(fail)
+}
+
+/// Between two steps, with the fault phase on: aborts a random live request with probability
+/// `faults.abort`, then resets the connector's cache with probability `faults.reset`; counts
+/// what it did.
+fn disturb(
+    engine: &mut Engine,
+    r: &mut SimRng,
+    faults: &FaultMix,
+    live: &[RequestId],
+    aborts: &mut u64,
+    resets: &mut u64,
+) -> Result<(), String> {
+    if !live.is_empty() && r.chance(faults.abort) {
+        let id = live[r.range(0, live.len() as u64 - 1) as usize];
+        if engine.abort(id).map_err(|e| format!("abort: {e}"))? {
+            *aborts += 1;
+        }
+    }
+    if r.chance(faults.reset) {
+        engine.reset_cache().map_err(|e| format!("reset: {e}"))?;
+        *resets += 1;
+    }
+    Ok(())
+}
+
+/// Stops the engine's ranks, within [`SHUTDOWN_LIMIT`] of virtual time (else the run hung).
+async fn shut_down(engine: Engine) -> Result<(Figures, Vec<RankStats>), String> {
+    tokio::time::timeout(SHUTDOWN_LIMIT, engine.shutdown())
+        .await
+        .map_err(|_| "the ranks did not stop within a minute (virtual) of shutdown".to_owned())
 }
 
 /// The run's shape, drawn from the seed.
@@ -366,15 +407,9 @@ async fn run_seed(seed: u64, options: SimOptions) -> Result<SimReport, String> {
             live.push(id);
             report.requests += 1;
         }
-        if !quiet && !live.is_empty() && r.chance(faults.abort) {
-            let id = live[r.range(0, live.len() as u64 - 1) as usize];
-            if engine.abort(id).map_err(|e| format!("abort: {e}"))? {
-                report.aborts += 1;
-            }
-        }
-        if !quiet && r.chance(faults.reset) {
-            engine.reset_cache().map_err(|e| format!("reset: {e}"))?;
-            report.resets += 1;
+        if !quiet {
+            let (aborts, resets) = (&mut report.aborts, &mut report.resets);
+            disturb(&mut engine, &mut r, &faults, &live, aborts, resets)?;
         }
         if input.is_empty() && !engine.has_work() {
             break;
@@ -419,9 +454,7 @@ async fn run_seed(seed: u64, options: SimOptions) -> Result<SimReport, String> {
         }
         Some(e) => expected_stop(e, lost, config.mode)?,
     };
-    let (figures, ranks) = tokio::time::timeout(SHUTDOWN_LIMIT, engine.shutdown())
-        .await
-        .map_err(|_| "the ranks did not stop within a minute (virtual) of shutdown".to_owned())?;
+    let (figures, ranks) = shut_down(engine).await?;
     report.reports_rejected = figures.reports_rejected;
     report.invariant_checks =
         figures.invariant_checks + ranks.iter().map(|r| r.invariant_checks).sum::<u64>();

@@ -7,7 +7,9 @@ use kvrelay_core::{Mode, RequestId, Token};
 use serde::Serialize;
 
 use super::world::SimTransport;
-use super::{FaultMix, SHUTDOWN_LIMIT, SimFailure, SimReport, SimRng, simulate};
+use super::{
+    FaultMix, SimFailure, SimReport, SimRng, disturb, on_paused_clock, shut_down, simulate,
+};
 use crate::run::RunConfig;
 
 /// The runs of a sweep, summed.
@@ -166,22 +168,15 @@ fn rss_kib() -> u64 {
 }
 
 /// A soak: `steps` engine steps of seed 1's fault mix without the lost rank (strict, 2 ranks),
-/// requests arriving as others finish so that about `live` are in flight, ids reused once
-/// released; resident memory sampled every `sample_every` steps.
+/// requests arriving as others finish so that 8 are live, ids reused once released; resident
+/// memory sampled every `sample_every` steps.
 pub fn soak(
     seed: u64,
     steps: u64,
     sample_every: u64,
     progress: &mut dyn FnMut(u64),
 ) -> Result<SoakReport, SimFailure> {
-    let fail = |why: String| SimFailure { seed, why };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .map_err(|e| fail(format!("tokio runtime: {e}")))?;
-    rt.block_on(soak_run(seed, steps, sample_every.max(1), progress))
-        .map_err(fail)
+    on_paused_clock(seed, soak_run(seed, steps, sample_every.max(1), progress))
 }
 
 async fn soak_run(
@@ -241,16 +236,8 @@ async fn soak_run(
             live.push(id);
             report.requests += 1;
         }
-        if r.chance(faults.abort) {
-            let id = live[r.range(0, live.len() as u64 - 1) as usize];
-            if engine.abort(id).map_err(|e| format!("abort: {e}"))? {
-                report.aborts += 1;
-            }
-        }
-        if r.chance(faults.reset) {
-            engine.reset_cache().map_err(|e| format!("reset: {e}"))?;
-            report.resets += 1;
-        }
+        let (aborts, resets) = (&mut report.aborts, &mut report.resets);
+        disturb(&mut engine, &mut r, &faults, &live, aborts, resets)?;
         let o = engine
             .step()
             .await
@@ -273,9 +260,7 @@ async fn soak_run(
         }
     }
     report.max_request_id = next_id.saturating_sub(1);
-    let (figures, ranks) = tokio::time::timeout(SHUTDOWN_LIMIT, engine.shutdown())
-        .await
-        .map_err(|_| "the ranks did not stop within a minute (virtual) of shutdown".to_owned())?;
+    let (figures, ranks) = shut_down(engine).await?;
     report.reports_rejected = figures.reports_rejected;
     report.transfers_failed = ranks.iter().map(|r| r.failed_transfers).sum();
     Ok(report)
