@@ -62,7 +62,11 @@ pub(crate) async fn spawn_worker(
 ) -> Result<WorkerLink, RunError> {
     let rank = setup.rank;
     let fail = |why: String| RunError::Worker { rank, why };
-    let path = std::env::temp_dir().join(format!("kvrelay-{}-{rank}.sock", std::process::id()));
+    // One socket per worker started: two engines of one process (tests running side by side,
+    // an embedder with two) must not take each other's socket.
+    static STARTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = std::env::temp_dir().join(format!("kvrelay-{}-{n}-{rank}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let listener =
         UnixListener::bind(&path).map_err(|e| fail(format!("{}: {e}", path.display())))?;
