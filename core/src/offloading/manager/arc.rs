@@ -108,18 +108,18 @@ impl Arc {
         }
     }
 
-    /// Evicts exactly `n` idle keys outside `protected` (sorted), frees their chunks and moves
+    /// Evicts exactly `n` idle keys not `offered` by the store in progress, frees their chunks and moves
     /// them to the ghost lists (trimmed to `capacity`), returning them in eviction order; `None`
-    /// (nothing changed) if there are fewer.
+    /// (nothing changed) if there are fewer. `chosen` is a working buffer.
     pub(super) fn evict(
         &mut self,
         arena: &mut Arena,
         free: &mut Vec<ChunkId>,
         n: usize,
-        protected: &[OffloadKey],
         capacity: u32,
+        chosen: &mut Vec<u32>,
     ) -> Option<Vec<OffloadKey>> {
-        let mut victims = Vec::with_capacity(n);
+        chosen.clear();
         let Self {
             t1,
             t2,
@@ -128,11 +128,11 @@ impl Arc {
             target_bits,
         } = self;
         let target = f64::from_bits(*target_bits) as usize;
-        let chosen = {
+        {
             let nodes = &arena.nodes;
             let idle = |s: u32| {
                 let n = &nodes[s as usize];
-                n.chunk.is_some_and(|c| c.ref_cnt == 0) && protected.binary_search(&n.key).is_err()
+                n.chunk.is_some_and(|c| c.ref_cnt == 0) && !n.offered
             };
             // The next idle node from a cursor, advancing it past that node.
             let next_idle = |cursor: &mut u32| {
@@ -147,31 +147,29 @@ impl Arc {
             };
             let mut virtual_t1 = t1.len as usize;
             let (mut c1, mut c2) = (t1.head, t2.head);
-            let mut chosen: Vec<(u32, bool)> = Vec::with_capacity(n);
             for _ in 0..n {
                 let mut pick = None;
                 if virtual_t1 >= target
                     && let Some(s) = next_idle(&mut c1)
                 {
-                    pick = Some((s, true));
+                    pick = Some(s);
                     virtual_t1 -= 1;
                 }
                 if pick.is_none()
                     && let Some(s) = next_idle(&mut c2)
                 {
-                    pick = Some((s, false));
+                    pick = Some(s);
                 }
                 if pick.is_none() {
-                    let s = next_idle(&mut c1)?;
-                    pick = Some((s, true));
+                    pick = Some(next_idle(&mut c1)?);
                     virtual_t1 -= 1;
                 }
                 chosen.extend(pick);
             }
-            chosen
-        };
-        for (s, in_t1) in chosen {
-            if in_t1 {
+        }
+        let mut victims = Vec::with_capacity(n);
+        for &s in chosen.iter() {
+            if arena.nodes[s as usize].place == Place::T1 {
                 t1.unlink(&mut arena.nodes, s);
                 b1.push_back(&mut arena.nodes, s, Place::B1);
             } else {
@@ -200,25 +198,24 @@ impl Arc {
     pub(super) fn on_request_finished(
         &mut self,
         arena: &mut Arena,
-        ordered: &[OffloadKey],
+        ordered: &[u32],
         scope: &RequestAccess,
     ) {
         let nodes = &mut arena.nodes;
-        for k in ordered.iter().rev() {
-            let Some(s) = arena.index.get(k) else {
+        for &e in ordered.iter().rev() {
+            let access = scope.entry(e);
+            let Some(s) = arena.index.get(&access.key) else {
                 continue;
             };
             let place = nodes[s as usize].place;
-            let access = scope.get(k);
-            let reused = access.is_some_and(|a| a.reused);
-            if access.is_some_and(|a| a.inserted) && !reused {
+            if access.inserted && !access.reused {
                 // Insert-only: refreshed in its list.
                 match place {
                     Place::T1 => self.t1.move_to_back(nodes, s),
                     Place::T2 => self.t2.move_to_back(nodes, s),
                     _ => {}
                 }
-            } else if reused {
+            } else if access.reused {
                 // From T1, or to T2's most recent end.
                 match place {
                     Place::T1 => {

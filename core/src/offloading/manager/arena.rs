@@ -33,12 +33,12 @@ pub(super) type Rank = (u64, i64);
 pub(super) enum Place {
     /// A free slot of the arena.
     Free,
-    /// A key linked into no list (LRU: pinned or write-pending).
+    /// A key linked into no list (only between calls of a policy).
     Unlinked,
-    /// LRU: idle, in the rank-ordered idle list.
-    IdleList,
-    /// LRU: idle, in the idle tree (ranks that arrived between the list's ends).
-    IdleTree,
+    /// LRU: stored, in the rank-ordered list.
+    RankList,
+    /// LRU: stored, in the rank tree (ranks that arrived between the list's ends).
+    RankTree,
     /// ARC: stored, seen once.
     T1,
     /// ARC: stored, seen again.
@@ -61,6 +61,9 @@ pub(super) struct Node {
     pub(super) next: u32,
     /// The LRU rank (unused by ARC).
     pub(super) rank: Rank,
+    /// Named by the `prepare_store` in progress, so not evictable by it; `false` between
+    /// calls.
+    pub(super) offered: bool,
 }
 
 impl Node {
@@ -74,6 +77,7 @@ impl Node {
         prev: NIL,
         next: NIL,
         rank: (0, 0),
+        offered: false,
     };
 }
 
@@ -198,19 +202,42 @@ pub(super) struct KeyIndex {
     pub(super) len: usize,
 }
 
+/// The fixed (unseeded) mixer of a key, for the key indexes (splitmix64's finaliser).
+pub(super) fn mix_key(k: &OffloadKey) -> u64 {
+    let mut x = k.hash.0 ^ u64::from(k.group).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
 impl KeyIndex {
-    fn mix(hash: u64, group: u32) -> u64 {
-        // splitmix64's finaliser.
-        let mut x = hash ^ u64::from(group).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        x ^= x >> 30;
-        x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        x ^= x >> 27;
-        x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
-        x ^ (x >> 31)
+    /// An empty index that holds `n` keys without growing.
+    fn with_capacity(n: usize) -> Self {
+        Self {
+            table: alloc::vec![EMPTY_ENTRY; Self::table_len(n)],
+            len: 0,
+        }
+    }
+
+    /// The table length for `n` keys: at most half full, at least 64 entries.
+    fn table_len(n: usize) -> usize {
+        n.saturating_mul(2).next_power_of_two().max(64)
+    }
+
+    /// Forgets every key, keeping the table.
+    fn clear(&mut self) {
+        self.table.fill(EMPTY_ENTRY);
+        self.len = 0;
     }
 
     fn home(&self, hash: u64, group: u32) -> usize {
-        Self::mix(hash, group) as usize & (self.table.len() - 1)
+        let key = OffloadKey {
+            hash: BlockHash(hash),
+            group,
+        };
+        mix_key(&key) as usize & (self.table.len() - 1)
     }
 
     fn find(&self, k: &OffloadKey) -> Option<usize> {
@@ -258,7 +285,7 @@ impl KeyIndex {
     }
 
     fn grow(&mut self) {
-        let cap = (self.table.len() * 2).max(64);
+        let cap = Self::table_len(self.table.len());
         let old = core::mem::replace(&mut self.table, alloc::vec![EMPTY_ENTRY; cap]);
         for e in old {
             if e.slot != NIL {
@@ -302,6 +329,16 @@ pub(super) struct Arena {
 }
 
 impl Arena {
+    /// An empty arena that holds `n` nodes without growing (its nodes and its index).
+    pub(super) fn with_capacity(n: usize) -> Self {
+        Self {
+            nodes: Vec::with_capacity(n),
+            free_slots: Vec::new(),
+            index: KeyIndex::with_capacity(n),
+            stored: 0,
+        }
+    }
+
     pub(super) fn slot(&self, k: &OffloadKey) -> Option<u32> {
         self.index.get(k)
     }
@@ -340,7 +377,11 @@ impl Arena {
         self.free_slots.push(s);
     }
 
+    /// Forgets every node, keeping the storage.
     pub(super) fn clear(&mut self) {
-        *self = Self::default();
+        self.nodes.clear();
+        self.free_slots.clear();
+        self.index.clear();
+        self.stored = 0;
     }
 }

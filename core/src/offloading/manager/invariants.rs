@@ -9,7 +9,7 @@ use crate::{InvariantViolation, ensure_invariant};
 impl CpuOffloadingManager {
     /// I-40: counters equal the chunk table, `ref_cnt ≥ −1`, allocated chunks within capacity
     /// and distinct (none both free and held), the key index maps exactly the live nodes, and
-    /// the policy's lists are well linked and hold exactly the right keys: LRU the idle ones in
+    /// the policy's lists are well linked and hold exactly the right keys: LRU the stored ones in
     /// `(rank, key)` order, ARC the stored ones in T1/T2 and only ghosts, within capacity, in
     /// B1/B2.
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
@@ -107,6 +107,6 @@ impl CpuOffloadingManager {
             self.free.len()
         );
         self.policy
-            .check_invariants(nodes, live, stored, idle, self.config.capacity_chunks)
+            .check_invariants(nodes, live, stored, self.config.capacity_chunks)
     }
 }

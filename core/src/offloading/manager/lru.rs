@@ -1,21 +1,25 @@
 //! The LRU policy (vLLM 0.33.0's `LRUCachePolicy`, the default): logical recency with
 //! provisional per-request ranks.
 //!
-//! Every stored key has a [`Rank`] in its node; the idle keys (ready, unpinned) are kept in
-//! `(rank, key)` order and evicted lowest first. `touch` and a finished request give keys fresh
-//! global ranks, tail to head, so a prefix's head ends most recent. While a request runs, the keys
-//! it accesses with a known position only move up to the request's provisional rank
-//! `(request rank, −position)` (`on_request_access`), committed at `on_request_finished`.
-//! Write-pending and pinned keys are in no list: they cannot be evicted.
+//! Every stored key has a [`Rank`] in its node, and every stored key — idle, pinned or
+//! write-pending — is kept in `(rank, key)` order; eviction walks that order lowest first and
+//! takes the idle keys (ready, unpinned), skipping the others. `touch`
+//! and a finished request give keys fresh global ranks, tail to head, so a prefix's head ends
+//! most recent. While a request runs, the keys it accesses with a known position only move up to
+//! the request's provisional rank `(request rank, −position)` (`on_request_access`), committed at
+//! `on_request_finished`.
 //!
-//! The idle order is vLLM's lazy heap kept exact, split in two: a sorted [`List`] taking the
-//! keys whose order falls beyond either end (the common case: a fresh rank, O(1)), and a B-tree
-//! for the ranks that arrive between its ends. Eviction merges the two.
+//! The order is vLLM's lazy heap kept exact, split in two: a sorted [`List`] taking the keys
+//! whose order falls beyond either end (the common case: a fresh rank, O(1)), and a B-tree for
+//! the ranks that arrive between its ends. Eviction merges the two. Pinning a key for a load and
+//! unpinning it do not move it: a key's place in the order changes only with its rank, so loads
+//! cost no reordering.
 
 use alloc::collections::BTreeSet;
 use alloc::vec::Vec;
 
 use super::arena::{Arena, List, NIL, Node, Place, Rank};
+use super::scope::RequestAccess;
 use super::types::{ChunkId, OffloadKey};
 use crate::{InvariantViolation, ensure_invariant};
 
@@ -27,44 +31,44 @@ fn order(n: &Node) -> (Rank, OffloadKey) {
 /// The LRU's own state; each key's rank lives in its node.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
 pub(super) struct Lru {
-    /// Idle keys by `(rank, key)` (vLLM's lazy heap, kept exact), split in two: a sorted
+    /// Stored keys by `(rank, key)` (vLLM's lazy heap, kept exact), split in two: a sorted
     /// list taking the keys that arrive beyond either end (the common case: a fresh rank),
     /// and a tree for the rest. Eviction merges the two.
-    idle: List,
-    idle_tree: BTreeSet<(Rank, OffloadKey, u32)>,
+    list: List,
+    tree: BTreeSet<(Rank, OffloadKey, u32)>,
     next_rank: u64,
 }
 
 impl Lru {
     pub(super) fn new() -> Self {
         Self {
-            idle: List::EMPTY,
-            idle_tree: BTreeSet::new(),
+            list: List::EMPTY,
+            tree: BTreeSet::new(),
             next_rank: 0,
         }
     }
 
-    /// Adds an idle key to the idle order.
-    pub(super) fn idle_insert(&mut self, nodes: &mut [Node], s: u32) {
-        let idle = &mut self.idle;
+    /// Adds a stored key to the order, by its rank.
+    fn link(&mut self, nodes: &mut [Node], s: u32) {
+        let list = &mut self.list;
         let o = order(&nodes[s as usize]);
-        if idle.tail == NIL || order(&nodes[idle.tail as usize]) < o {
-            idle.push_back(nodes, s, Place::IdleList);
-        } else if o < order(&nodes[idle.head as usize]) {
-            idle.push_front(nodes, s, Place::IdleList);
+        if list.tail == NIL || order(&nodes[list.tail as usize]) < o {
+            list.push_back(nodes, s, Place::RankList);
+        } else if o < order(&nodes[list.head as usize]) {
+            list.push_front(nodes, s, Place::RankList);
         } else {
-            self.idle_tree.insert((o.0, o.1, s));
-            nodes[s as usize].place = Place::IdleTree;
+            self.tree.insert((o.0, o.1, s));
+            nodes[s as usize].place = Place::RankTree;
         }
     }
 
-    /// Takes a key out of the idle order (no-op for a key that is not idle).
-    pub(super) fn idle_remove(&mut self, nodes: &mut [Node], s: u32) {
+    /// Takes a key out of the order (no-op for a key that is not in it).
+    fn unlink(&mut self, nodes: &mut [Node], s: u32) {
         let n = &mut nodes[s as usize];
         match n.place {
-            Place::IdleList => self.idle.unlink(nodes, s),
-            Place::IdleTree => {
-                self.idle_tree.remove(&(n.rank, n.key, s));
+            Place::RankList => self.list.unlink(nodes, s),
+            Place::RankTree => {
+                self.tree.remove(&(n.rank, n.key, s));
                 n.place = Place::Unlinked;
             }
             _ => {}
@@ -79,10 +83,17 @@ impl Lru {
         }
     }
 
-    /// `on_request_finished`: the request's keys (in prefix order) get fresh global ranks, tail
-    /// to head, as by [`Self::touch`].
-    pub(super) fn on_request_finished(&mut self, arena: &mut Arena, ordered: &[OffloadKey]) {
-        self.touch(arena, ordered);
+    /// `on_request_finished`: the request's keys (its scope's entries in prefix order) get
+    /// fresh global ranks, tail to head, as by [`Self::touch`].
+    pub(super) fn on_request_finished(
+        &mut self,
+        arena: &mut Arena,
+        ordered: &[u32],
+        scope: &RequestAccess,
+    ) {
+        for &e in ordered.iter().rev() {
+            self.new_rank(arena, scope.entry(e).key);
+        }
     }
 
     /// A fresh global rank for a present key.
@@ -90,21 +101,24 @@ impl Lru {
         let Some(s) = arena.slot(&k) else {
             return;
         };
-        self.next_rank += 1;
-        let rank = (self.next_rank, 0);
-        self.rerank(&mut arena.nodes, s, rank);
+        let nodes = &mut arena.nodes;
+        self.unlink(nodes, s);
+        nodes[s as usize].rank = self.fresh_rank();
+        self.list.push_back(nodes, s, Place::RankList);
     }
 
-    /// Gives a stored key its new rank, keeping the idle order in step.
+    /// A fresh global rank: above every rank given so far (global and provisional ranks share
+    /// the counter), so its key goes to the list's most recent end without a comparison.
+    fn fresh_rank(&mut self) -> Rank {
+        self.next_rank += 1;
+        (self.next_rank, 0)
+    }
+
+    /// Gives a stored key a new rank that may fall anywhere, keeping the order in step.
     fn rerank(&mut self, nodes: &mut [Node], s: u32, rank: Rank) {
-        let was_idle = matches!(nodes[s as usize].place, Place::IdleList | Place::IdleTree);
-        if was_idle {
-            self.idle_remove(nodes, s);
-        }
+        self.unlink(nodes, s);
         nodes[s as usize].rank = rank;
-        if was_idle {
-            self.idle_insert(nodes, s);
-        }
+        self.link(nodes, s);
     }
 
     /// The request's provisional rank (kept in its scope), allocated on first need.
@@ -136,8 +150,9 @@ impl Lru {
         }
     }
 
-    /// A key just reserved for a store (write-pending, so in no list) takes its rank: the
-    /// request's provisional rank at its position if known, else a fresh global rank.
+    /// A key just reserved for a store (write-pending) takes its rank — the request's
+    /// provisional rank at its position if known, else a fresh global rank — and its place in
+    /// the order.
     pub(super) fn insert(
         &mut self,
         nodes: &mut [Node],
@@ -145,29 +160,37 @@ impl Lru {
         position: Option<u32>,
         request_rank: &mut Option<u64>,
     ) {
-        nodes[s as usize].rank = match position {
-            Some(pos) => (self.request_rank(request_rank), -i64::from(pos)),
-            None => {
-                self.next_rank += 1;
-                (self.next_rank, 0)
+        match position {
+            Some(pos) => {
+                nodes[s as usize].rank = (self.request_rank(request_rank), -i64::from(pos));
+                self.link(nodes, s);
             }
-        };
+            None => {
+                nodes[s as usize].rank = self.fresh_rank();
+                self.list.push_back(nodes, s, Place::RankList);
+            }
+        }
     }
 
-    /// Evicts exactly `n` idle keys outside `protected` (sorted), lowest `(rank, key)` first,
+    /// A write-pending key whose store failed leaves the order (the manager then frees its
+    /// node).
+    pub(super) fn remove(&mut self, nodes: &mut [Node], s: u32) {
+        self.unlink(nodes, s);
+    }
+
+    /// Evicts exactly `n` idle keys not `offered` by the store in progress, lowest `(rank, key)` first,
     /// frees their chunks and nodes, and returns them in eviction order; `None` (nothing changed)
-    /// if there are fewer.
+    /// if there are fewer. `slots` is a working buffer.
     pub(super) fn evict(
         &mut self,
         arena: &mut Arena,
         free: &mut Vec<ChunkId>,
         n: usize,
-        protected: &[OffloadKey],
+        slots: &mut Vec<u32>,
     ) -> Option<Vec<OffloadKey>> {
-        let mut victims = Vec::with_capacity(n);
-        let mut slots: Vec<u32> = Vec::with_capacity(n);
-        let mut cursor = self.idle.head;
-        let mut tree = self.idle_tree.iter().peekable();
+        slots.clear();
+        let mut cursor = self.list.head;
+        let mut tree = self.tree.iter().peekable();
         while slots.len() < n {
             let from_list = match (cursor, tree.peek()) {
                 (NIL, None) => break,
@@ -182,18 +205,18 @@ impl Lru {
             } else {
                 tree.next().expect("peeked").2
             };
-            if protected
-                .binary_search(&arena.nodes[s as usize].key)
-                .is_err()
-            {
+            let n = &arena.nodes[s as usize];
+            let idle = n.chunk.is_some_and(|c| c.ref_cnt == 0);
+            if idle && !n.offered {
                 slots.push(s);
             }
         }
         if slots.len() < n {
             return None;
         }
-        for s in slots {
-            self.idle_remove(&mut arena.nodes, s);
+        let mut victims = Vec::with_capacity(n);
+        for &s in slots.iter() {
+            self.unlink(&mut arena.nodes, s);
             let node = &mut arena.nodes[s as usize];
             let chunk = node.chunk.take().expect("idle keys are stored");
             victims.push(node.key);
@@ -204,58 +227,48 @@ impl Lru {
         Some(victims)
     }
 
-    /// Whether a node sits where LRU puts it: a stored key is in the idle order exactly when it
-    /// is idle and otherwise unlinked; LRU keeps no key without a chunk.
+    /// Whether a node sits where LRU puts it: every stored key is in the order (list or
+    /// tree); LRU keeps no key without a chunk.
     pub(super) fn placed(n: &Node) -> bool {
-        match n.chunk {
-            Some(c) => {
-                let in_idle = matches!(n.place, Place::IdleList | Place::IdleTree);
-                in_idle == (c.ref_cnt == 0) && (in_idle || n.place == Place::Unlinked)
-            }
-            None => false,
-        }
+        n.chunk.is_some() && matches!(n.place, Place::RankList | Place::RankTree)
     }
 
-    /// I-40, LRU part: the idle list is well linked and in `(rank, key)` order, the tree agrees
-    /// with the keys' ranks, and together they hold the `idle` idle keys.
+    /// I-40, LRU part: the list is well linked and in `(rank, key)` order, the tree agrees
+    /// with the keys' ranks, and together they hold the `stored` keys.
     pub(super) fn check_invariants(
         &self,
         nodes: &[Node],
-        idle: usize,
+        stored: usize,
     ) -> Result<(), InvariantViolation> {
-        let Self {
-            idle: list,
-            idle_tree,
-            ..
-        } = self;
-        let slots = list.holds(nodes, Place::IdleList);
-        ensure_invariant!(slots.is_some(), "I-40", "LRU idle list broken");
+        let Self { list, tree, .. } = self;
+        let slots = list.holds(nodes, Place::RankList);
+        ensure_invariant!(slots.is_some(), "I-40", "LRU rank list broken");
         let sorted = slots.is_some_and(|slots| {
             slots
                 .windows(2)
                 .all(|w| order(&nodes[w[0] as usize]) < order(&nodes[w[1] as usize]))
         });
-        ensure_invariant!(sorted, "I-40", "LRU idle list out of rank order");
+        ensure_invariant!(sorted, "I-40", "LRU rank list out of rank order");
         ensure_invariant!(
-            idle_tree.iter().all(|(rank, key, s)| nodes
+            tree.iter().all(|(rank, key, s)| nodes
                 .get(*s as usize)
-                .is_some_and(|n| n.place == Place::IdleTree && n.rank == *rank && n.key == *key)),
+                .is_some_and(|n| n.place == Place::RankTree && n.rank == *rank && n.key == *key)),
             "I-40",
-            "LRU idle tree disagrees with the keys' ranks"
+            "LRU rank tree disagrees with the keys' ranks"
         );
         ensure_invariant!(
-            list.len as usize + idle_tree.len() == idle,
+            list.len as usize + tree.len() == stored,
             "I-40",
-            "LRU idle order holds {} + {} keys, {idle} idle",
+            "LRU order holds {} + {} keys, {stored} stored",
             list.len,
-            idle_tree.len()
+            tree.len()
         );
         Ok(())
     }
 
-    /// The idle list, for tests that corrupt it.
+    /// The rank list, for tests that corrupt it.
     #[cfg(test)]
-    pub(super) fn idle_mut(&mut self) -> &mut List {
-        &mut self.idle
+    pub(super) fn list_mut(&mut self) -> &mut List {
+        &mut self.list
     }
 }

@@ -40,6 +40,7 @@
 //! | `lru.rs` | the LRU policy: ranks, the idle order, eviction by rank |
 //! | `arc.rs` | the ARC policy: T1/T2, ghosts B1/B2, the adaptive target, eviction into the ghosts |
 //! | `policy.rs` | `Policy`, LRU or ARC: every event the manager hands a policy |
+//! | `scratch.rs` | the working buffers a call reuses, so that it allocates only what it returns |
 //! | `mod.rs` | the chunk state machine ([`CpuOffloadingManager`]): chunks and their states, request scopes, the store-threshold tracker, events |
 //! | `invariants.rs` | `check_invariants()` (I-40): counters, chunks, arena and index, then the policy's lists |
 //! | `tests.rs` | unit tests of the list walk and of I-40 on corrupted managers |
@@ -50,6 +51,7 @@ mod invariants;
 mod lru;
 mod policy;
 mod scope;
+mod scratch;
 mod types;
 
 #[cfg(test)]
@@ -61,6 +63,7 @@ use alloc::vec::Vec;
 use self::arena::{Arena, Chunk};
 use self::policy::Policy;
 use self::scope::RequestAccess;
+use self::scratch::{Mark, SPARE_SCOPES, Scratch};
 use crate::RequestId;
 
 pub use self::types::{
@@ -86,29 +89,22 @@ pub struct CpuOffloadingManager {
     tracker: BTreeMap<OffloadKey, (u32, u64)>,
     tracker_order: BTreeSet<(u64, OffloadKey)>,
     tracker_tick: u64,
-}
-
-/// What a call does with one of its keys in the request's scope (`record_access`).
-#[derive(Clone, Copy, Debug, Eq, PartialEq)]
-enum Mark {
-    /// Not recorded.
-    Skip,
-    /// Recorded as an access.
-    Recorded,
-    /// Recorded as an access, and reused (a load, or a ready key in a store offer).
-    Reused,
+    /// Working buffers reused by every call (not state: see `scratch.rs`).
+    #[serde(skip)]
+    scratch: Scratch,
 }
 
 /// vLLM's `max_tracker_size` default.
 const MAX_TRACKER_SIZE: usize = 64_000;
 
 impl CpuOffloadingManager {
-    /// A manager with an empty pool of `config.capacity_chunks` chunks.
+    /// A manager with an empty pool of `config.capacity_chunks` chunks. The arena and its key
+    /// index are sized for a full pool (and, for ARC, full ghost lists) up front.
     pub fn new(config: ManagerConfig) -> Result<Self, ManagerError> {
         config.validate()?;
         Ok(Self {
             config,
-            arena: Arena::default(),
+            arena: Arena::with_capacity(Policy::max_nodes(config.policy, config.capacity_chunks)),
             policy: Policy::new(config.policy),
             requests: BTreeMap::new(),
             next_fresh: 0,
@@ -119,6 +115,7 @@ impl CpuOffloadingManager {
             tracker: BTreeMap::new(),
             tracker_order: BTreeSet::new(),
             tracker_tick: 0,
+            scratch: Scratch::default(),
         })
     }
 
@@ -138,20 +135,22 @@ impl CpuOffloadingManager {
         keys: &[OffloadKey],
         access: Access<'_>,
     ) -> Result<Vec<ChunkId>, ManagerError> {
+        let mut scratch = core::mem::take(&mut self.scratch);
+        scratch.slots.clear();
         for k in keys {
-            match self.arena.chunk(k) {
-                Some(c) if c.ref_cnt >= 0 => {}
-                _ => return Err(ManagerError::NotLoadable(*k)),
+            match self.arena.slot(k) {
+                Some(s) if self.arena.nodes[s as usize].chunk.is_some_and(|c| c.ref_cnt >= 0) => {
+                    scratch.slots.push(s);
+                }
+                _ => {
+                    self.scratch = scratch;
+                    return Err(ManagerError::NotLoadable(*k));
+                }
             }
         }
         let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            let s = self
-                .arena
-                .slot(k)
-                .expect("checked above: every key is present");
-            let nodes = &mut self.arena.nodes;
-            let c = nodes[s as usize]
+        for &s in &scratch.slots {
+            let c = self.arena.nodes[s as usize]
                 .chunk
                 .as_mut()
                 .expect("checked above: every key is stored");
@@ -159,51 +158,73 @@ impl CpuOffloadingManager {
             out.push(c.chunk);
             if c.ref_cnt == 1 {
                 self.evictable -= 1;
-                self.policy.on_pinned(nodes, s);
             }
         }
-        let mut ctx = self.take_ctx(access);
-        let at = ctx.admit(keys);
-        Self::learn_positions(&mut ctx, &at, access);
-        let marks = alloc::vec![Mark::Reused; keys.len()];
-        self.record_access(&mut ctx, keys, &at, &marks, access);
-        self.put_ctx(access, ctx);
+        let mut ctx = self.take_ctx(access, &mut scratch);
+        ctx.admit(keys, &mut scratch.at);
+        Self::learn_positions(&mut ctx, &scratch.at, access);
+        scratch.marks.clear();
+        scratch.marks.resize(keys.len(), Mark::Reused);
+        self.record_access(&mut ctx, keys, &mut scratch, access);
+        self.put_ctx(access, ctx, &mut scratch);
+        self.scratch = scratch;
         Ok(out)
     }
 
     /// Unpins what [`Self::prepare_load`] pinned. Atomic: an unpinned key changes nothing.
     pub fn complete_load(&mut self, keys: &[OffloadKey]) -> Result<(), ManagerError> {
-        // Each distinct key must be pinned at least as often as it is named (sorted, so that
-        // the key reported is the smallest failing one).
-        let mut sorted = keys.to_vec();
-        sorted.sort_unstable();
-        for run in sorted.chunk_by(|a, b| a == b) {
-            let k = run[0];
-            match self.arena.chunk(&k) {
-                Some(c) if c.ref_cnt >= run.len() as i32 => {}
-                _ => return Err(ManagerError::NotPinned(k)),
-            }
-        }
+        // One pass unpins; a key not pinned as often as it is named undoes the pass.
+        let mut slots = core::mem::take(&mut self.scratch.slots);
+        slots.clear();
+        let mut complete = true;
         for k in keys {
-            let s = self
+            let chunk = self
                 .arena
                 .slot(k)
-                .expect("checked above: every key is present");
-            let c = self.arena.nodes[s as usize]
-                .chunk
-                .as_mut()
-                .expect("checked above: every key is stored");
-            c.ref_cnt -= 1;
-            if c.ref_cnt == 0 {
-                self.mark_evictable(s);
+                .and_then(|s| Some((s, self.arena.nodes[s as usize].chunk.as_mut()?)));
+            match chunk {
+                Some((s, c)) if c.ref_cnt >= 1 => {
+                    c.ref_cnt -= 1;
+                    self.evictable += u32::from(c.ref_cnt == 0);
+                    slots.push(s);
+                }
+                _ => {
+                    complete = false;
+                    break;
+                }
             }
         }
-        Ok(())
+        if !complete {
+            for &s in slots.iter().rev() {
+                let c = self.arena.nodes[s as usize]
+                    .chunk
+                    .as_mut()
+                    .expect("unpinned above: stored");
+                self.evictable -= u32::from(c.ref_cnt == 0);
+                c.ref_cnt += 1;
+            }
+        }
+        self.scratch.slots = slots;
+        if complete {
+            Ok(())
+        } else {
+            Err(ManagerError::NotPinned(self.first_unpinned(keys)))
+        }
     }
 
-    fn mark_evictable(&mut self, s: u32) {
-        self.evictable += 1;
-        self.policy.on_idle(&mut self.arena.nodes, s);
+    /// The smallest key of a refused `complete_load` that is not pinned as often as it is
+    /// named.
+    fn first_unpinned(&self, keys: &[OffloadKey]) -> OffloadKey {
+        let mut sorted = keys.to_vec();
+        sorted.sort_unstable();
+        sorted
+            .chunk_by(|a, b| a == b)
+            .find(|run| {
+                self.arena
+                    .chunk(&run[0])
+                    .is_none_or(|c| c.ref_cnt < run.len() as i32)
+            })
+            .map_or(sorted[0], |run| run[0])
     }
 
     /// Marks keys recently used (also keys served by the GPU prefix cache); processed tail to
@@ -215,17 +236,32 @@ impl CpuOffloadingManager {
 
     /// The request scope for one call: the named request's, or a fresh one (dropped after the
     /// call).
-    fn take_ctx(&mut self, access: Access<'_>) -> RequestAccess {
-        match access.request {
+    /// A new scope takes the storage of a spare one (`scratch`, taken out of the manager for
+    /// the call).
+    fn take_ctx(&mut self, access: Access<'_>, scratch: &mut Scratch) -> RequestAccess {
+        let ctx = match access.request {
             Some(r) => core::mem::take(self.requests.entry(r).or_default()),
             None => RequestAccess::default(),
+        };
+        if ctx.is_blank() {
+            scratch.spare_scopes.pop().unwrap_or(ctx)
+        } else {
+            ctx
         }
     }
 
-    fn put_ctx(&mut self, access: Access<'_>, mut ctx: RequestAccess) {
-        ctx.prune();
-        if let Some(slot) = access.request.and_then(|r| self.requests.get_mut(&r)) {
-            *slot = ctx;
+    fn put_ctx(&mut self, access: Access<'_>, ctx: RequestAccess, scratch: &mut Scratch) {
+        match access.request.and_then(|r| self.requests.get_mut(&r)) {
+            Some(slot) => *slot = ctx,
+            None => Self::spare_scope(scratch, ctx),
+        }
+    }
+
+    /// Keeps a scope that is done with for reuse, if there is room.
+    fn spare_scope(scratch: &mut Scratch, mut ctx: RequestAccess) {
+        if scratch.spare_scopes.len() < SPARE_SCOPES && !ctx.is_blank() {
+            ctx.clear();
+            scratch.spare_scopes.push(ctx);
         }
     }
 
@@ -240,33 +276,35 @@ impl CpuOffloadingManager {
     }
 
     /// `_record_request_cache_access`: first accesses in order (the LRU's provisional ranks),
-    /// and the reused keys that were not inserted by this request. `marks` says, per key of
-    /// the call (scope indices `at`), whether it is recorded and whether reused; positions
-    /// must have been learnt from the whole call first.
+    /// and the reused keys that were not inserted by this request. `scratch.marks` says, per
+    /// key of the call (scope indices `scratch.at`), whether it is recorded and whether reused;
+    /// positions must have been learnt from the whole call first.
     fn record_access(
         &mut self,
         ctx: &mut RequestAccess,
         keys: &[OffloadKey],
-        at: &[u32],
-        marks: &[Mark],
+        scratch: &mut Scratch,
         access: Access<'_>,
     ) {
+        let Scratch {
+            at, marks, ranked, ..
+        } = scratch;
         let recorded = || (0..keys.len()).filter(|&i| marks[i] != Mark::Skip);
+        ranked.clear();
         if access.request.is_none() {
             // A fresh scope that is dropped after this call: only the provisional LRU ranks of
             // keys with positions outlive it.
             if ctx.has_positions() {
-                let ranked: Vec<(OffloadKey, u32)> = recorded()
-                    .filter_map(|i| ctx.at(at[i]).position.map(|p| (keys[i], p)))
-                    .collect();
+                ranked.extend(
+                    recorded().filter_map(|i| ctx.at(at[i]).position.map(|p| (keys[i], p))),
+                );
                 self.policy
-                    .on_request_access(&mut self.arena, &ranked, &mut ctx.lru_rank);
+                    .on_request_access(&mut self.arena, ranked, &mut ctx.lru_rank);
             }
             return;
         }
         // First accesses, and of them those with a position (for the LRU).
         let mut first = false;
-        let mut ranked: Vec<(OffloadKey, u32)> = Vec::new();
         for i in recorded() {
             if ctx.see(at[i]) {
                 first = true;
@@ -277,7 +315,7 @@ impl CpuOffloadingManager {
         }
         if first {
             self.policy
-                .on_request_access(&mut self.arena, &ranked, &mut ctx.lru_rank);
+                .on_request_access(&mut self.arena, ranked, &mut ctx.lru_rank);
         }
         for i in 0..keys.len() {
             if marks[i] == Mark::Reused {
@@ -335,29 +373,51 @@ impl CpuOffloadingManager {
         if threshold >= 2 {
             self.track_offer(keys);
         }
-        // The offer sorted: duplicate detection and eviction protection by binary search.
-        let mut sorted: Vec<OffloadKey> = keys.to_vec();
-        sorted.sort_unstable();
-        let has_dups = sorted.windows(2).any(|w| w[0] == w[1]);
+        let mut scratch = core::mem::take(&mut self.scratch);
+        let scoped = access.request.is_some();
+        let mut ctx = self.take_ctx(access, &mut scratch);
+        ctx.admit(keys, &mut scratch.at);
+        Self::learn_positions(&mut ctx, &scratch.at, access);
         // The store candidates (indices into `keys`, first occurrences), and per key whether it
         // is recorded as an access of the request (candidates that passed the threshold, and
-        // ready keys) and whether reused (ready keys).
-        let mut candidates: Vec<usize> = Vec::new();
-        let mut marks = alloc::vec![Mark::Skip; keys.len()];
+        // ready keys) and whether reused (ready keys). Stored keys are flagged `offered`: the
+        // eviction that makes room for the candidates must not take them.
+        let Scratch {
+            at,
+            candidates,
+            marks,
+            offered,
+            ..
+        } = &mut scratch;
+        candidates.clear();
+        offered.clear();
+        marks.clear();
+        marks.resize(keys.len(), Mark::Skip);
         // An unscoped call without positions records nothing (see `record_access`).
-        let records = access.request.is_some() || access.positions.is_some_and(|p| !p.is_empty());
+        let records = scoped || access.positions.is_some_and(|p| !p.is_empty());
         // Whether a candidate has a node (an ARC ghost); if none has, none gains one before
         // `allocate` (ghost hits and evictions create no nodes), so their lookups are skipped.
         let mut ghost_candidates = false;
         for (i, k) in keys.iter().enumerate() {
             let slot = self.arena.slot(k);
-            match slot.and_then(|s| self.arena.nodes[s as usize].chunk) {
-                None => {
+            match slot.map(|s| &mut self.arena.nodes[s as usize]) {
+                Some(n) if n.chunk.is_some() => {
+                    if !n.offered {
+                        n.offered = true;
+                        offered.push(slot.expect("a node has a slot"));
+                    }
+                    if records && n.chunk.is_some_and(|c| c.ref_cnt >= 0) {
+                        marks[i] = Mark::Reused;
+                    }
+                }
+                _ => {
                     let admitted =
                         threshold < 2 || self.tracker.get(k).map_or(0, |e| e.0) >= threshold;
                     if admitted {
                         ghost_candidates |= slot.is_some();
-                        if !(has_dups && candidates.iter().any(|&c| keys[c] == *k)) {
+                        let entry = ctx.at(at[i]);
+                        if !entry.candidate {
+                            entry.candidate = true;
                             candidates.push(i);
                         }
                         if records {
@@ -365,18 +425,11 @@ impl CpuOffloadingManager {
                         }
                     }
                 }
-                Some(c) if c.ref_cnt >= 0 => {
-                    if records {
-                        marks[i] = Mark::Reused;
-                    }
-                }
-                Some(_) => {}
             }
         }
-        let scoped = access.request.is_some();
-        let mut ctx = self.take_ctx(access);
-        let at = ctx.admit(keys);
-        Self::learn_positions(&mut ctx, &at, access);
+        for &i in candidates.iter() {
+            ctx.at(at[i]).candidate = false;
+        }
         if ghost_candidates {
             // Only ARC has ghosts. LRU's `on_store_miss` is `touch` of absent keys: nothing to do.
             for &i in candidates.iter().rev() {
@@ -390,36 +443,36 @@ impl CpuOffloadingManager {
             }
         }
         if scoped {
-            for &i in &candidates {
+            for &i in candidates.iter() {
                 ctx.at(at[i]).store_miss = true;
             }
         }
-        self.record_access(&mut ctx, keys, &at, &marks, access);
-        let out = self.allocate(
-            &mut ctx,
-            keys,
-            &at,
-            &sorted,
-            &candidates,
-            ghost_candidates,
-            scoped,
-        );
-        self.put_ctx(access, ctx);
+        self.record_access(&mut ctx, keys, &mut scratch, access);
+        let out = self.allocate(&mut ctx, keys, &mut scratch, ghost_candidates, scoped);
+        for &s in &scratch.offered {
+            self.arena.nodes[s as usize].offered = false;
+        }
+        self.put_ctx(access, ctx, &mut scratch);
+        self.scratch = scratch;
         out
     }
 
-    /// Reserves chunks for `candidates` (indices into the call's `keys`, scope indices `at`).
-    #[allow(clippy::too_many_arguments)]
+    /// Reserves chunks for `scratch.candidates` (indices into the call's `keys`, scope indices
+    /// `scratch.at`); eviction skips the `offered` keys.
     fn allocate(
         &mut self,
         ctx: &mut RequestAccess,
         keys: &[OffloadKey],
-        at: &[u32],
-        sorted_offer: &[OffloadKey],
-        candidates: &[usize],
+        scratch: &mut Scratch,
         ghost_candidates: bool,
         scoped: bool,
     ) -> Option<PrepareStoreOutput> {
+        let Scratch {
+            at,
+            candidates,
+            slots,
+            ..
+        } = scratch;
         if candidates.is_empty() {
             return Some(PrepareStoreOutput::default());
         }
@@ -435,8 +488,8 @@ impl CpuOffloadingManager {
                 &mut self.arena,
                 &mut self.free,
                 need,
-                sorted_offer,
                 self.config.capacity_chunks,
+                slots,
             )?;
             self.evictable -= victims.len() as u32;
             self.events.push((
@@ -449,7 +502,8 @@ impl CpuOffloadingManager {
             evicted = victims;
         }
         let mut chunks = Vec::with_capacity(candidates.len());
-        for &i in candidates {
+        let mut keys_to_store = Vec::with_capacity(candidates.len());
+        for &i in candidates.iter() {
             let k = keys[i];
             let chunk = if self.next_fresh < self.config.capacity_chunks {
                 self.next_fresh += 1;
@@ -475,15 +529,16 @@ impl CpuOffloadingManager {
             self.policy
                 .insert(&mut self.arena.nodes, s, position, &mut ctx.lru_rank);
             chunks.push(chunk);
+            keys_to_store.push(k);
         }
         self.write_pending += candidates.len() as u32;
         if scoped {
-            for &i in candidates {
+            for &i in candidates.iter() {
                 ctx.at(at[i]).inserted = true;
             }
         }
         Some(PrepareStoreOutput {
-            keys_to_store: candidates.iter().map(|&i| keys[i]).collect(),
+            keys_to_store,
             chunks,
             evicted,
         })
@@ -508,13 +563,16 @@ impl CpuOffloadingManager {
             self.write_pending -= 1;
             if success {
                 c.ref_cnt = 0;
-                self.mark_evictable(s);
+                self.evictable += 1;
             } else {
                 self.free.push(c.chunk);
                 node.chunk = None;
                 self.arena.stored -= 1;
                 self.policy.on_store_failed(&mut self.arena.nodes, s);
                 self.arena.release(s);
+            }
+            if done.is_empty() {
+                done.reserve_exact(keys.len());
             }
             done.push(*k);
         }
@@ -542,9 +600,12 @@ impl CpuOffloadingManager {
         let Some(ctx) = self.requests.remove(&request) else {
             return;
         };
-        let ordered = ctx.commit_order();
+        let mut ordered = core::mem::take(&mut self.scratch.order);
+        ctx.commit_order(&mut ordered);
         self.policy
             .on_request_finished(&mut self.arena, &ordered, &ctx);
+        self.scratch.order = ordered;
+        Self::spare_scope(&mut self.scratch, ctx);
     }
 
     /// The events since the last call, in order: stored (`removed: false`) and removed keys.

@@ -4,14 +4,15 @@
 //!
 //! | event (manager call) | LRU | ARC |
 //! | --- | --- | --- |
-//! | a key becomes idle (`complete_store`, `complete_load`) | joins the idle order | — |
-//! | a key is pinned (`prepare_load`) | leaves the idle order | — |
 //! | `touch` | fresh ranks | T1 → T2, refresh, ghost hit |
 //! | a request accesses keys (`prepare_*`) | provisional ranks | — |
 //! | a store miss (`prepare_store`) | — | ghost hit |
-//! | a key is reserved for a store (`prepare_store`) | its rank | into T1 |
-//! | the pool is full (`prepare_store`) | evicts by rank | evicts T1/T2 into B1/B2 |
-//! | a store fails (`complete_store`) | — (the key is in no list) | leaves T1/T2 |
+//! | a key is reserved for a store (`prepare_store`) | its rank, into the order | into T1 |
+//! | the pool is full (`prepare_store`) | evicts idle keys by rank | evicts idle T1/T2 keys into B1/B2 |
+//! | a store fails (`complete_store`) | leaves the order | leaves T1/T2 |
+//!
+//! Neither policy moves a key when a load pins it or when it becomes idle: both keep every
+//! stored key in their lists and skip the keys that are not idle when they evict.
 //! | `on_request_finished` | fresh ranks | reused → T2, inserted refreshed |
 
 use alloc::vec::Vec;
@@ -32,25 +33,21 @@ pub(super) enum Policy {
 }
 
 impl Policy {
+    /// The most nodes the arena holds under `kind` with a pool of `capacity` chunks: one per
+    /// stored key, and for ARC up to `capacity` ghosts in each of B1 and B2.
+    pub(super) fn max_nodes(kind: PolicyKind, capacity: u32) -> usize {
+        let capacity = capacity as usize;
+        match kind {
+            PolicyKind::Lru => capacity,
+            PolicyKind::Arc => capacity.saturating_mul(3),
+        }
+    }
+
     /// A policy that knows no key.
     pub(super) fn new(kind: PolicyKind) -> Self {
         match kind {
             PolicyKind::Lru => Self::Lru(Lru::new()),
             PolicyKind::Arc => Self::Arc(Arc::new()),
-        }
-    }
-
-    /// A stored key became idle (ready and unpinned).
-    pub(super) fn on_idle(&mut self, nodes: &mut [Node], s: u32) {
-        if let Self::Lru(lru) = self {
-            lru.idle_insert(nodes, s);
-        }
-    }
-
-    /// An idle key was pinned by a load.
-    pub(super) fn on_pinned(&mut self, nodes: &mut [Node], s: u32) {
-        if let Self::Lru(lru) = self {
-            lru.idle_remove(nodes, s);
         }
     }
 
@@ -97,41 +94,41 @@ impl Policy {
         }
     }
 
-    /// Evicts exactly `n` idle keys outside `protected` (sorted) and frees their chunks onto
+    /// Evicts exactly `n` idle keys not `offered` by the store in progress and frees their chunks onto
     /// `free`, returning them in eviction order; `None` (nothing changed) if there are fewer.
-    /// ARC moves the evicted keys to its ghost lists.
+    /// ARC moves the evicted keys to its ghost lists. `slots` is a working buffer.
     pub(super) fn evict(
         &mut self,
         arena: &mut Arena,
         free: &mut Vec<ChunkId>,
         n: usize,
-        protected: &[OffloadKey],
         capacity: u32,
+        slots: &mut Vec<u32>,
     ) -> Option<Vec<OffloadKey>> {
         match self {
-            Self::Lru(lru) => lru.evict(arena, free, n, protected),
-            Self::Arc(arc) => arc.evict(arena, free, n, protected, capacity),
+            Self::Lru(lru) => lru.evict(arena, free, n, slots),
+            Self::Arc(arc) => arc.evict(arena, free, n, capacity, slots),
         }
     }
 
     /// A write-pending key's store failed: it leaves the policy before its node is freed.
     pub(super) fn on_store_failed(&mut self, nodes: &mut [Node], s: u32) {
-        // LRU: a write-pending key is in no list.
-        if let Self::Arc(arc) = self {
-            arc.remove(nodes, s);
+        match self {
+            Self::Lru(lru) => lru.remove(nodes, s),
+            Self::Arc(arc) => arc.remove(nodes, s),
         }
     }
 
-    /// A request finished: its keys in prefix order (`ordered`); its `scope` says which it
-    /// inserted and which it reused.
+    /// A request finished: its `scope`'s entries in prefix order (`ordered`, indices into the
+    /// scope); the scope says which keys it inserted and which it reused.
     pub(super) fn on_request_finished(
         &mut self,
         arena: &mut Arena,
-        ordered: &[OffloadKey],
+        ordered: &[u32],
         scope: &RequestAccess,
     ) {
         match self {
-            Self::Lru(lru) => lru.on_request_finished(arena, ordered),
+            Self::Lru(lru) => lru.on_request_finished(arena, ordered, scope),
             Self::Arc(arc) => arc.on_request_finished(arena, ordered, scope),
         }
     }
@@ -144,18 +141,17 @@ impl Policy {
         }
     }
 
-    /// I-40, the policy's part: its lists against the arena's `live` nodes, `stored` chunks and
-    /// `idle` idle keys.
+    /// I-40, the policy's part: its lists against the arena's `live` nodes and `stored`
+    /// chunks.
     pub(super) fn check_invariants(
         &self,
         nodes: &[Node],
         live: usize,
         stored: usize,
-        idle: usize,
         capacity: u32,
     ) -> Result<(), InvariantViolation> {
         match self {
-            Self::Lru(lru) => lru.check_invariants(nodes, idle),
+            Self::Lru(lru) => lru.check_invariants(nodes, stored),
             Self::Arc(arc) => arc.check_invariants(nodes, live, stored, capacity),
         }
     }

@@ -2,15 +2,22 @@
 //! the manager remembers about each key a request touched until `on_request_finished` hands it
 //! to the policy.
 //!
-//! One entry per key, kept **sorted by key** in a `Vec`: a call admits its keys once (a binary
-//! search each, new keys merged in one pass, no allocation per key) and then sets every fact by
-//! index; and the representation is
-//! canonical — two scopes holding the same facts are equal and hash equally, whatever order the
-//! keys arrived in (the model checker's state identity). The request's first-access order, which
-//! the policy needs at the end, is kept per KV cache group as each key's index in it.
+//! One entry per key, in the order the request's calls first named them, found through a small
+//! key index (open addressing under the arena's fixed mixer, never iterated): a call admits its
+//! keys once (a probe each, a push for a new one, no sort, no merge) and then sets every fact by
+//! entry index. The request's first-access order, which the policy needs at the end, is kept
+//! as the list of accessed entries in that order, and each key's index in it within its KV
+//! cache group.
+//!
+//! The representation is not canonical — the entries' order and the index's layout follow the
+//! calls' history, and a key a call named without recording any fact keeps an empty entry — so
+//! equality and hashing are written out to compare **facts only**: the entries that carry a
+//! fact, in key order, and the LRU rank. Two scopes holding the same facts are equal and hash
+//! equally, whatever order the keys arrived in (the model checker's state identity).
 
 use alloc::vec::Vec;
 
+use super::arena::{NIL, mix_key};
 use super::types::OffloadKey;
 
 /// What a request did with one key.
@@ -28,6 +35,9 @@ pub(super) struct KeyAccess {
     pub(super) reused: bool,
     /// It was offered for a store while absent (ARC ghosts react once per request).
     pub(super) store_miss: bool,
+    /// A store candidate of the `prepare_store` in progress (its duplicates are not); `false`
+    /// between calls, and no fact.
+    pub(super) candidate: bool,
 }
 
 impl KeyAccess {
@@ -39,31 +49,95 @@ impl KeyAccess {
             inserted: false,
             reused: false,
             store_miss: false,
+            candidate: false,
         }
+    }
+
+    /// Whether the request recorded anything about the key.
+    fn has_fact(&self) -> bool {
+        self.seen.is_some() || self.position.is_some() || self.inserted || self.reused || self.store_miss
     }
 }
 
 /// One request's scope. See the module docs.
-#[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub(super) struct RequestAccess {
-    /// Sorted by key, one entry per key.
+    /// One entry per key named, in the order first named.
     keys: Vec<KeyAccess>,
+    /// Key → entry index (`NIL` = empty), at most half full; empty until the first key.
+    index: Vec<u32>,
+    /// The accessed entries, in first-access order (all groups together).
+    order: Vec<u32>,
     /// Per KV cache group (sorted), how many of its keys were seen.
     seen_per_group: Vec<(u32, u32)>,
     /// The LRU provisional rank, allocated on first need.
     pub(super) lru_rank: Option<u64>,
-    /// A call admitted keys the scope did not hold: some may end the call with no fact, and
-    /// [`Self::prune`] drops them. Always `false` between calls.
-    admitted_new: bool,
 }
 
 impl RequestAccess {
-    /// What the request did with `key`, if anything.
+    /// Whether no call ever gave this scope storage (a fresh default).
+    pub(super) fn is_blank(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Forgets every entry, keeping the storage (for reuse by another request).
+    pub(super) fn clear(&mut self) {
+        self.keys.clear();
+        self.order.clear();
+        self.seen_per_group.clear();
+        self.index.fill(NIL);
+        self.lru_rank = None;
+    }
+
+    /// The entry of `key`, or the empty index position where it would go.
+    fn probe(&self, key: &OffloadKey) -> Result<u32, usize> {
+        let mask = self.index.len() - 1;
+        let mut p = mix_key(key) as usize & mask;
+        loop {
+            match self.index[p] {
+                NIL => return Err(p),
+                e if self.keys[e as usize].key == *key => return Ok(e),
+                _ => p = (p + 1) & mask,
+            }
+        }
+    }
+
+    /// Makes room for `more` new keys: the entries, the access order, and an index at most
+    /// half full (at least 16 positions; grown by doubling, every entry re-inserted).
+    fn reserve(&mut self, more: usize) {
+        let want = self.keys.len() + more;
+        self.keys.reserve(more);
+        self.order.reserve(more);
+        if want * 2 <= self.index.len() {
+            return;
+        }
+        let mut len = self.index.len().max(16);
+        while want * 2 > len {
+            len *= 2;
+        }
+        self.index.clear();
+        self.index.resize(len, NIL);
+        for e in 0..self.keys.len() as u32 {
+            let Err(p) = self.probe(&self.keys[e as usize].key) else {
+                unreachable!("one entry per key")
+            };
+            self.index[p] = e;
+        }
+    }
+
+    /// The entry of `key`, if a call named it.
+    #[cfg(test)]
+    fn find(&self, key: &OffloadKey) -> Option<u32> {
+        if self.index.is_empty() {
+            return None;
+        }
+        self.probe(key).ok()
+    }
+
+    /// What the request did with `key`, if anything (tests).
+    #[cfg(test)]
     pub(super) fn get(&self, key: &OffloadKey) -> Option<&KeyAccess> {
-        self.keys
-            .binary_search_by(|a| a.key.cmp(key))
-            .ok()
-            .map(|i| &self.keys[i])
+        self.find(key).map(|e| &self.keys[e as usize])
     }
 
     /// Whether any key has a position.
@@ -71,54 +145,32 @@ impl RequestAccess {
         self.keys.iter().any(|a| a.position.is_some())
     }
 
-    /// Admits the keys of one call: merges the ones the request never touched (one pass) and
-    /// returns each key's entry index, parallel to `keys`. The indices stay valid until the
-    /// next `admit`; every fact of the call is then set through them ([`Self::at`]), with no
-    /// further search.
-    pub(super) fn admit(&mut self, keys: &[OffloadKey]) -> Vec<u32> {
-        let find = |v: &[KeyAccess], k: &OffloadKey| v.binary_search_by(|a| a.key.cmp(k));
-        // Until new keys are merged in: the old index of a present key, `u32::MAX` for a new one.
-        let mut at = Vec::with_capacity(keys.len());
-        let mut fresh = Vec::new();
+    /// Admits the keys of one call: gives the ones the request never named an entry and fills
+    /// `at` with each key's entry index, parallel to `keys`. Every fact of the call is then set
+    /// through them ([`Self::at`]), with no further search.
+    pub(super) fn admit(&mut self, keys: &[OffloadKey], at: &mut Vec<u32>) {
+        at.clear();
+        self.reserve(keys.len());
         for k in keys {
-            match find(&self.keys, k) {
-                Ok(i) => at.push(i as u32),
-                Err(_) => {
-                    fresh.push(*k);
-                    at.push(u32::MAX);
+            let e = match self.probe(k) {
+                Ok(e) => e,
+                Err(p) => {
+                    let e = self.keys.len() as u32;
+                    self.keys.push(KeyAccess::new(*k));
+                    self.index[p] = e;
+                    e
                 }
-            }
-        }
-        if fresh.is_empty() {
-            return at;
-        }
-        fresh.sort_unstable();
-        fresh.dedup();
-        let placed = self.merge(&fresh);
-        self.admitted_new = true;
-        // After the merge a present key moved up by the new keys below it, and a new key is
-        // where the merge put it: one search in the (short) list of new keys each, none in the
-        // scope.
-        for (i, k) in at.iter_mut().zip(keys) {
-            let below = fresh.partition_point(|f| f < k);
-            *i = if *i == u32::MAX {
-                placed[below]
-            } else {
-                *i + below as u32
             };
+            at.push(e);
         }
-        at
     }
 
-    /// Ends a call: drops the entries it admitted without recording any fact, so that a scope
-    /// holds exactly the facts of its request (its identity does not depend on which keys a
-    /// call merely named).
-    pub(super) fn prune(&mut self) {
-        if core::mem::take(&mut self.admitted_new) {
-            self.keys.retain(|a| {
-                a.seen.is_some() || a.position.is_some() || a.inserted || a.reused || a.store_miss
-            });
-        }
+    /// [`Self::admit`] into a fresh buffer (tests).
+    #[cfg(test)]
+    pub(super) fn admit_vec(&mut self, keys: &[OffloadKey]) -> Vec<u32> {
+        let mut at = Vec::new();
+        self.admit(keys, &mut at);
+        at
     }
 
     /// The entry at index `i` (from [`Self::admit`]).
@@ -126,26 +178,9 @@ impl RequestAccess {
         &mut self.keys[i as usize]
     }
 
-    /// Merges sorted keys absent from the scope, in place from the back (no allocation when
-    /// the scope has room); returns where each of them now is.
-    fn merge(&mut self, fresh: &[OffloadKey]) -> Vec<u32> {
-        let old_len = self.keys.len();
-        let mut placed = alloc::vec![0u32; fresh.len()];
-        self.keys
-            .resize(old_len + fresh.len(), KeyAccess::new(fresh[0]));
-        let (mut i, mut j, mut w) = (old_len, fresh.len(), self.keys.len());
-        while j > 0 {
-            w -= 1;
-            if i > 0 && self.keys[i - 1].key > fresh[j - 1] {
-                i -= 1;
-                self.keys[w] = self.keys[i];
-            } else {
-                j -= 1;
-                self.keys[w] = KeyAccess::new(fresh[j]);
-                placed[j] = w as u32;
-            }
-        }
-        placed
+    /// The entry at index `i` (from [`Self::commit_order`]).
+    pub(super) fn entry(&self, i: u32) -> &KeyAccess {
+        &self.keys[i as usize]
     }
 
     /// Marks the entry at `i` accessed: `true` (and it gets the next index of its group's
@@ -165,28 +200,63 @@ impl RequestAccess {
         };
         a.seen = Some(self.seen_per_group[g].1);
         self.seen_per_group[g].1 += 1;
+        self.order.push(i);
         true
     }
 
-    /// The keys accessed, in the order a finished request commits them (vLLM's
-    /// `order_request_keys`): per group (groups ascending) in first-access order, a group
-    /// sorted by position when all its keys have one; then, when every key has one, all of
-    /// them by position (stable sorts).
-    pub(super) fn commit_order(&self) -> Vec<OffloadKey> {
-        let mut seen: Vec<(u32, u32, Option<u32>, OffloadKey)> = self
-            .keys
-            .iter()
-            .filter_map(|a| a.seen.map(|i| (a.key.group, i, a.position, a.key)))
-            .collect();
-        seen.sort_unstable_by_key(|e| (e.0, e.1));
-        for run in seen.chunk_by_mut(|a, b| a.0 == b.0) {
-            if run.iter().all(|e| e.2.is_some()) {
-                run.sort_by_key(|e| e.2);
+    /// The accessed entries (indices for [`Self::entry`]) into `out`, in the order a finished
+    /// request commits them (vLLM's `order_request_keys`): per group (groups ascending) in
+    /// first-access order, a group sorted by position when all its keys have one; then, when
+    /// every key has one, all of them by position (stable sorts).
+    pub(super) fn commit_order(&self, out: &mut Vec<u32>) {
+        out.clear();
+        out.extend_from_slice(&self.order);
+        let keys = &self.keys;
+        let group = |e: &u32| keys[*e as usize].key.group;
+        let position = |e: &u32| keys[*e as usize].position;
+        if self.seen_per_group.len() > 1 {
+            // Stable: each group keeps its first-access order.
+            out.sort_by_key(group);
+        }
+        for run in out.chunk_by_mut(|a, b| group(a) == group(b)) {
+            if run.iter().all(|e| position(e).is_some()) {
+                run.sort_by_key(position);
             }
         }
-        if seen.iter().all(|e| e.2.is_some()) {
-            seen.sort_by_key(|e| e.2);
+        if self.seen_per_group.len() > 1 && out.iter().all(|e| position(e).is_some()) {
+            out.sort_by_key(position);
         }
-        seen.into_iter().map(|e| e.3).collect()
+    }
+
+    /// The keys of [`Self::commit_order`] (tests).
+    #[cfg(test)]
+    pub(super) fn commit_keys(&self) -> Vec<OffloadKey> {
+        let mut order = Vec::new();
+        self.commit_order(&mut order);
+        order.iter().map(|&e| self.keys[e as usize].key).collect()
+    }
+
+    /// The entries that carry a fact, in key order: the scope's identity.
+    fn facts(&self) -> Vec<&KeyAccess> {
+        let mut facts: Vec<&KeyAccess> = self.keys.iter().filter(|a| a.has_fact()).collect();
+        facts.sort_unstable_by_key(|a| a.key);
+        facts
+    }
+}
+
+impl PartialEq for RequestAccess {
+    /// The same facts and LRU rank (see the module docs).
+    fn eq(&self, other: &Self) -> bool {
+        self.lru_rank == other.lru_rank && self.facts() == other.facts()
+    }
+}
+
+impl Eq for RequestAccess {}
+
+impl core::hash::Hash for RequestAccess {
+    /// The facts in key order and the LRU rank (see the module docs).
+    fn hash<H: core::hash::Hasher>(&self, state: &mut H) {
+        self.lru_rank.hash(state);
+        self.facts().hash(state);
     }
 }

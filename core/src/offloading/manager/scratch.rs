@@ -1,0 +1,77 @@
+//! The manager's working buffers: per-call lists (scope indices, marks, candidates, the sorted
+//! offer, eviction victims) reused from call to call, and the storage of finished requests'
+//! scopes, so that a call allocates only what it returns.
+//!
+//! They hold nothing between calls — every call clears what it uses before filling it — so
+//! they are not part of the manager's state: a clone starts with empty buffers, and equality
+//! and hashing ignore them (two managers that differ only in their buffers' leftovers are the
+//! same state to the model checker).
+
+use alloc::vec::Vec;
+
+use super::scope::RequestAccess;
+use super::types::OffloadKey;
+
+/// How many finished requests' scopes are kept for reuse.
+pub(super) const SPARE_SCOPES: usize = 16;
+
+/// What a call does with one of its keys in the request's scope (`record_access`).
+#[derive(Clone, Copy, Debug, Eq, PartialEq)]
+pub(super) enum Mark {
+    /// Not recorded.
+    Skip,
+    /// Recorded as an access.
+    Recorded,
+    /// Recorded as an access, and reused (a load, or a ready key in a store offer).
+    Reused,
+}
+
+/// Reused per-call buffers. See the module docs.
+#[derive(Default)]
+pub(super) struct Scratch {
+    /// Each key's index in the request's scope (`RequestAccess::admit`).
+    pub(super) at: Vec<u32>,
+    /// Per key of the call: recorded, reused or neither (`record_access`).
+    pub(super) marks: Vec<Mark>,
+    /// Store candidates: indices into the call's keys (`prepare_store`).
+    pub(super) candidates: Vec<usize>,
+    /// Arena slots of the offered keys that are stored, flagged `offered` for the call
+    /// (`prepare_store`: eviction protection).
+    pub(super) offered: Vec<u32>,
+    /// Arena slots chosen for eviction (the policies' `evict`), or whose pins a call took.
+    pub(super) slots: Vec<u32>,
+    /// Keys with their positions for the LRU's provisional ranks (`record_access`).
+    pub(super) ranked: Vec<(OffloadKey, u32)>,
+    /// A finished request's scope entries in commit order (`on_request_finished`).
+    pub(super) order: Vec<u32>,
+    /// Cleared scopes of finished requests (at most [`SPARE_SCOPES`]), given to new requests
+    /// so that a request's scope does not allocate anew.
+    pub(super) spare_scopes: Vec<RequestAccess>,
+}
+
+impl Clone for Scratch {
+    /// Empty buffers: they carry nothing between calls.
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+impl core::fmt::Debug for Scratch {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("Scratch")
+    }
+}
+
+impl PartialEq for Scratch {
+    /// Always equal: buffers are not state.
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for Scratch {}
+
+impl core::hash::Hash for Scratch {
+    /// Nothing: buffers are not state.
+    fn hash<H: core::hash::Hasher>(&self, _: &mut H) {}
+}
