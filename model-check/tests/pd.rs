@@ -147,8 +147,11 @@ fn multi_pd_then_offloading_holds() {
     assert!(report.passed());
     // Pinned: `kvrelay check --connector multi`. 348,690 before vLLM's free order (LIFO reuse
     // of uncached blocks), 335,747 before the engine step folded aggregated outputs (both as in
-    // `pd_ci_explores_exhaustively_and_every_property_holds`).
-    assert_eq!(report.unique_states, 317_404);
+    // `pd_ci_explores_exhaustively_and_every_property_holds`), 317,404 before the offloading
+    // manager's LRU kept pinned keys in its rank order (issue 23): the same abstract states, but
+    // a load's pin and unpin no longer move a key between the order's list and tree, so fewer
+    // histories leave the same state in different layouts (the verdicts are unchanged).
+    assert_eq!(report.unique_states, 316_807);
 }
 
 #[test]

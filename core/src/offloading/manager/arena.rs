@@ -221,9 +221,10 @@ impl KeyIndex {
         }
     }
 
-    /// The table length for `n` keys: at most half full, at least 64 entries.
+    /// The table length for `n` keys: at most a quarter full (short probe runs), at least 64
+    /// entries.
     fn table_len(n: usize) -> usize {
-        n.saturating_mul(2).next_power_of_two().max(64)
+        n.saturating_mul(4).next_power_of_two().max(64)
     }
 
     /// Forgets every key, keeping the table.
@@ -264,7 +265,7 @@ impl KeyIndex {
 
     /// Inserts a key that is not in the index.
     fn insert(&mut self, k: &OffloadKey, slot: u32) {
-        if (self.len + 1) * 2 > self.table.len() {
+        if (self.len + 1) * 4 > self.table.len() {
             self.grow();
         }
         self.place(IndexEntry {
@@ -285,7 +286,7 @@ impl KeyIndex {
     }
 
     fn grow(&mut self) {
-        let cap = Self::table_len(self.table.len());
+        let cap = (self.table.len() * 2).max(64);
         let old = core::mem::replace(&mut self.table, alloc::vec![EMPTY_ENTRY; cap]);
         for e in old {
             if e.slot != NIL {
@@ -371,9 +372,10 @@ impl Arena {
 
     /// Frees an unlinked node without chunk.
     pub(super) fn release(&mut self, s: u32) {
-        let key = self.nodes[s as usize].key;
+        let n = &mut self.nodes[s as usize];
+        let key = n.key;
+        *n = Node::FREE;
         self.index.remove(&key);
-        self.nodes[s as usize] = Node::FREE;
         self.free_slots.push(s);
     }
 

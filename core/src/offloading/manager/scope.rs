@@ -191,12 +191,16 @@ impl RequestAccess {
             return false;
         }
         let group = a.key.group;
-        let g = match self.seen_per_group.binary_search_by_key(&group, |e| e.0) {
-            Ok(g) => g,
-            Err(g) => {
-                self.seen_per_group.insert(g, (group, 0));
-                g
-            }
+        // Most requests have one group: try the last one first.
+        let g = match self.seen_per_group.last() {
+            Some(&(last, _)) if last == group => self.seen_per_group.len() - 1,
+            _ => match self.seen_per_group.binary_search_by_key(&group, |e| e.0) {
+                Ok(g) => g,
+                Err(g) => {
+                    self.seen_per_group.insert(g, (group, 0));
+                    g
+                }
+            },
         };
         a.seen = Some(self.seen_per_group[g].1);
         self.seen_per_group[g].1 += 1;
