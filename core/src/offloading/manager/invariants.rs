@@ -8,9 +8,9 @@ use crate::{InvariantViolation, ensure_invariant};
 
 impl CpuOffloadingManager {
     /// I-40: counters equal the chunk table, `ref_cnt ≥ −1`, allocated chunks within capacity
-    /// and distinct (none both free and held), the key index maps exactly the live nodes, and
-    /// the policy's lists are well linked and hold exactly the right keys: LRU the stored ones in
-    /// `(rank, key)` order, ARC the stored ones in T1/T2 and only ghosts, within capacity, in
+    /// and distinct (none both free and held), the key index maps exactly the live nodes, no node
+    /// keeps a call's `offered` flag, and the policy's lists are well linked and hold exactly
+    /// the right keys: LRU the stored ones in `(rank, key)` order, ARC the stored ones in T1/T2 and only ghosts, within capacity, in
     /// B1/B2.
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let arena = &self.arena;
@@ -48,6 +48,12 @@ impl CpuOffloadingManager {
                 continue;
             }
             live += 1;
+            ensure_invariant!(
+                !n.offered,
+                "I-40",
+                "{:?} is still flagged as offered after the call",
+                n.key
+            );
             ensure_invariant!(
                 arena.index.get(&n.key) == Some(s as u32),
                 "I-40",

@@ -62,7 +62,7 @@ fn check_invariants_reports_a_corrupt_manager() {
     // Protects I-40 as the model checker sees it: each kind of corruption of the chunk pool
     // and of the LRU placement is reported.
     type Corrupt = fn(&mut CpuOffloadingManager, u32);
-    let corruptions: [(&str, Corrupt); 6] = [
+    let corruptions: [(&str, Corrupt); 7] = [
         ("more chunks handed out than the pool holds", |m, _| {
             m.next_fresh = m.config.capacity_chunks + 1;
         }),
@@ -81,6 +81,11 @@ fn check_invariants_reports_a_corrupt_manager() {
             let list = lru.list_mut();
             let head = list.head;
             list.unlink(&mut m.arena.nodes, head);
+        }),
+        // A flag that outlived its `prepare_store` would shield the key from every later
+        // eviction.
+        ("a key left flagged as offered", |m, s| {
+            m.arena.nodes[s as usize].offered = true;
         }),
         ("a write-pending key counted as evictable", |m, _| {
             m.evictable += 1;
@@ -248,4 +253,46 @@ fn admitted_indices_name_their_keys() {
     }
     let all = s.admit_vec(&[]);
     assert!(all.is_empty());
+}
+
+// Protects the model checker's state identity of the whole manager: the working buffers and
+// the spare scopes (`scratch.rs`) carry nothing from call to call, so a manager that also made
+// refused calls, and whose buffers hold their leftovers, is the same state.
+#[test]
+fn working_buffers_are_not_state() {
+    let config = ManagerConfig {
+        capacity_chunks: 2,
+        policy: PolicyKind::Arc,
+        store_threshold: 1,
+    };
+    let scoped = |r| Access {
+        request: Some(RequestId(r)),
+        positions: None,
+    };
+    let drive = |extra: bool| {
+        let mut m = CpuOffloadingManager::new(config).expect("a valid config");
+        m.prepare_store(&[key(1, 0), key(2, 0)], scoped(1))
+            .expect("room for two");
+        m.complete_store(&[key(1, 0), key(2, 0)], true);
+        m.on_request_finished(RequestId(1));
+        if extra {
+            // Refused: they change nothing but fill the buffers.
+            assert!(m.prepare_load(&[key(1, 0), key(7, 0)], scoped(2)).is_err());
+            assert!(m.complete_load(&[key(2, 0), key(2, 0)]).is_err());
+        }
+        m.prepare_store(&[key(3, 0)], scoped(3))
+            .expect("an idle key to evict");
+        m
+    };
+    let (plain, busy) = (drive(false), drive(true));
+    assert!(!busy.scratch.spare_scopes.is_empty() || !busy.scratch.slots.is_empty());
+    assert_eq!(plain, busy);
+    let hash = |m: &CpuOffloadingManager| {
+        use core::hash::{Hash, Hasher};
+        let mut h = rustc_hash_free::Fnv(0xcbf2_9ce4_8422_2325);
+        m.hash(&mut h);
+        h.finish()
+    };
+    assert_eq!(hash(&plain), hash(&busy));
+    assert_eq!(plain.clone(), busy);
 }
