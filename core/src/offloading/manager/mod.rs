@@ -7,8 +7,10 @@
 //! model checker can replay it.
 //!
 //! Keys live in an arena of nodes that hold their chunk and link into the policy's lists by
-//! index (ARC's T1/T2/B1/B2, the LRU's idle order), found through the key index: every
-//! operation on a key is O(1) apart from LRU ranks that arrive out of order (a B-tree).
+//! index (ARC's T1/T2/B1/B2, the LRU's rank order), found through the key index: every
+//! operation on a key is O(1) apart from LRU ranks that arrive out of order (a B-tree). A call
+//! allocates only what it returns: its working lists live in reused buffers (`scratch.rs`),
+//! and a new request's scope takes the storage of a finished one.
 //!
 //! Two replacement policies sit behind the chunk state machine, as in vLLM: LRU (logical recency
 //! with provisional per-request ranks committed at `on_request_finished`) and ARC (T1/T2, ghost
@@ -30,14 +32,15 @@
 //!
 //! # Layout
 //!
-//! Storage ← policies ← state machine: each file imports only from the rows above it (the
+//! Storage and scopes ← policies ← state machine: each file imports only from the rows above it (the
 //! invariants and the tests read everything).
 //!
 //! | file | what |
 //! | --- | --- |
 //! | `types.rs` | the public vocabulary: [`OffloadKey`], [`ChunkId`], [`ManagerConfig`], [`Access`], outputs, events, errors |
-//! | `arena.rs` | the arena of nodes (a key, its chunk, its links), the intrusive list, the key index |
-//! | `lru.rs` | the LRU policy: ranks, the idle order, eviction by rank |
+//! | `arena.rs` | the arena of nodes (a key, its chunk, its links), the intrusive list, the key index (sized for a full pool up front) |
+//! | `scope.rs` | a request's scope of accesses: the facts per key it touched, its first-access order, its key index |
+//! | `lru.rs` | the LRU policy: ranks, the rank order of every stored key, eviction of the idle ones by rank |
 //! | `arc.rs` | the ARC policy: T1/T2, ghosts B1/B2, the adaptive target, eviction into the ghosts |
 //! | `policy.rs` | `Policy`, LRU or ARC: every event the manager hands a policy |
 //! | `scratch.rs` | the working buffers a call reuses, so that it allocates only what it returns |
