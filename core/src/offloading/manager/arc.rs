@@ -201,12 +201,12 @@ impl Arc {
         ordered: &[u32],
         scope: &RequestAccess,
     ) {
-        let nodes = &mut arena.nodes;
         for &e in ordered.iter().rev() {
             let access = scope.entry(e);
-            let Some(s) = arena.index.get(&access.key) else {
+            let Some(s) = arena.slot_hinted(&access.key, access.slot) else {
                 continue;
             };
+            let nodes = &mut arena.nodes;
             let place = nodes[s as usize].place;
             if access.inserted && !access.reused {
                 // Insert-only: refreshed in its list.

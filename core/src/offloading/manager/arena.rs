@@ -344,6 +344,15 @@ impl Arena {
         self.index.get(k)
     }
 
+    /// [`Self::slot`], trying `hint` first: a slot whose live node holds `k` is its node (one
+    /// node per key).
+    pub(super) fn slot_hinted(&self, k: &OffloadKey, hint: u32) -> Option<u32> {
+        match self.nodes.get(hint as usize) {
+            Some(n) if n.key == *k && n.place != Place::Free => Some(hint),
+            _ => self.slot(k),
+        }
+    }
+
     /// The chunk of a stored key.
     pub(super) fn chunk(&self, k: &OffloadKey) -> Option<Chunk> {
         self.slot(k).and_then(|s| self.nodes[s as usize].chunk)

@@ -79,7 +79,9 @@ impl Lru {
     /// most recent.
     pub(super) fn touch(&mut self, arena: &mut Arena, keys: &[OffloadKey]) {
         for k in keys.iter().rev() {
-            self.new_rank(arena, *k);
+            if let Some(s) = arena.slot(k) {
+                self.new_rank(&mut arena.nodes, s);
+            }
         }
     }
 
@@ -92,16 +94,15 @@ impl Lru {
         scope: &RequestAccess,
     ) {
         for &e in ordered.iter().rev() {
-            self.new_rank(arena, scope.entry(e).key);
+            let a = scope.entry(e);
+            if let Some(s) = arena.slot_hinted(&a.key, a.slot) {
+                self.new_rank(&mut arena.nodes, s);
+            }
         }
     }
 
     /// A fresh global rank for a present key.
-    fn new_rank(&mut self, arena: &mut Arena, k: OffloadKey) {
-        let Some(s) = arena.slot(&k) else {
-            return;
-        };
-        let nodes = &mut arena.nodes;
+    fn new_rank(&mut self, nodes: &mut [Node], s: u32) {
         self.unlink(nodes, s);
         nodes[s as usize].rank = self.fresh_rank();
         self.list.push_back(nodes, s, Place::RankList);

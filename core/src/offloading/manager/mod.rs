@@ -142,7 +142,11 @@ impl CpuOffloadingManager {
         scratch.slots.clear();
         for k in keys {
             match self.arena.slot(k) {
-                Some(s) if self.arena.nodes[s as usize].chunk.is_some_and(|c| c.ref_cnt >= 0) => {
+                Some(s)
+                    if self.arena.nodes[s as usize]
+                        .chunk
+                        .is_some_and(|c| c.ref_cnt >= 0) =>
+                {
                     scratch.slots.push(s);
                 }
                 _ => {
@@ -166,6 +170,9 @@ impl CpuOffloadingManager {
         let mut ctx = self.take_ctx(access, &mut scratch);
         ctx.admit(keys, &mut scratch.at);
         Self::learn_positions(&mut ctx, &scratch.at, access);
+        for (&e, &s) in scratch.at.iter().zip(&scratch.slots) {
+            ctx.at(e).slot = s;
+        }
         scratch.marks.clear();
         scratch.marks.resize(keys.len(), Mark::Reused);
         self.record_access(&mut ctx, keys, &mut scratch, access);
@@ -405,6 +412,7 @@ impl CpuOffloadingManager {
             let slot = self.arena.slot(k);
             match slot.map(|s| &mut self.arena.nodes[s as usize]) {
                 Some(n) if n.chunk.is_some() => {
+                    ctx.at(at[i]).slot = slot.expect("a node has a slot");
                     if !n.offered {
                         n.offered = true;
                         offered.push(slot.expect("a node has a slot"));
@@ -528,7 +536,9 @@ impl CpuOffloadingManager {
             };
             self.arena.nodes[s as usize].chunk = Some(Chunk { ref_cnt: -1, chunk });
             self.arena.stored += 1;
-            let position = ctx.at(at[i]).position;
+            let entry = ctx.at(at[i]);
+            entry.slot = s;
+            let position = entry.position;
             self.policy
                 .insert(&mut self.arena.nodes, s, position, &mut ctx.lru_rank);
             chunks.push(chunk);

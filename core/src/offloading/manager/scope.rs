@@ -20,8 +20,9 @@ use alloc::vec::Vec;
 use super::arena::{NIL, mix_key};
 use super::types::OffloadKey;
 
-/// What a request did with one key.
-#[derive(Clone, Copy, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+/// What a request did with one key: its facts, and two fields that are not facts (a call's
+/// duplicate detection, and where the key's arena node was last seen).
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
 pub(super) struct KeyAccess {
     pub(super) key: OffloadKey,
     /// Its index in the request's first-access order within its KV cache group; `None` while
@@ -38,6 +39,9 @@ pub(super) struct KeyAccess {
     /// A store candidate of the `prepare_store` in progress (its duplicates are not); `false`
     /// between calls, and no fact.
     pub(super) candidate: bool,
+    /// The arena slot where the key's node was last seen (`NIL`: never): a hint that saves the
+    /// key index a probe when it still holds the key (`Arena::slot_hinted`), and no fact.
+    pub(super) slot: u32,
 }
 
 impl KeyAccess {
@@ -50,12 +54,29 @@ impl KeyAccess {
             reused: false,
             store_miss: false,
             candidate: false,
+            slot: NIL,
         }
+    }
+
+    /// The facts, for the scope's identity.
+    fn facts(&self) -> (OffloadKey, Option<u32>, Option<u32>, bool, bool, bool) {
+        (
+            self.key,
+            self.seen,
+            self.position,
+            self.inserted,
+            self.reused,
+            self.store_miss,
+        )
     }
 
     /// Whether the request recorded anything about the key.
     fn has_fact(&self) -> bool {
-        self.seen.is_some() || self.position.is_some() || self.inserted || self.reused || self.store_miss
+        self.seen.is_some()
+            || self.position.is_some()
+            || self.inserted
+            || self.reused
+            || self.store_miss
     }
 }
 
@@ -240,10 +261,15 @@ impl RequestAccess {
         order.iter().map(|&e| self.keys[e as usize].key).collect()
     }
 
-    /// The entries that carry a fact, in key order: the scope's identity.
-    fn facts(&self) -> Vec<&KeyAccess> {
-        let mut facts: Vec<&KeyAccess> = self.keys.iter().filter(|a| a.has_fact()).collect();
-        facts.sort_unstable_by_key(|a| a.key);
+    /// The facts of the entries that carry one, in key order: the scope's identity.
+    fn facts(&self) -> Vec<(OffloadKey, Option<u32>, Option<u32>, bool, bool, bool)> {
+        let mut facts: Vec<_> = self
+            .keys
+            .iter()
+            .filter(|a| a.has_fact())
+            .map(KeyAccess::facts)
+            .collect();
+        facts.sort_unstable_by_key(|f| f.0);
         facts
     }
 }
