@@ -196,20 +196,38 @@ const EMPTY_ENTRY: IndexEntry = IndexEntry {
 /// Key → arena slot: open addressing with linear probing and backward-shift deletion under a
 /// fixed (unseeded) mixer, so it is deterministic. It is never iterated for behaviour: every
 /// order the manager shows comes from the policy's lists.
-#[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+///
+/// It is a function of the arena's nodes (each live node's key → its slot, I-40), so it is no
+/// part of the manager's identity: equality and hashing ignore it, and two managers whose
+/// tables differ only in layout (keys inserted in another order) are the same state.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub(super) struct KeyIndex {
     table: Vec<IndexEntry>,
     pub(super) len: usize,
 }
 
-/// The fixed (unseeded) mixer of a key, for the key indexes (splitmix64's finaliser).
-pub(super) fn mix_key(k: &OffloadKey) -> u64 {
-    let mut x = k.hash.0 ^ u64::from(k.group).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    x ^= x >> 30;
-    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^= x >> 27;
-    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
+/// Where `k` starts its probe in a table of `len` (a power of two) positions: Fibonacci
+/// hashing — one multiplication by 2⁶⁴/φ, top bits — under a fixed (unseeded) constant, so it
+/// is deterministic; it spreads sequential ids as well as random hashes.
+pub(super) fn home_of(k: &OffloadKey, len: usize) -> usize {
+    const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
+    let x = (k.hash.0 ^ u64::from(k.group).wrapping_mul(PHI)).wrapping_mul(PHI);
+    // `len` ≥ 2, so the shift is at most 63.
+    (x >> (64 - len.trailing_zeros())) as usize
+}
+
+impl PartialEq for KeyIndex {
+    /// Always equal: the nodes carry the identity (see the type's docs).
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for KeyIndex {}
+
+impl core::hash::Hash for KeyIndex {
+    /// Nothing: the nodes carry the identity (see the type's docs).
+    fn hash<H: core::hash::Hasher>(&self, _: &mut H) {}
 }
 
 impl KeyIndex {
@@ -238,7 +256,7 @@ impl KeyIndex {
             hash: BlockHash(hash),
             group,
         };
-        mix_key(&key) as usize & (self.table.len() - 1)
+        home_of(&key, self.table.len())
     }
 
     fn find(&self, k: &OffloadKey) -> Option<usize> {

@@ -17,7 +17,7 @@
 
 use alloc::vec::Vec;
 
-use super::arena::{NIL, mix_key};
+use super::arena::{NIL, home_of};
 use super::types::OffloadKey;
 
 /// What a request did with one key: its facts, and two fields that are not facts (a call's
@@ -113,7 +113,7 @@ impl RequestAccess {
     /// The entry of `key`, or the empty index position where it would go.
     fn probe(&self, key: &OffloadKey) -> Result<u32, usize> {
         let mask = self.index.len() - 1;
-        let mut p = mix_key(key) as usize & mask;
+        let mut p = home_of(key, self.index.len());
         loop {
             match self.index[p] {
                 NIL => return Err(p),
