@@ -1065,6 +1065,9 @@ pub struct SystemModel<P: Connectors> {
     /// before), so a property reports only its first discovery: breadth-first with one thread,
     /// that is a shortest counterexample.
     discovered: Arc<[AtomicBool; PROPERTIES]>,
+    /// Partial-order reduction (see [`por`](self#partial-order-reduction)): off unless
+    /// [`SystemModel::with_partial_order`] turned it on.
+    partial_order: bool,
 }
 
 /// The number of properties [`SystemModel`] declares (some filtered out per connector pair).
@@ -1078,6 +1081,7 @@ impl<P: Connectors> Clone for SystemModel<P> {
             config: self.config.clone(),
             sched_config: self.sched_config.clone(),
             discovered: fresh_discoveries(),
+            partial_order: self.partial_order,
         }
     }
 }
@@ -1118,7 +1122,22 @@ impl<P: Connectors> SystemModel<P> {
             config,
             sched_config,
             discovered: fresh_discoveries(),
+            partial_order: false,
         })
+    }
+
+    /// The same model with partial-order reduction on or off (off by default). With it, a
+    /// state where one rank can only go on with the oldest step while no other action can touch
+    /// that rank explores that rank's actions only; every verdict is kept (see the module docs,
+    /// [Partial-order reduction](self#partial-order-reduction)).
+    pub fn with_partial_order(mut self, on: bool) -> Self {
+        self.partial_order = on;
+        self
+    }
+
+    /// Whether partial-order reduction is on ([`SystemModel::with_partial_order`]).
+    pub fn partial_order(&self) -> bool {
+        self.partial_order
     }
 
     /// Whether to report `discovery` (a state breaking an `always` property, an example of a
@@ -1270,6 +1289,20 @@ impl<P: Connectors> SystemModel<P> {
             s.ghost.idle = 0;
         }
         let contents = self.expected_contents(s, &st.output);
+        // A request whose load failed is scheduled to compute tokens: the scheduler recomputes
+        // what it could not load. (Witnessed here, where the scheduler decides it, and not in a
+        // rank's forward pass: a rank's step then reads no ghost state another rank writes,
+        // which the partial-order reduction relies on.)
+        for &(id, _) in &st.output.num_scheduled_tokens {
+            if s.ghost
+                .load_failed
+                .get(id.index())
+                .copied()
+                .unwrap_or(false)
+            {
+                s.ghost.recomputed_after_failure = true;
+            }
+        }
         for &r in st.output.preempted_req_ids.iter() {
             if let Some(p) = s.ghost.preempted.get_mut(r.index()) {
                 *p = true;
@@ -1309,7 +1342,7 @@ impl<P: Connectors> SystemModel<P> {
                         dirty: false,
                     });
                 }
-                RankAction::Forward(pass) => self.forward(s, rank, &step.output, contents, &pass),
+                RankAction::Forward(pass) => self.forward(s, rank, contents, &pass),
                 RankAction::Wait { during, .. } => {
                     if during == WorkerCall::HandlePreemptions {
                         s.ghost.flushed = true;
@@ -1401,21 +1434,10 @@ impl<P: Connectors> SystemModel<P> {
         &self,
         s: &mut SystemState<P>,
         rank: usize,
-        output: &SchedulerOutput,
         contents: &BTreeMap<RequestId, Vec<u64>>,
         pass: &ForwardPass,
     ) {
         let bs = self.config.block_size;
-        for &(id, _) in &output.num_scheduled_tokens {
-            if s.ghost
-                .load_failed
-                .get(id.index())
-                .copied()
-                .unwrap_or(false)
-            {
-                s.ghost.recomputed_after_failure = true;
-            }
-        }
         for w in &pass.writes {
             let Some(want) = contents.get(&w.request) else {
                 continue;
@@ -1674,6 +1696,184 @@ impl<P: Connectors> SystemModel<P> {
         }
     }
 
+    /// Every action enabled in `s` (none once a property is violated: such a state is
+    /// terminal), without any reduction.
+    fn enabled(&self, s: &SystemState<P>, actions: &mut Vec<SystemAction>) {
+        if !s.ghost.violations.is_empty() {
+            return;
+        }
+        let c = &self.config;
+        if s.arrived < c.requests {
+            actions.push(SystemAction::Arrive(RequestId(s.arrived)));
+        }
+        if s.scheduler().has_requests()
+            && (s.steps.len() as u32) < c.async_depth
+            && s.ghost.idle < c.idle_steps
+        {
+            actions.push(SystemAction::Schedule);
+        }
+        for (i, r) in s.ranks.iter().enumerate() {
+            let blocked = r.driver.waiting().next().is_some();
+            if !blocked && r.driver.error().is_none() && self.next_step_of(s, i).is_some() {
+                actions.push(SystemAction::Run(Rank(i as u32)));
+            }
+        }
+        for (i, r) in s.ranks.iter().enumerate() {
+            let mut seen_dir = [false; 2];
+            for t in &r.in_flight {
+                let d = t.transfer.direction as usize;
+                if c.ordered_completions && seen_dir[d] {
+                    continue;
+                }
+                seen_dir[d] = true;
+                actions.push(SystemAction::Complete {
+                    rank: Rank(i as u32),
+                    job: t.transfer.job,
+                    ok: true,
+                });
+                let may_fail = match t.transfer.direction {
+                    TransferDirection::Load => {
+                        s.failures_left > 0 && self.pair.load_may_fail(&t.transfer)
+                    }
+                    TransferDirection::Store => {
+                        s.store_failures_left > 0 && self.pair.store_may_fail(&t.transfer)
+                    }
+                };
+                if may_fail {
+                    actions.push(SystemAction::Complete {
+                        rank: Rank(i as u32),
+                        job: t.transfer.job,
+                        ok: false,
+                    });
+                }
+            }
+        }
+        if s.engine.ready() {
+            actions.push(SystemAction::Deliver);
+        }
+        if s.aborts_left > 0 {
+            for i in 0..s.arrived {
+                let id = RequestId(i);
+                if s.scheduler().status(id).is_some_and(|st| !st.is_finished()) {
+                    actions.push(SystemAction::Abort(id));
+                }
+            }
+        }
+        if s.resets_left > 0 {
+            actions.push(SystemAction::Reset);
+        }
+    }
+
+    /// The ample set of `s` for partial-order reduction (see the module docs): the enabled
+    /// actions of one rank that has not yet output the oldest step, when no step can be
+    /// scheduled before that rank acts, and when each of those actions is independent of every
+    /// action another part of the system can take meanwhile. `None`: explore every enabled
+    /// action.
+    fn ample(&self, s: &SystemState<P>, enabled: &[SystemAction]) -> Option<Vec<SystemAction>> {
+        let c = &self.config;
+        // (S) A rank reading another rank's external store would make ranks depend on each
+        // other's transfers.
+        if self.pair.shared_external() || enabled.len() < 2 {
+            return None;
+        }
+        // (B) No `Schedule` can happen before the chosen rank acts: the pipeline is full (only
+        // `Deliver` empties it, and (A) keeps `Deliver` disabled), or nothing is left to
+        // schedule and nothing can arrive.
+        let full = s.steps.len() as u32 >= c.async_depth;
+        let drained = s.arrived == c.requests && !s.scheduler().has_requests();
+        if !full && !drained {
+            return None;
+        }
+        let oldest = s.steps.front()?.step.output.step.0;
+        let mut best: Option<Vec<SystemAction>> = None;
+        for (i, r) in s.ranks.iter().enumerate() {
+            // (A) The rank has not output the oldest step: `Deliver` stays disabled until it
+            // does, and only its own actions can change its state.
+            if r.driver.steps_done() != oldest {
+                continue;
+            }
+            let rank = Rank(i as u32);
+            let mine: Vec<SystemAction> = enabled
+                .iter()
+                .copied()
+                .filter(|a| match a {
+                    SystemAction::Run(x) | SystemAction::Complete { rank: x, .. } => *x == rank,
+                    _ => false,
+                })
+                .collect();
+            if mine.is_empty()
+                || mine.len() == enabled.len()
+                || best.as_ref().is_some_and(|b| b.len() <= mine.len())
+            {
+                continue;
+            }
+            // (C, E, F) No action of the rank reads what another part may change meanwhile.
+            if !mine.iter().all(|a| self.rank_local(s, i, a)) {
+                continue;
+            }
+            // (G) None of them breaks a property or leaves the state as it is (a violation
+            // ends a path, so it would hide what the other actions reach; a self-loop would
+            // postpone them forever).
+            let quiet = mine.iter().all(|&a| {
+                self.next_state(s, a).is_some_and(|n| {
+                    n.ghost.violations.is_empty() && (n.ranks[i] != s.ranks[i] || n != *s)
+                })
+            });
+            if quiet {
+                let one = mine.len() == 1;
+                best = Some(mine);
+                if one {
+                    break;
+                }
+            }
+        }
+        best
+    }
+
+    /// Whether `action` of rank `rank` reads nothing that an action of another rank, an
+    /// arrival, an abort or a reset can change (conditions C, E, F of the module docs).
+    fn rank_local(&self, s: &SystemState<P>, rank: usize, action: &SystemAction) -> bool {
+        match *action {
+            SystemAction::Run(_) => true,
+            SystemAction::Complete { job, ok, .. } => {
+                // (C) A failure spends a budget that other ranks' failures also spend.
+                if !ok {
+                    return false;
+                }
+                let Some(t) = s.ranks[rank]
+                    .in_flight
+                    .iter()
+                    .find(|t| t.transfer.job == job)
+                else {
+                    return false;
+                };
+                match t.transfer.direction {
+                    // (E) A store completing reads whether its request finished (the delayed
+                    // free witness): only an abort can change that meanwhile.
+                    TransferDirection::Store => {
+                        s.ghost.delayed_free
+                            || s.aborts_left == 0
+                            || !s
+                                .scheduler()
+                                .status(t.transfer.request)
+                                .is_some_and(|st| !st.is_finished())
+                    }
+                    // (F) A load completing reads who stored its slots (the shared-prefix
+                    // witness), which other ranks' stores write: harmless unless that witness
+                    // is one of the model's properties and has not been seen on this path.
+                    TransferDirection::Load => {
+                        s.ghost.shared_loaded
+                            || !self
+                                .pair
+                                .expected_examples(&self.config)
+                                .contains(&property_names::SHARED_PREFIX_LOADED)
+                    }
+                }
+            }
+            _ => false,
+        }
+    }
+
     /// I-10 and the machines' own invariants, after every action.
     fn check(&self, s: &mut SystemState<P>) {
         let mut broken = Vec::new();
@@ -1893,68 +2093,13 @@ impl<P: Connectors> Model for SystemModel<P> {
     }
 
     fn actions(&self, s: &Self::State, actions: &mut Vec<Self::Action>) {
-        if !s.ghost.violations.is_empty() {
-            return;
-        }
-        let c = &self.config;
-        if s.arrived < c.requests {
-            actions.push(SystemAction::Arrive(RequestId(s.arrived)));
-        }
-        if s.scheduler().has_requests()
-            && (s.steps.len() as u32) < c.async_depth
-            && s.ghost.idle < c.idle_steps
+        let start = actions.len();
+        self.enabled(s, actions);
+        if self.partial_order
+            && let Some(ample) = self.ample(s, &actions[start..])
         {
-            actions.push(SystemAction::Schedule);
-        }
-        for (i, r) in s.ranks.iter().enumerate() {
-            let blocked = r.driver.waiting().next().is_some();
-            if !blocked && r.driver.error().is_none() && self.next_step_of(s, i).is_some() {
-                actions.push(SystemAction::Run(Rank(i as u32)));
-            }
-        }
-        for (i, r) in s.ranks.iter().enumerate() {
-            let mut seen_dir = [false; 2];
-            for t in &r.in_flight {
-                let d = t.transfer.direction as usize;
-                if c.ordered_completions && seen_dir[d] {
-                    continue;
-                }
-                seen_dir[d] = true;
-                actions.push(SystemAction::Complete {
-                    rank: Rank(i as u32),
-                    job: t.transfer.job,
-                    ok: true,
-                });
-                let may_fail = match t.transfer.direction {
-                    TransferDirection::Load => {
-                        s.failures_left > 0 && self.pair.load_may_fail(&t.transfer)
-                    }
-                    TransferDirection::Store => {
-                        s.store_failures_left > 0 && self.pair.store_may_fail(&t.transfer)
-                    }
-                };
-                if may_fail {
-                    actions.push(SystemAction::Complete {
-                        rank: Rank(i as u32),
-                        job: t.transfer.job,
-                        ok: false,
-                    });
-                }
-            }
-        }
-        if s.engine.ready() {
-            actions.push(SystemAction::Deliver);
-        }
-        if s.aborts_left > 0 {
-            for i in 0..s.arrived {
-                let id = RequestId(i);
-                if s.scheduler().status(id).is_some_and(|st| !st.is_finished()) {
-                    actions.push(SystemAction::Abort(id));
-                }
-            }
-        }
-        if s.resets_left > 0 {
-            actions.push(SystemAction::Reset);
+            actions.truncate(start);
+            actions.extend(ample);
         }
     }
 
@@ -2037,7 +2182,7 @@ impl<P: Connectors> Model for SystemModel<P> {
                     return true;
                 }
                 let mut a = Vec::new();
-                m.actions(s, &mut a);
+                m.enabled(s, &mut a);
                 !m.first(7, a.is_empty() && !m.quiescent(s))
             }),
             Property::sometimes(n::FLUSHED, |m: &Self, s: &SystemState<P>| {
