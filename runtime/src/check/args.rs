@@ -203,6 +203,12 @@ pub struct CheckArgs {
     /// Symmetry reduction (implies --dfs; only for models with interchangeable parts).
     #[arg(long, help_heading = "Search")]
     pub(super) symmetry: bool,
+    /// Partial-order reduction (system model): where one rank can only go on with the oldest
+    /// step and nothing else can touch it, explore that rank's actions only. Keeps every
+    /// verdict (see the system model's docs). Default: on with `--config deep`, off with
+    /// `--config ci` (whose state counts are pinned).
+    #[arg(long, value_name = "BOOL", help_heading = "Search")]
+    pub(super) partial_order: Option<bool>,
     /// Explore paths of at most DEPTH states only (a bounded run, not a proof).
     #[arg(long, value_name = "DEPTH", help_heading = "Search")]
     pub(super) max_depth: Option<usize>,
@@ -264,7 +270,7 @@ pub(super) enum PdRoleArg {
 }
 
 /// `--config`.
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, Debug, Eq, PartialEq, ValueEnum)]
 pub(super) enum Preset {
     /// The configuration CI runs exhaustively.
     Ci,
@@ -384,6 +390,7 @@ pub(super) fn model_flags_given(
         (a.sliding_window.is_some(), "--sliding-window", SYSTEM),
         (a.unordered_completions, "--unordered-completions", SYSTEM),
         (!a.fault.is_empty(), "--fault", SYSTEM),
+        (a.partial_order.is_some(), "--partial-order", SYSTEM),
         (a.failures.is_some(), "--failures", COMPLETION),
         (a.faulty_double_report, "--faulty-double-report", COMPLETION),
         (a.faulty_bind_first, "--faulty-bind-first", COMPLETION),
