@@ -12,8 +12,10 @@
 use kvrelay_core::Mode;
 use kvrelay_model_check::{
     CheckOptions, CheckReport, Connectors, OffloadingPair, PdFault, PdPair, PdRole, SchedFault,
-    Stop, Strategy, SystemConfig, SystemModel, check, check_with_symmetry, system_properties as n,
+    Stop, Strategy, SystemConfig, SystemModel, SystemState, check, check_with_symmetry,
+    system_properties as n,
 };
+use stateright::Model;
 
 /// How to search: breadth-first (no symmetry) or depth-first with symmetry.
 #[derive(Clone, Copy, Debug)]
@@ -248,4 +250,130 @@ fn seeded_environment_faults_are_found_with_the_reduction() {
         );
         assert!(!full.passed(), "{faults:?} must be found");
     }
+}
+
+/// The terminal states a search from the initial state reaches (no action enabled): those
+/// without a violation by their full state (the witness of a shared prefix load, which no
+/// property of these pairs reads and the reduction may reorder, cleared), those with one by
+/// the set of properties they violate. A stubborn-set reduction keeps both exactly (see the
+/// system model's docs): a much finer check than the verdicts.
+fn terminal_states<P: Connectors>(
+    model: &SystemModel<P>,
+) -> (
+    std::collections::HashSet<u64>,
+    std::collections::BTreeSet<Vec<&'static str>>,
+    usize,
+) {
+    use std::collections::{BTreeSet, HashSet};
+    use std::hash::{Hash, Hasher};
+    let fp = |s: &SystemState<P>| {
+        let mut h = std::hash::DefaultHasher::new();
+        s.hash(&mut h);
+        h.finish()
+    };
+    let mut seen = HashSet::new();
+    let mut quiet = HashSet::new();
+    let mut broken = BTreeSet::new();
+    let mut stack = model.init_states();
+    for s in &stack {
+        seen.insert(fp(s));
+    }
+    let mut actions = Vec::new();
+    while let Some(s) = stack.pop() {
+        actions.clear();
+        model.actions(&s, &mut actions);
+        if actions.is_empty() {
+            if s.ghost.violations.is_empty() {
+                let mut t = s.clone();
+                t.ghost.clear_unobserved();
+                quiet.insert(fp(&t));
+            } else {
+                let mut v: Vec<&'static str> = s.ghost.violations.iter().map(|(p, _)| *p).collect();
+                v.sort_unstable();
+                broken.insert(v);
+            }
+        }
+        for &a in &actions {
+            if let Some(n) = model.next_state(&s, a)
+                && seen.insert(fp(&n))
+            {
+                stack.push(n);
+            }
+        }
+    }
+    (quiet, broken, seen.len())
+}
+
+fn same_terminal_states<P: Connectors>(what: &str, pair: P, config: SystemConfig) {
+    let full = SystemModel::new(pair.clone(), config.clone()).expect("a valid configuration");
+    let reduced = SystemModel::new(pair, config)
+        .expect("a valid configuration")
+        .with_partial_order(true);
+    let (fq, fb, fs) = terminal_states(&full);
+    let (rq, rb, rs) = terminal_states(&reduced);
+    println!(
+        "{what}: full {fs} states, {} terminal, {:?}; reduced {rs} states, {} terminal, {:?}",
+        fq.len(),
+        fb,
+        rq.len(),
+        rb
+    );
+    assert!(rs < fs, "{what}: the reduction must reduce");
+    assert_eq!(fq, rq, "{what}: the violation-free terminal states differ");
+    assert_eq!(fb, rb, "{what}: the sets of violated properties differ");
+}
+
+/// Protects the reduction's core claim, finer than the verdicts: every terminal state of the
+/// full search — quiescent, stuck, or violating (by the properties it violates) — is a terminal
+/// state of the reduced one.
+#[test]
+fn reduction_keeps_every_terminal_state() {
+    same_terminal_states("offloading ci", offloading(None), SystemConfig::ci());
+    same_terminal_states(
+        "offloading async depth 2",
+        offloading(None),
+        SystemConfig {
+            async_depth: 2,
+            ..SystemConfig::ci()
+        },
+    );
+    same_terminal_states(
+        "offloading failures strict",
+        offloading(None),
+        SystemConfig {
+            mode: Mode::Strict,
+            load_failures: 1,
+            store_failures: 1,
+            ..SystemConfig::ci()
+        },
+    );
+    same_terminal_states(
+        "offloading DropZeroExternalAlloc",
+        offloading(Some(SchedFault::DropZeroExternalAlloc)),
+        SystemConfig {
+            prefix_caching: false,
+            ..SystemConfig::ci()
+        },
+    );
+    let pd = SystemConfig {
+        load_failures: 1,
+        ..SystemConfig::ci()
+    };
+    same_terminal_states("pd both", PdPair::default(), pd.clone());
+    same_terminal_states(
+        "pd both async depth 2",
+        PdPair::default(),
+        SystemConfig {
+            async_depth: 2,
+            ..pd.clone()
+        },
+    );
+    same_terminal_states(
+        "pd swallowed failures",
+        PdPair {
+            fault: Some(PdFault::SwallowLoadFailures),
+            ..PdPair::default()
+        },
+        pd,
+    );
 }
