@@ -994,6 +994,10 @@ impl Ghost {
     }
 }
 
+/// For the partial-order reduction's condition (A2): the state after `Deliver` of the oldest
+/// step, and after the `Schedule` that may follow it (`None`: nothing left to schedule).
+type DeliveredThenScheduled<P> = (SystemState<P>, Option<SystemState<P>>);
+
 /// A state of the system model.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 pub struct SystemState<P: Connectors> {
@@ -1875,7 +1879,7 @@ impl<P: Connectors> SystemModel<P> {
         // (A2) What can happen before the chosen rank acts: `Deliver` of the oldest step, then
         // one `Schedule` (the pipeline is then full again and the next `Deliver` needs the
         // rank). Both are fixed: computed once, here.
-        let mut after: Option<Option<(SystemState<P>, Option<SystemState<P>>)>> = None;
+        let mut after: Option<Option<DeliveredThenScheduled<P>>> = None;
         let mut best: Option<Vec<SystemAction>> = None;
         for (i, r) in s.ranks.iter().enumerate() {
             let done = r.driver.steps_done();
@@ -1948,10 +1952,7 @@ impl<P: Connectors> SystemModel<P> {
     /// For (A2): the state after `Deliver` of the oldest step, and after the one `Schedule`
     /// that may follow it (taken whatever the idle counter says: ranks may reset it). `None`
     /// when either breaks a property.
-    fn deliver_then_schedule(
-        &self,
-        s: &SystemState<P>,
-    ) -> Option<(SystemState<P>, Option<SystemState<P>>)> {
+    fn deliver_then_schedule(&self, s: &SystemState<P>) -> Option<DeliveredThenScheduled<P>> {
         let d = self.next_state(s, SystemAction::Deliver)?;
         if !d.ghost.violations.is_empty() {
             return None;
@@ -2068,10 +2069,9 @@ impl<P: Connectors> SystemModel<P> {
                     TransferDirection::Store => {
                         s.ghost.delayed_free
                             || s.aborts_left == 0
-                            || !s
-                                .scheduler()
+                            || s.scheduler()
                                 .status(t.transfer.request)
-                                .is_some_and(|st| !st.is_finished())
+                                .is_none_or(RequestStatus::is_finished)
                     }
                     // (F) A load completing reads who stored its slots (the shared-prefix
                     // witness), which other ranks' stores write: harmless unless that witness
