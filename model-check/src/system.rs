@@ -67,11 +67,26 @@
 //!   self-loop would postpone the others forever.)
 //! - and the pair's ranks read their own external stores (not [`Connectors::shared_external`]).
 //!
+//! Instead of (A) and (B), **(A2)**: the pipeline holds two steps, the oldest is aggregated (so
+//! `Deliver` is enabled), no `Arrive`, `Abort` or `Reset` can happen any more, and `r` output
+//! the oldest step but not the second one. Then what can happen before `r` acts, besides other
+//! ranks' actions, is that `Deliver`, then at most one `Schedule` (the pipeline is then full
+//! again, and the next `Deliver` needs `r`'s output). Their effects are fixed — they read the
+//! scheduler, which nothing else in β changes, the oldest step's aggregated output, and the
+//! aggregator, which only the second step's aggregation changes, and that needs `r` — so the
+//! model computes them (`deliver_then_schedule`) and keeps `r` only if each of its actions
+//! commutes with both: what a `Run` reports is not what the `Deliver` emits (the quorum ghost
+//! resets those bits), its output does not complete the second step, a completion reads no
+//! witness input (request finished, request preempted) that the two change, and, if that
+//! `Schedule` is an idle step (it increments the idle counter), the action does not write the
+//! counter (a `Run` that starts no transfer). (C), (E), (F), (G) apply as well.
+//!
 //! Among the ranks that qualify, the one with the fewest enabled actions is chosen.
 //!
 //! **Why every verdict is kept.** Call *β* any sequence of actions from `s` that contains no
 //! action of `T`: by (A) and (B) it holds only other ranks' `Run`/`Complete`, `Arrive`,
-//! `Abort` and `Reset`. Each of those commutes with each action `a` of `T`, state for state:
+//! `Abort` and `Reset` (by (A2): other ranks' actions, that `Deliver` and that `Schedule`, whose
+//! commutation with `T` (A2) checks). Each of those commutes with each action `a` of `T`, state for state:
 //! they write disjoint parts (another rank's driver, transfers and ghost memory; the engine's
 //! output slot of another rank; the scheduler), and where both touch the same ghost field the
 //! writes commute (the idle counter is only reset to 0 — nothing in β increments it, by (B);
@@ -1154,7 +1169,7 @@ pub struct SystemModel<P: Connectors> {
     /// before), so a property reports only its first discovery: breadth-first with one thread,
     /// that is a shortest counterexample.
     discovered: Arc<[AtomicBool; PROPERTIES]>,
-    /// Partial-order reduction (see [`por`](self#partial-order-reduction)): off unless
+    /// Partial-order reduction (the module docs, "Partial-order reduction"): off unless
     /// [`SystemModel::with_partial_order`] turned it on.
     partial_order: bool,
 }
@@ -1216,9 +1231,10 @@ impl<P: Connectors> SystemModel<P> {
     }
 
     /// The same model with partial-order reduction on or off (off by default). With it, a
-    /// state where one rank can only go on with the oldest step while no other action can touch
-    /// that rank explores that rank's actions only; every verdict is kept (see the module docs,
-    /// [Partial-order reduction](self#partial-order-reduction)).
+    /// state where one rank has not output a pending step and nothing else can touch that rank
+    /// before it acts explores that rank's actions only; every verdict is kept (the conditions
+    /// and the argument are in the docs of `model-check/src/system.rs`, section "Partial-order
+    /// reduction").
     pub fn with_partial_order(mut self, on: bool) -> Self {
         self.partial_order = on;
         self
