@@ -37,6 +37,95 @@
 //! quiescent when no action is left; a system that can only spin is not, and the
 //! [`property_names::QUIESCENT`] property reports it.
 //!
+//! # Partial-order reduction
+//!
+//! [`SystemModel::with_partial_order`] (`kvrelay check --partial-order true`, the default with
+//! `--config deep`) explores, in some states, the actions of one rank only: an *ample set*
+//! (a stubborn set in Valmari's terms). In a state `s` with no violation, let `r` be a rank and
+//! `T` the actions of `r` enabled in `s` (`Run(r)` and its `Complete`s). `T` is explored alone
+//! when, besides `T ≠ ∅` and `T` not being every enabled action:
+//!
+//! - **(A)** `r` has not output the oldest pending step. `Deliver` needs every rank's output of
+//!   that step, so no `Deliver` can happen before an action of `r` does; and only `r`'s own
+//!   actions change `r`'s driver, transfers and ghost memory, so no action outside `T` enables
+//!   or disables an action of `T` (a `Run` needs the rank not waiting, a `Complete` its transfer
+//!   in flight).
+//! - **(B)** No `Schedule` can happen before an action of `r` does: the pipeline is full
+//!   (`async_depth` steps pending, and only `Deliver` pops one), or every request arrived and
+//!   none is left. (`Schedule` reads the idle counter that `Run` and `Complete` reset: the two
+//!   do not commute.)
+//! - **(C)** No action of `T` is a *failing* `Complete`: failures spend a budget that other
+//!   ranks' failures spend too.
+//! - **(E)** A `Complete` of a store reads whether its request finished (the delayed-free
+//!   witness), which only an abort can change meanwhile (no `Deliver` by (A)): the witness was
+//!   already seen, no abort is left, or the request cannot be aborted (it is finished or gone).
+//! - **(F)** A `Complete` of a load reads who stored its slots (the shared-prefix witness),
+//!   which other ranks' stores write: that witness is not one of the model's properties, or
+//!   was already seen. (Neither the offloading pair nor the P/D pairs expect it.)
+//! - **(G)** Every action of `T`, taken in `s`, breaks no property and changes the state. (A
+//!   violation ends a path: taken first, it would hide what the other actions reach; a
+//!   self-loop would postpone the others forever.)
+//! - and the pair's ranks read their own external stores (not [`Connectors::shared_external`]).
+//!
+//! Instead of (A) and (B), **(A2)**: the pipeline holds two steps, the oldest is aggregated (so
+//! `Deliver` is enabled), no `Arrive`, `Abort` or `Reset` can happen any more, and `r` output
+//! the oldest step but not the second one. Then what can happen before `r` acts, besides other
+//! ranks' actions, is that `Deliver`, then at most one `Schedule` (the pipeline is then full
+//! again, and the next `Deliver` needs `r`'s output). Their effects are fixed — they read the
+//! scheduler, which nothing else in β changes, the oldest step's aggregated output, and the
+//! aggregator, which only the second step's aggregation changes, and that needs `r` — so the
+//! model computes them (`deliver_then_schedule`) and keeps `r` only if each of its actions
+//! commutes with both: what a `Run` reports is not what the `Deliver` emits (the quorum ghost
+//! resets those bits), its output does not complete the second step, a completion reads no
+//! witness input (request finished, request preempted) that the two change, and, if that
+//! `Schedule` is an idle step (it increments the idle counter), the action does not write the
+//! counter (a `Run` that starts no transfer). (C), (E), (F), (G) apply as well.
+//!
+//! Among the ranks that qualify, the one with the fewest enabled actions is chosen.
+//!
+//! **Why every verdict is kept.** Call *β* any sequence of actions from `s` that contains no
+//! action of `T`: by (A) and (B) it holds only other ranks' `Run`/`Complete`, `Arrive`,
+//! `Abort` and `Reset` (by (A2): other ranks' actions, that `Deliver` and that `Schedule`, whose
+//! commutation with `T` (A2) checks). Each of those commutes with each action `a` of `T`, state for state:
+//! they write disjoint parts (another rank's driver, transfers and ghost memory; the engine's
+//! output slot of another rank; the scheduler), and where both touch the same ghost field the
+//! writes commute (the idle counter is only reset to 0 — nothing in β increments it, by (B);
+//! `flushed`, `store_failed`, `shared_loaded` are only set; `recv_reports` bits are per rank).
+//! What `a` reads is fixed along β: its own rank's state, its step (shared and immutable), and
+//! the ghost fields (C), (E), (F) cover; a `Run` reads no ghost state another part writes (the
+//! recompute witness is set when the scheduler schedules the request, not in a rank's forward
+//! pass). An `Arrive` seeds remote-prefill slots of the arriving request only, which no
+//! transfer in flight reads or writes. A rank's output of the oldest step aggregates the step
+//! when it is the last one in, whichever rank that is: the same outputs are folded in the same
+//! step order either way. The checks after each action are either local to the acting rank
+//! (data, owned writes, writes under a store, its reports' quorum bits, its protocol guard) or
+//! predicates of the machines' state, which is the same after `a·β` and `β·a`. And no action
+//! of β disables `a`. These are the conditions D1 and D2 of a stubborn set.
+//!
+//! Every property of the model asks whether some reachable state satisfies a predicate:
+//! a property's sticky violation flag, a sticky witness flag, "quiescent and no violation", or
+//! "no action enabled and not quiescent". The state space is finite and acyclic: every action
+//! either changes nothing (excluded by (G)) or increases the tuple (requests arrived, budgets
+//! spent, the scheduler's step counter, steps delivered, each rank's position in its step
+//! protocol) or, with all of those unchanged, completes a transfer (one fewer in flight; job
+//! ids are never reused). So by induction on (length of the shortest full path from `s` to a
+//! target state, longest path from `s`): if that path takes an action `a` of `T` after a β,
+//! `a·β` reaches the same state and `s·a` is explored; if it takes none, `s·a·β` reaches a
+//! state where the same flags are set (sticky, and `a` breaks nothing by (G) and cannot make
+//! β's checks fail), and `s·a` is closer to the end. A target "no action enabled" is never
+//! reached by a β alone (`a` stays enabled), nor "quiescent" (`r` still has its step or a
+//! transfer). So the reduced search reaches a target state of every property that the full
+//! search reaches, and every state it reaches is a state of the full search: every verdict,
+//! every counterexample's existence and every example's existence are kept. Counterexamples
+//! are paths of the full model, replayed action by action ([`Model::actions`] is deterministic).
+//! With symmetry the argument holds per representative: the conditions and the properties are
+//! invariant under a permutation of ranks.
+//!
+//! `model-check/tests/system_por.rs` compares the verdict of every property with and without
+//! the reduction on small configurations (aborts, transfer failures, both P/D roles, async
+//! depth 2, seeded connector, runner and executor faults), breadth-first and depth-first with
+//! symmetry.
+//!
 //! # Checking your own connector
 //!
 //! The model is generic over [`Connectors`]: a scheduler-side and a worker-side connector over
@@ -105,7 +194,8 @@ pub mod property_names {
     pub const RESUMED_FROM_OFFLOAD: &str = "a preempted request resumes from offloaded chunks";
     /// `sometimes`: a request loads chunks that another request stored.
     pub const SHARED_PREFIX_LOADED: &str = "a request loads a prefix another request stored";
-    /// `sometimes`: a load failed and the request computed the tokens it could not load.
+    /// `sometimes`: a load failed and the scheduler then scheduled the request to compute
+    /// tokens (it recomputes what it could not load).
     pub const LOAD_FAILED_RECOMPUTED: &str = "a load fails and the request recomputes";
     /// `sometimes`: a finished request's transfer (a P/D send) completed while the scheduler
     /// still held its blocks (a delayed free, I-15).
@@ -703,11 +793,13 @@ impl SystemConfig {
     }
 
     /// A larger configuration: 3 ranks, 3 requests, preemption and resumption from offloaded
-    /// chunks (a tight GPU pool), async scheduling depth 2; no abort (with one, the space did not
-    /// finish in 300 s). Exhaustive with symmetry over ranks in 9 to 13 minutes on 2 cores:
-    /// `kvrelay check --config deep --symmetry` (11.5 M unique states). With the P/D connector
-    /// (decode side) and one load failure: `kvrelay check --connector pd --pd-role decode
-    /// --config deep --symmetry` (6.1 M unique states, about 5 minutes).
+    /// chunks (a tight GPU pool), async scheduling depth 2; no abort (with one, the space does
+    /// not finish in 10 minutes on 2 cores, even with partial-order reduction: 6.8 M unique
+    /// states by then). Exhaustive with symmetry over ranks, before the engine step and without
+    /// partial-order reduction, in 9 to 13 minutes on 2 cores: `kvrelay check --config deep
+    /// --symmetry` (11.5 M unique states). With the P/D connector (decode side) and one load
+    /// failure: `kvrelay check --connector pd --pd-role decode --config deep --symmetry` (6.1 M
+    /// unique states, about 5 minutes, measured likewise).
     pub fn deep() -> Self {
         Self {
             ranks: 3,
@@ -909,7 +1001,19 @@ impl Ghost {
     fn violated(&self, property: &str) -> bool {
         self.violations.iter().any(|(p, _)| *p == property)
     }
+
+    /// Clears the witness of a shared prefix load, which no property of kvrelay's pairs reads
+    /// and which the partial-order reduction may set on one interleaving and not another (its
+    /// condition (F)); for tests that compare states of the full and the reduced search.
+    #[doc(hidden)]
+    pub fn clear_unobserved(&mut self) {
+        self.shared_loaded = false;
+    }
 }
+
+/// For the partial-order reduction's condition (A2): the state after `Deliver` of the oldest
+/// step, and after the `Schedule` that may follow it (`None`: nothing left to schedule).
+type DeliveredThenScheduled<P> = (SystemState<P>, Option<SystemState<P>>);
 
 /// A state of the system model.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
@@ -1065,6 +1169,9 @@ pub struct SystemModel<P: Connectors> {
     /// before), so a property reports only its first discovery: breadth-first with one thread,
     /// that is a shortest counterexample.
     discovered: Arc<[AtomicBool; PROPERTIES]>,
+    /// Partial-order reduction (the module docs, "Partial-order reduction"): off unless
+    /// [`SystemModel::with_partial_order`] turned it on.
+    partial_order: bool,
 }
 
 /// The number of properties [`SystemModel`] declares (some filtered out per connector pair).
@@ -1078,6 +1185,7 @@ impl<P: Connectors> Clone for SystemModel<P> {
             config: self.config.clone(),
             sched_config: self.sched_config.clone(),
             discovered: fresh_discoveries(),
+            partial_order: self.partial_order,
         }
     }
 }
@@ -1118,7 +1226,23 @@ impl<P: Connectors> SystemModel<P> {
             config,
             sched_config,
             discovered: fresh_discoveries(),
+            partial_order: false,
         })
+    }
+
+    /// The same model with partial-order reduction on or off (off by default). With it, a
+    /// state where one rank has not output a pending step and nothing else can touch that rank
+    /// before it acts explores that rank's actions only; every verdict is kept (the conditions
+    /// and the argument are in the docs of `model-check/src/system.rs`, section "Partial-order
+    /// reduction").
+    pub fn with_partial_order(mut self, on: bool) -> Self {
+        self.partial_order = on;
+        self
+    }
+
+    /// Whether partial-order reduction is on ([`SystemModel::with_partial_order`]).
+    pub fn partial_order(&self) -> bool {
+        self.partial_order
     }
 
     /// Whether to report `discovery` (a state breaking an `always` property, an example of a
@@ -1270,6 +1394,20 @@ impl<P: Connectors> SystemModel<P> {
             s.ghost.idle = 0;
         }
         let contents = self.expected_contents(s, &st.output);
+        // A request whose load failed is scheduled to compute tokens: the scheduler recomputes
+        // what it could not load. (Witnessed here, where the scheduler decides it, and not in a
+        // rank's forward pass: a rank's step then reads no ghost state another rank writes,
+        // which the partial-order reduction relies on.)
+        for &(id, _) in &st.output.num_scheduled_tokens {
+            if s.ghost
+                .load_failed
+                .get(id.index())
+                .copied()
+                .unwrap_or(false)
+            {
+                s.ghost.recomputed_after_failure = true;
+            }
+        }
         for &r in st.output.preempted_req_ids.iter() {
             if let Some(p) = s.ghost.preempted.get_mut(r.index()) {
                 *p = true;
@@ -1309,7 +1447,7 @@ impl<P: Connectors> SystemModel<P> {
                         dirty: false,
                     });
                 }
-                RankAction::Forward(pass) => self.forward(s, rank, &step.output, contents, &pass),
+                RankAction::Forward(pass) => self.forward(s, rank, contents, &pass),
                 RankAction::Wait { during, .. } => {
                     if during == WorkerCall::HandlePreemptions {
                         s.ghost.flushed = true;
@@ -1401,21 +1539,10 @@ impl<P: Connectors> SystemModel<P> {
         &self,
         s: &mut SystemState<P>,
         rank: usize,
-        output: &SchedulerOutput,
         contents: &BTreeMap<RequestId, Vec<u64>>,
         pass: &ForwardPass,
     ) {
         let bs = self.config.block_size;
-        for &(id, _) in &output.num_scheduled_tokens {
-            if s.ghost
-                .load_failed
-                .get(id.index())
-                .copied()
-                .unwrap_or(false)
-            {
-                s.ghost.recomputed_after_failure = true;
-            }
-        }
         for w in &pass.writes {
             let Some(want) = contents.get(&w.request) else {
                 continue;
@@ -1674,6 +1801,312 @@ impl<P: Connectors> SystemModel<P> {
         }
     }
 
+    /// Every action enabled in `s` (none once a property is violated: such a state is
+    /// terminal), without any reduction.
+    fn enabled(&self, s: &SystemState<P>, actions: &mut Vec<SystemAction>) {
+        if !s.ghost.violations.is_empty() {
+            return;
+        }
+        let c = &self.config;
+        if s.arrived < c.requests {
+            actions.push(SystemAction::Arrive(RequestId(s.arrived)));
+        }
+        if s.scheduler().has_requests()
+            && (s.steps.len() as u32) < c.async_depth
+            && s.ghost.idle < c.idle_steps
+        {
+            actions.push(SystemAction::Schedule);
+        }
+        for (i, r) in s.ranks.iter().enumerate() {
+            let blocked = r.driver.waiting().next().is_some();
+            if !blocked && r.driver.error().is_none() && self.next_step_of(s, i).is_some() {
+                actions.push(SystemAction::Run(Rank(i as u32)));
+            }
+        }
+        for (i, r) in s.ranks.iter().enumerate() {
+            let mut seen_dir = [false; 2];
+            for t in &r.in_flight {
+                let d = t.transfer.direction as usize;
+                if c.ordered_completions && seen_dir[d] {
+                    continue;
+                }
+                seen_dir[d] = true;
+                actions.push(SystemAction::Complete {
+                    rank: Rank(i as u32),
+                    job: t.transfer.job,
+                    ok: true,
+                });
+                let may_fail = match t.transfer.direction {
+                    TransferDirection::Load => {
+                        s.failures_left > 0 && self.pair.load_may_fail(&t.transfer)
+                    }
+                    TransferDirection::Store => {
+                        s.store_failures_left > 0 && self.pair.store_may_fail(&t.transfer)
+                    }
+                };
+                if may_fail {
+                    actions.push(SystemAction::Complete {
+                        rank: Rank(i as u32),
+                        job: t.transfer.job,
+                        ok: false,
+                    });
+                }
+            }
+        }
+        if s.engine.ready() {
+            actions.push(SystemAction::Deliver);
+        }
+        if s.aborts_left > 0 {
+            for i in 0..s.arrived {
+                let id = RequestId(i);
+                if s.scheduler().status(id).is_some_and(|st| !st.is_finished()) {
+                    actions.push(SystemAction::Abort(id));
+                }
+            }
+        }
+        if s.resets_left > 0 {
+            actions.push(SystemAction::Reset);
+        }
+    }
+
+    /// The ample set of `s` for partial-order reduction (see the module docs): the enabled
+    /// actions of one rank that has not yet output a pending step, when each of them is
+    /// independent of every action the rest of the system can take before that rank acts.
+    /// `None`: explore every enabled action.
+    fn ample(&self, s: &SystemState<P>, enabled: &[SystemAction]) -> Option<Vec<SystemAction>> {
+        let c = &self.config;
+        // (S) A rank reading another rank's external store would make ranks depend on each
+        // other's transfers.
+        if self.pair.shared_external() || enabled.len() < 2 {
+            return None;
+        }
+        let full = s.steps.len() as u32 >= c.async_depth;
+        // (B) No `Schedule` can happen before the chosen rank acts: the pipeline is full (only
+        // `Deliver` empties it, and (A) keeps `Deliver` disabled), or nothing is left to
+        // schedule and nothing can arrive.
+        let drained = s.arrived == c.requests && !s.scheduler().has_requests();
+        let oldest = s.steps.front()?.step.output.step.0;
+        // (X) For (A2): no arrival, abort or reset can happen any more, the pipeline is full
+        // (two steps at most: `async_depth` 2) and its oldest step is aggregated.
+        let settled = s.arrived == c.requests
+            && s.resets_left == 0
+            && (s.aborts_left == 0 || !enabled.iter().any(|a| matches!(a, SystemAction::Abort(_))))
+            && full
+            && s.steps.len() == 2
+            && s.engine.ready();
+        // (A2) What can happen before the chosen rank acts: `Deliver` of the oldest step, then
+        // one `Schedule` (the pipeline is then full again and the next `Deliver` needs the
+        // rank). Both are fixed: computed once, here.
+        let mut after: Option<Option<DeliveredThenScheduled<P>>> = None;
+        let mut best: Option<Vec<SystemAction>> = None;
+        for (i, r) in s.ranks.iter().enumerate() {
+            let done = r.driver.steps_done();
+            // (A) The rank has not output the oldest step: `Deliver` stays disabled until it
+            // does, and only its own actions can change its state. (A2): it output the oldest
+            // but not the next one.
+            let a1 = done == oldest && (full || drained);
+            let a2 = !a1 && settled && done == oldest + 1;
+            if !a1 && !a2 {
+                continue;
+            }
+            let rank = Rank(i as u32);
+            let mine: Vec<SystemAction> = enabled
+                .iter()
+                .copied()
+                .filter(|a| match a {
+                    SystemAction::Run(x) | SystemAction::Complete { rank: x, .. } => *x == rank,
+                    _ => false,
+                })
+                .collect();
+            if mine.is_empty()
+                || mine.len() == enabled.len()
+                || best.as_ref().is_some_and(|b| b.len() <= mine.len())
+            {
+                continue;
+            }
+            // (C, E, F) No action of the rank reads what another part may change meanwhile.
+            if !mine.iter().all(|a| self.rank_local(s, i, a)) {
+                continue;
+            }
+            let next: Vec<SystemState<P>> = match mine
+                .iter()
+                .map(|&a| self.next_state(s, a))
+                .collect::<Option<Vec<_>>>()
+            {
+                Some(n) => n,
+                None => continue,
+            };
+            // (G) None of them breaks a property or leaves the state as it is (a violation
+            // ends a path, so it would hide what the other actions reach; a self-loop would
+            // postpone them forever).
+            if !next
+                .iter()
+                .all(|n| n.ghost.violations.is_empty() && (n.ranks[i] != s.ranks[i] || n != s))
+            {
+                continue;
+            }
+            if a2 {
+                let fixed = after.get_or_insert_with(|| self.deliver_then_schedule(s));
+                let Some((d, u)) = fixed.as_ref() else {
+                    continue;
+                };
+                if !mine
+                    .iter()
+                    .zip(&next)
+                    .all(|(a, n)| self.commutes_with_deliver(s, i, a, n, d, u.as_ref()))
+                {
+                    continue;
+                }
+            }
+            let one = mine.len() == 1;
+            best = Some(mine);
+            if one {
+                break;
+            }
+        }
+        best
+    }
+
+    /// For (A2): the state after `Deliver` of the oldest step, and after the one `Schedule`
+    /// that may follow it (taken whatever the idle counter says: ranks may reset it). `None`
+    /// when either breaks a property.
+    fn deliver_then_schedule(&self, s: &SystemState<P>) -> Option<DeliveredThenScheduled<P>> {
+        let d = self.next_state(s, SystemAction::Deliver)?;
+        if !d.ghost.violations.is_empty() {
+            return None;
+        }
+        if !d.scheduler().has_requests() {
+            return Some((d, None));
+        }
+        let mut u = d.clone();
+        self.schedule(&mut u);
+        self.check(&mut u);
+        if !u.ghost.violations.is_empty() {
+            return None;
+        }
+        Some((d, Some(u)))
+    }
+
+    /// For (A2): `action` of rank `rank` (whose successor is `next`) commutes with the
+    /// `Deliver` (to `d`) and the `Schedule` (to `u`) that may happen before it: what the rank
+    /// reports is not what the `Deliver` emits (the quorum ghost resets those), its output
+    /// does not complete the next step (the `Deliver` releases ids by the aggregator's state),
+    /// a completion reads no witness input that the two change, and if the `Schedule` is an
+    /// idle step (it counts one more idle step, which an action resetting the counter does not
+    /// commute with), the action leaves the idle counter alone: a `Run` that starts no
+    /// transfer.
+    fn commutes_with_deliver(
+        &self,
+        s: &SystemState<P>,
+        rank: usize,
+        action: &SystemAction,
+        next: &SystemState<P>,
+        d: &SystemState<P>,
+        u: Option<&SystemState<P>>,
+    ) -> bool {
+        let observed = |p: &str| self.pair.expected_examples(&self.config).contains(&p);
+        let idle_step = u.is_some_and(|u| u.ghost.idle != 0);
+        let starts = next.ranks[rank].in_flight.len() > s.ranks[rank].in_flight.len();
+        if idle_step && (starts || !matches!(action, SystemAction::Run(_))) {
+            return false;
+        }
+        match *action {
+            SystemAction::Run(_) => {
+                let second = s.steps.get(1).map(|st| st.step.output.step);
+                let aggregates = second.is_some_and(|st| next.engine.aggregated(st).is_some());
+                let emitted_reported = next
+                    .ghost
+                    .recv_reports
+                    .iter()
+                    .zip(&s.ghost.recv_reports)
+                    .zip(&d.ghost.recv_reports)
+                    .chain(
+                        next.ghost
+                            .recv_failed
+                            .iter()
+                            .zip(&s.ghost.recv_failed)
+                            .zip(&d.ghost.recv_failed),
+                    )
+                    .any(|((n, o), dd)| n != o && dd != o);
+                !aggregates && !emitted_reported
+            }
+            SystemAction::Complete { job, .. } => {
+                let Some(t) = s.ranks[rank]
+                    .in_flight
+                    .iter()
+                    .find(|t| t.transfer.job == job)
+                else {
+                    return false;
+                };
+                let req = t.transfer.request;
+                match t.transfer.direction {
+                    TransferDirection::Store => {
+                        let finished = |x: &SystemState<P>| {
+                            x.scheduler()
+                                .status(req)
+                                .is_some_and(RequestStatus::is_finished)
+                        };
+                        s.ghost.delayed_free
+                            || !observed(property_names::DELAYED_FREE)
+                            || (finished(s) == finished(d)
+                                && u.is_none_or(|u| finished(u) == finished(s)))
+                    }
+                    TransferDirection::Load => {
+                        let preempted =
+                            |x: &SystemState<P>| x.ghost.preempted.get(req.index()).copied();
+                        s.ghost.resumed_from_offload
+                            || !observed(property_names::RESUMED_FROM_OFFLOAD)
+                            || u.is_none_or(|u| preempted(u) == preempted(s))
+                    }
+                }
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether `action` of rank `rank` reads nothing that an action of another rank, an
+    /// arrival, an abort or a reset can change (conditions C, E, F of the module docs).
+    fn rank_local(&self, s: &SystemState<P>, rank: usize, action: &SystemAction) -> bool {
+        match *action {
+            SystemAction::Run(_) => true,
+            SystemAction::Complete { job, ok, .. } => {
+                // (C) A failure spends a budget that other ranks' failures also spend.
+                if !ok {
+                    return false;
+                }
+                let Some(t) = s.ranks[rank]
+                    .in_flight
+                    .iter()
+                    .find(|t| t.transfer.job == job)
+                else {
+                    return false;
+                };
+                match t.transfer.direction {
+                    // (E) A store completing reads whether its request finished (the delayed
+                    // free witness): only an abort can change that meanwhile.
+                    TransferDirection::Store => {
+                        s.ghost.delayed_free
+                            || s.aborts_left == 0
+                            || s.scheduler()
+                                .status(t.transfer.request)
+                                .is_none_or(RequestStatus::is_finished)
+                    }
+                    // (F) A load completing reads who stored its slots (the shared-prefix
+                    // witness), which other ranks' stores write: harmless unless that witness
+                    // is one of the model's properties and has not been seen on this path.
+                    TransferDirection::Load => {
+                        s.ghost.shared_loaded
+                            || !self
+                                .pair
+                                .expected_examples(&self.config)
+                                .contains(&property_names::SHARED_PREFIX_LOADED)
+                    }
+                }
+            }
+            _ => false,
+        }
+    }
+
     /// I-10 and the machines' own invariants, after every action.
     fn check(&self, s: &mut SystemState<P>) {
         let mut broken = Vec::new();
@@ -1893,68 +2326,13 @@ impl<P: Connectors> Model for SystemModel<P> {
     }
 
     fn actions(&self, s: &Self::State, actions: &mut Vec<Self::Action>) {
-        if !s.ghost.violations.is_empty() {
-            return;
-        }
-        let c = &self.config;
-        if s.arrived < c.requests {
-            actions.push(SystemAction::Arrive(RequestId(s.arrived)));
-        }
-        if s.scheduler().has_requests()
-            && (s.steps.len() as u32) < c.async_depth
-            && s.ghost.idle < c.idle_steps
+        let start = actions.len();
+        self.enabled(s, actions);
+        if self.partial_order
+            && let Some(ample) = self.ample(s, &actions[start..])
         {
-            actions.push(SystemAction::Schedule);
-        }
-        for (i, r) in s.ranks.iter().enumerate() {
-            let blocked = r.driver.waiting().next().is_some();
-            if !blocked && r.driver.error().is_none() && self.next_step_of(s, i).is_some() {
-                actions.push(SystemAction::Run(Rank(i as u32)));
-            }
-        }
-        for (i, r) in s.ranks.iter().enumerate() {
-            let mut seen_dir = [false; 2];
-            for t in &r.in_flight {
-                let d = t.transfer.direction as usize;
-                if c.ordered_completions && seen_dir[d] {
-                    continue;
-                }
-                seen_dir[d] = true;
-                actions.push(SystemAction::Complete {
-                    rank: Rank(i as u32),
-                    job: t.transfer.job,
-                    ok: true,
-                });
-                let may_fail = match t.transfer.direction {
-                    TransferDirection::Load => {
-                        s.failures_left > 0 && self.pair.load_may_fail(&t.transfer)
-                    }
-                    TransferDirection::Store => {
-                        s.store_failures_left > 0 && self.pair.store_may_fail(&t.transfer)
-                    }
-                };
-                if may_fail {
-                    actions.push(SystemAction::Complete {
-                        rank: Rank(i as u32),
-                        job: t.transfer.job,
-                        ok: false,
-                    });
-                }
-            }
-        }
-        if s.engine.ready() {
-            actions.push(SystemAction::Deliver);
-        }
-        if s.aborts_left > 0 {
-            for i in 0..s.arrived {
-                let id = RequestId(i);
-                if s.scheduler().status(id).is_some_and(|st| !st.is_finished()) {
-                    actions.push(SystemAction::Abort(id));
-                }
-            }
-        }
-        if s.resets_left > 0 {
-            actions.push(SystemAction::Reset);
+            actions.truncate(start);
+            actions.extend(ample);
         }
     }
 
@@ -2037,7 +2415,7 @@ impl<P: Connectors> Model for SystemModel<P> {
                     return true;
                 }
                 let mut a = Vec::new();
-                m.actions(s, &mut a);
+                m.enabled(s, &mut a);
                 !m.first(7, a.is_empty() && !m.quiescent(s))
             }),
             Property::sometimes(n::FLUSHED, |m: &Self, s: &SystemState<P>| {

@@ -182,6 +182,10 @@ fn flags_that_cannot_apply_are_refused_before_checking() {
             "--policy does not apply to --model completion",
         ),
         (
+            &["--model", "completion", "--partial-order", "true"][..],
+            "--partial-order does not apply to --model completion (only to --model system)",
+        ),
+        (
             &["--failures", "true"][..],
             "--failures does not apply to --model system (only to --model completion)",
         ),
@@ -517,4 +521,34 @@ fn the_readmission_fault_is_found_with_the_prefix_cache_off() {
         "{}",
         text(&out.stderr)
     );
+}
+
+/// `--partial-order` (issue 23): off by default with the `ci` preset (its counts are pinned),
+/// on with `deep`, either way on request; echoed as `partial_order = …`; the reduced `ci`
+/// check holds like the full one, on fewer states.
+#[test]
+fn partial_order_defaults_by_preset_and_keeps_the_verdicts() {
+    let unique = |stdout: &str| -> u64 {
+        let (_, after) = stdout.split_once(" states, ").expect("a summary line");
+        after
+            .split_once(" unique")
+            .expect("unique states")
+            .0
+            .replace(',', "")
+            .parse()
+            .expect("a number")
+    };
+    let full = kvrelay_check(&[], LIMIT);
+    let stderr = text(&full.stderr);
+    assert_eq!(full.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("  partial_order = false\n"), "{stderr}");
+    let reduced = kvrelay_check(&["--partial-order", "true"], LIMIT);
+    let stderr = text(&reduced.stderr);
+    assert_eq!(reduced.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("  partial_order = true\n"), "{stderr}");
+    let (f, r) = (unique(&text(&full.stdout)), unique(&text(&reduced.stdout)));
+    assert!(r < f, "the reduction must reduce: {r} vs {f}");
+    let deep = kvrelay_check(&["--config", "deep", "--max-depth", "3"], LIMIT);
+    let stderr = text(&deep.stderr);
+    assert!(stderr.contains("  partial_order = true\n"), "{stderr}");
 }

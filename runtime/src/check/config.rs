@@ -39,6 +39,8 @@ pub(super) struct SystemSetup {
     pub(super) pd_fault: Option<PdFault>,
     /// A fault of the MultiConnector (`--connector multi-senders`).
     pub(super) multi_fault: Option<MultiFault>,
+    /// `--partial-order` (default: on for `deep`, off for `ci`).
+    pub(super) partial_order: bool,
 }
 
 /// `--model system`: the preset with the flags' overrides, the faults, the connector.
@@ -163,6 +165,7 @@ pub(super) fn system(a: &CheckArgs) -> Result<SystemSetup, CheckError> {
         }),
         pd_fault,
         multi_fault,
+        partial_order: a.partial_order.unwrap_or(a.config == Preset::Deep),
     })
 }
 
@@ -212,6 +215,7 @@ impl SystemSetup {
                 (!c.ordered_completions).to_string(),
             ),
             ("faults", list(&self.faults())),
+            ("partial_order", self.partial_order.to_string()),
         ]);
         lines
     }

@@ -107,12 +107,12 @@ fn check_pair<P: Connectors>(
     pair: P,
     setup: &SystemSetup,
 ) -> Result<ExitCode, CheckError> {
-    let model = SystemModel::new(pair, setup.config.clone()).map_err(|reason| {
-        CheckError::InvalidConfig {
+    let model = SystemModel::new(pair, setup.config.clone())
+        .map_err(|reason| CheckError::InvalidConfig {
             model: ModelArg::System,
             reason,
-        }
-    })?;
+        })?
+        .with_partial_order(setup.partial_order);
     let plan = Plan::new(a, &model)?;
     execute(
         model,
