@@ -59,7 +59,7 @@ impl KeyAccess {
     }
 
     /// The facts, for the scope's identity.
-    fn facts(&self) -> (OffloadKey, Option<u32>, Option<u32>, bool, bool, bool) {
+    fn facts(&self) -> Facts {
         (
             self.key,
             self.seen,
@@ -79,6 +79,10 @@ impl KeyAccess {
             || self.store_miss
     }
 }
+
+/// A key's facts, in the order compared: key, first-access index, position, inserted, reused,
+/// store miss.
+type Facts = (OffloadKey, Option<u32>, Option<u32>, bool, bool, bool);
 
 /// One request's scope. See the module docs.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
@@ -262,7 +266,7 @@ impl RequestAccess {
     }
 
     /// The facts of the entries that carry one, in key order: the scope's identity.
-    fn facts(&self) -> Vec<(OffloadKey, Option<u32>, Option<u32>, bool, bool, bool)> {
+    fn facts(&self) -> Vec<Facts> {
         let mut facts: Vec<_> = self
             .keys
             .iter()
