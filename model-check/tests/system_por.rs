@@ -94,11 +94,22 @@ fn compare<P: Connectors>(
     }
     assert_eq!(full.passed(), reduced.passed(), "{what}");
     assert!(
-        reduced.unique_states < full.unique_states,
-        "{what}: the reduction must reduce ({} vs {})",
+        reduced.unique_states <= full.unique_states,
+        "{what}: the reduction never adds states ({} vs {})",
         reduced.unique_states,
         full.unique_states
     );
+    // A configuration that holds is explored whole, and there the reduction must reduce; one
+    // with a seeded fault may end at its first violations before any state has a stubborn set
+    // (bind-first: 42 states, a violation 3 actions deep).
+    if full.passed() {
+        assert!(
+            reduced.unique_states < full.unique_states,
+            "{what}: the reduction must reduce ({} vs {})",
+            reduced.unique_states,
+            full.unique_states
+        );
+    }
     (full, reduced)
 }
 

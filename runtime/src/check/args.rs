@@ -34,9 +34,9 @@ When to use what:
                                      the larger preset (3 ranks, 3 requests, async depth 2):
                                      depth-first with symmetry over ranks and, by default with
                                      deep, partial-order reduction (tens of MB; breadth-first
-                                     needs many GB). Last measured before the engine step and
-                                     without the reduction: 11.5 million unique states, 9 to 13
-                                     minutes on 2 cores.
+                                     needs many GB): 5.2 million unique states, about 10
+                                     minutes on 2 shared cores. With --aborts 1 it does not
+                                     finish in 10 minutes.
   kvrelay check --connector pd --pd-role decode --config deep --symmetry
                                      the same with remote loads and one load failure (last
                                      measured likewise: 6.1 million unique states, about 5
