@@ -954,6 +954,11 @@ impl<P: Connectors> RankState<P> {
     pub fn in_flight(&self) -> &[InFlight] {
         &self.in_flight
     }
+
+    /// The transfer of `job` in flight on this rank.
+    fn in_flight_job(&self, job: JobId) -> Option<&InFlight> {
+        self.in_flight.iter().find(|t| t.transfer.job == job)
+    }
 }
 
 /// A scheduled step whose output has not been applied.
@@ -2032,11 +2037,7 @@ impl<P: Connectors> SystemModel<P> {
                 !aggregates && !emitted_reported
             }
             SystemAction::Complete { job, .. } => {
-                let Some(t) = s.ranks[rank]
-                    .in_flight
-                    .iter()
-                    .find(|t| t.transfer.job == job)
-                else {
+                let Some(t) = s.ranks[rank].in_flight_job(job) else {
                     return false;
                 };
                 let req = t.transfer.request;
@@ -2075,11 +2076,7 @@ impl<P: Connectors> SystemModel<P> {
                 if !ok {
                     return false;
                 }
-                let Some(t) = s.ranks[rank]
-                    .in_flight
-                    .iter()
-                    .find(|t| t.transfer.job == job)
-                else {
+                let Some(t) = s.ranks[rank].in_flight_job(job) else {
                     return false;
                 };
                 match t.transfer.direction {

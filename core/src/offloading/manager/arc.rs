@@ -11,7 +11,7 @@
 use alloc::vec::Vec;
 
 use super::arena::{Arena, List, NIL, Node, Place};
-use super::scope::RequestAccess;
+use super::scope::KeyAccess;
 use super::types::{ChunkId, OffloadKey};
 use crate::{InvariantViolation, ensure_invariant};
 
@@ -192,39 +192,27 @@ impl Arc {
         Some(victims)
     }
 
-    /// `on_request_finished`: the request's keys, tail to head in prefix order: reused keys are
-    /// promoted from T1 or become T2's most recent; keys it only inserted are refreshed in their
-    /// list.
-    pub(super) fn on_request_finished(
-        &mut self,
-        arena: &mut Arena,
-        ordered: &[u32],
-        scope: &RequestAccess,
-    ) {
-        for &e in ordered.iter().rev() {
-            let access = scope.entry(e);
-            let Some(s) = arena.slot_hinted(&access.key, access.slot) else {
-                continue;
-            };
-            let nodes = &mut arena.nodes;
-            let place = nodes[s as usize].place;
-            if access.inserted && !access.reused {
-                // Insert-only: refreshed in its list.
-                match place {
-                    Place::T1 => self.t1.move_to_back(nodes, s),
-                    Place::T2 => self.t2.move_to_back(nodes, s),
-                    _ => {}
+    /// `on_request_finished`, for one of the request's keys (at slot `s`; the policy walks
+    /// them tail to head in prefix order): a reused key is promoted from T1 or becomes T2's
+    /// most recent; a key it only inserted is refreshed in its list.
+    pub(super) fn commit(&mut self, nodes: &mut [Node], s: u32, access: &KeyAccess) {
+        let place = nodes[s as usize].place;
+        if access.inserted && !access.reused {
+            // Insert-only: refreshed in its list.
+            match place {
+                Place::T1 => self.t1.move_to_back(nodes, s),
+                Place::T2 => self.t2.move_to_back(nodes, s),
+                _ => {}
+            }
+        } else if access.reused {
+            // From T1, or to T2's most recent end.
+            match place {
+                Place::T1 => {
+                    self.t1.unlink(nodes, s);
+                    self.t2.push_back(nodes, s, Place::T2);
                 }
-            } else if access.reused {
-                // From T1, or to T2's most recent end.
-                match place {
-                    Place::T1 => {
-                        self.t1.unlink(nodes, s);
-                        self.t2.push_back(nodes, s, Place::T2);
-                    }
-                    Place::T2 => self.t2.move_to_back(nodes, s),
-                    _ => {}
-                }
+                Place::T2 => self.t2.move_to_back(nodes, s),
+                _ => {}
             }
         }
     }

@@ -19,7 +19,6 @@ use alloc::collections::BTreeSet;
 use alloc::vec::Vec;
 
 use super::arena::{Arena, List, NIL, Node, Place, Rank};
-use super::scope::RequestAccess;
 use super::types::{ChunkId, OffloadKey};
 use crate::{InvariantViolation, ensure_invariant};
 
@@ -85,24 +84,9 @@ impl Lru {
         }
     }
 
-    /// `on_request_finished`: the request's keys (its scope's entries in prefix order) get
-    /// fresh global ranks, tail to head, as by [`Self::touch`].
-    pub(super) fn on_request_finished(
-        &mut self,
-        arena: &mut Arena,
-        ordered: &[u32],
-        scope: &RequestAccess,
-    ) {
-        for &e in ordered.iter().rev() {
-            let a = scope.entry(e);
-            if let Some(s) = arena.slot_hinted(&a.key, a.slot) {
-                self.new_rank(&mut arena.nodes, s);
-            }
-        }
-    }
-
-    /// A fresh global rank for a present key.
-    fn new_rank(&mut self, nodes: &mut [Node], s: u32) {
+    /// A fresh global rank for a present key (`touch`, and `on_request_finished` for each of
+    /// the request's keys, which the policy walks tail to head in prefix order).
+    pub(super) fn new_rank(&mut self, nodes: &mut [Node], s: u32) {
         self.unlink(nodes, s);
         nodes[s as usize].rank = self.fresh_rank();
         self.list.push_back(nodes, s, Place::RankList);

@@ -120,16 +120,23 @@ impl Policy {
     }
 
     /// A request finished: its `scope`'s entries in prefix order (`ordered`, indices into the
-    /// scope); the scope says which keys it inserted and which it reused.
+    /// scope); the scope says which keys it inserted and which it reused. Its keys are walked
+    /// tail to head (so the head ends most recent); absent ones are skipped.
     pub(super) fn on_request_finished(
         &mut self,
         arena: &mut Arena,
         ordered: &[u32],
         scope: &RequestAccess,
     ) {
-        match self {
-            Self::Lru(lru) => lru.on_request_finished(arena, ordered, scope),
-            Self::Arc(arc) => arc.on_request_finished(arena, ordered, scope),
+        for &e in ordered.iter().rev() {
+            let access = scope.entry(e);
+            let Some(s) = arena.slot_hinted(&access.key, access.slot) else {
+                continue;
+            };
+            match self {
+                Self::Lru(lru) => lru.new_rank(&mut arena.nodes, s),
+                Self::Arc(arc) => arc.commit(&mut arena.nodes, s, access),
+            }
         }
     }
 
