@@ -66,9 +66,11 @@
 //! | --- | --- | --- |
 //! | `trace` | [`TraceStep`], [`mermaid`], [`escape_label`] | — |
 //! | `explain` | [`Explain`], what a model says about itself | `trace` |
+//! | `shared` | [`Shared`], a state part successors share until one writes it | — |
+//! | `memo` | successors computed ahead (for the partial-order reduction), kept per thread | — |
 //! | `runner` | [`check`], [`check_with_symmetry`], [`serve_explorer`], [`CheckReport`] | `explain`, `trace` |
 //! | `completion` | [`CompletionModel`] | `explain`, `trace` |
-//! | `system` | [`SystemModel`], [`Connectors`], [`OffloadingPair`], [`remote_slot`] | `explain`, `trace` |
+//! | `system` | [`SystemModel`], [`Connectors`], [`OffloadingPair`], [`remote_slot`] | `explain`, `memo`, `shared`, `trace` |
 //! | `pd` | [`PdPair`] | `system` |
 //! | `multi_pair` | [`MultiPair`] | `pd`, `system` |
 //! | crate root | the re-exports, [`check_completions`] | all |
@@ -82,9 +84,11 @@
 
 mod completion;
 mod explain;
+mod memo;
 mod multi_pair;
 mod pd;
 mod runner;
+mod shared;
 mod system;
 mod trace;
 
@@ -101,6 +105,7 @@ pub use runner::{
     CheckOptions, CheckReport, ExploreError, Progress, PropertyResult, Stop, Strategy, check,
     check_with_symmetry, explorer_address, explorer_url, serve_explorer,
 };
+pub use shared::Shared;
 pub use system::{
     Connectors, CoreFault, Counted, EnvFaults, Faulty, InFlight, OffloadingPair, PendingStep,
     RankState as SystemRank, SchedFault, SystemAction, SystemConfig, SystemModel, SystemState,

@@ -126,6 +126,18 @@
 //! depth 2, seeded connector, runner and executor faults), breadth-first and depth-first with
 //! symmetry.
 //!
+//! # Cost of a state
+//!
+//! The checker clones a state for every successor and hashes every state it generates. The
+//! engine and each rank are held in a [`Shared`]: successors share the parts an action does not
+//! write (a transfer completing writes one rank; a rank's step writes that rank, and the
+//! engine once its output is in), a part is hashed once, when the action that wrote it is done,
+//! and the machines' invariants are checked again only on the parts an action wrote
+//! ([`Shared::same`]: an unwritten part is the very part of the state before, checked when it
+//! was written). The successors the reduction computes to choose an ample set are kept for
+//! the checker's next calls ([`crate::memo`]). None of this changes a state's identity: a
+//! pinned state count is the same with and without it.
+//!
 //! # Checking your own connector
 //!
 //! The model is generic over [`Connectors`]: a scheduler-side and a worker-side connector over
@@ -143,7 +155,7 @@
 use core::fmt;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use kvrelay_core::{
     BlockId, EngineCore, FinishDecision, ForwardPass, GroupKind, GuardedWorker, InvariantViolation,
@@ -157,6 +169,8 @@ use kvrelay_core::{
 use stateright::{Expectation, Model, Property};
 
 use crate::explain::Explain;
+use crate::memo;
+use crate::shared::Shared;
 use crate::trace::TraceStep;
 
 /// The names of the properties of [`SystemModel`], as they appear in a [`crate::CheckReport`].
@@ -1025,13 +1039,14 @@ type DeliveredThenScheduled<P> = (SystemState<P>, Option<SystemState<P>>);
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 pub struct SystemState<P: Connectors> {
     /// The core's engine side: the real scheduler with the real scheduler-side connector, the
-    /// ranks' outputs per step and the executor's aggregator.
-    pub engine: EngineCore<Counted<P::Sched>>,
-    /// The ranks.
-    pub ranks: Vec<RankState<P>>,
+    /// ranks' outputs per step and the executor's aggregator. Shared with the states before
+    /// and after an action that does not write it (a transfer completing).
+    pub engine: Shared<EngineCore<Counted<P::Sched>>>,
+    /// The ranks, each shared with the states before and after an action of another part.
+    pub ranks: Vec<Shared<RankState<P>>>,
     /// Steps scheduled, not yet applied, oldest first (what the ranks begin).
     /// Shared: a step does not change once scheduled, so states share it instead of copying.
-    pub steps: VecDeque<Arc<PendingStep<<P::Sched as SchedulerConnector>::StepMeta>>>,
+    pub steps: VecDeque<Shared<PendingStep<<P::Sched as SchedulerConnector>::StepMeta>>>,
     /// Requests that arrived so far (ids `0..arrived`).
     pub arrived: u32,
     /// Aborts left.
@@ -1046,15 +1061,6 @@ pub struct SystemState<P: Connectors> {
     pub ghost: Ghost,
 }
 
-/// Symmetry over ranks: the ranks are sorted by a fingerprint of their whole state (worker
-/// connector, protocol guard, transfers, block tables, ghost contents, pending outputs), and the
-/// per-rank ghost masks are permuted with them.
-///
-/// Sound only where the ranks are interchangeable, which the model checks before permuting:
-/// the aggregator in `compat` mode (it counts reports; `strict` keeps per-rank masks), no
-/// environment fault singling out rank 0, every rank reading its own external store, and every
-/// rank's connector built alike. Otherwise the state is its own representative. Any
-/// permutation is a valid representative, so a fingerprint collision only costs reduction.
 impl<P: Connectors> SystemState<P> {
     /// The scheduler.
     pub fn scheduler(&self) -> &Scheduler<Counted<P::Sched>> {
@@ -1062,6 +1068,16 @@ impl<P: Connectors> SystemState<P> {
     }
 }
 
+/// Symmetry over ranks: the ranks are sorted by a fingerprint of their whole state (worker
+/// connector, protocol guard, transfers, block tables, ghost contents — its [`Shared::digest`]
+/// — and its outputs pending in the engine), and the engine's output slots and the per-rank
+/// ghost masks are permuted with them.
+///
+/// Sound only where the ranks are interchangeable, which the model checks before permuting:
+/// the aggregator in `compat` mode (it counts reports; `strict` keeps per-rank masks), no
+/// environment fault singling out rank 0, every rank reading its own external store, and every
+/// rank's connector built alike. Otherwise the state is its own representative. Any
+/// permutation is a valid representative, so a fingerprint collision only costs reduction.
 impl<P: Connectors> stateright::Representative for SystemState<P> {
     fn representative(&self) -> Self {
         let symmetric = self.engine.aggregator().mode() == Mode::Compat
@@ -1079,7 +1095,7 @@ impl<P: Connectors> stateright::Representative for SystemState<P> {
                 // SipHash with fixed zero keys: deterministic across runs. The rank's outputs
                 // waiting in the engine are part of its state.
                 let mut h = std::hash::DefaultHasher::new();
-                r.hash(&mut h);
+                h.write_u64(r.digest());
                 for o in self.engine.rank_outputs(Rank(i as u32)) {
                     o.hash(&mut h);
                 }
@@ -1095,8 +1111,14 @@ impl<P: Connectors> stateright::Representative for SystemState<P> {
             .iter()
             .map(|&(_, old)| self.ranks[old].clone())
             .collect();
-        let olds: Vec<usize> = order.iter().map(|&(_, old)| old).collect();
-        s.engine.permute_ranks(&olds);
+        // The engine keeps one output slot per rank: renumber them, unless every rank's slots
+        // are alike (then the permutation leaves the engine as it is, and the states share it).
+        let outputs = |i: usize| self.engine.rank_outputs(Rank(i as u32));
+        if (1..self.ranks.len()).any(|i| !outputs(i).eq(outputs(0))) {
+            let olds: Vec<usize> = order.iter().map(|&(_, old)| old).collect();
+            s.engine.make_mut().permute_ranks(&olds);
+            s.engine.seal();
+        }
         let permute = |mask: u32| {
             order
                 .iter()
@@ -1178,6 +1200,15 @@ pub struct SystemModel<P: Connectors> {
     /// Partial-order reduction (the module docs, "Partial-order reduction"): off unless
     /// [`SystemModel::with_partial_order`] turned it on.
     partial_order: bool,
+    /// This model's number, for the successors the reduction computes ahead ([`crate::memo`]).
+    id: u64,
+}
+
+/// Numbers models for [`crate::memo`].
+static MODELS: AtomicU64 = AtomicU64::new(0);
+
+fn next_model_id() -> u64 {
+    MODELS.fetch_add(1, Ordering::Relaxed)
 }
 
 /// The number of properties [`SystemModel`] declares (some filtered out per connector pair).
@@ -1192,6 +1223,7 @@ impl<P: Connectors> Clone for SystemModel<P> {
             sched_config: self.sched_config.clone(),
             discovered: fresh_discoveries(),
             partial_order: self.partial_order,
+            id: next_model_id(),
         }
     }
 }
@@ -1233,6 +1265,7 @@ impl<P: Connectors> SystemModel<P> {
             sched_config,
             discovered: fresh_discoveries(),
             partial_order: false,
+            id: next_model_id(),
         })
     }
 
@@ -1315,18 +1348,18 @@ impl<P: Connectors> SystemModel<P> {
                 } else if faults.skip_handle_preemptions {
                     driver.inject_fault(kvrelay_core::RankFault::SkipPreemptionWaits);
                 }
-                RankState {
+                Shared::new(RankState {
                     driver,
                     in_flight: Vec::new(),
                     gpu: vec![EMPTY; c.gpu_blocks as usize],
                     external: BTreeMap::new(),
                     symmetric,
-                }
+                })
             })
             .collect();
         let n = c.requests as usize;
-        SystemState {
-            engine,
+        let mut s = SystemState {
+            engine: Shared::new(engine),
             ranks,
             steps: VecDeque::new(),
             arrived: 0,
@@ -1341,7 +1374,9 @@ impl<P: Connectors> SystemModel<P> {
                 load_failed: vec![false; n],
                 ..Ghost::default()
             },
-        }
+        };
+        self.check(&mut s, None);
+        s
     }
 
     fn all_ranks(&self) -> u32 {
@@ -1353,7 +1388,7 @@ impl<P: Connectors> SystemModel<P> {
         &self,
         state: &'s SystemState<P>,
         rank: usize,
-    ) -> Option<&'s Arc<PendingStep<<P::Sched as SchedulerConnector>::StepMeta>>> {
+    ) -> Option<&'s Shared<PendingStep<<P::Sched as SchedulerConnector>::StepMeta>>> {
         let r = &state.ranks[rank];
         let first = state.steps.front()?.step.output.step.0;
         let idx = r.driver.steps_done().checked_sub(first)?;
@@ -1378,7 +1413,7 @@ impl<P: Connectors> SystemModel<P> {
                 .collect()
         };
         let statuses_before = statuses(s);
-        let st = match s.engine.schedule() {
+        let st = match s.engine.make_mut().schedule() {
             Ok(st) => st.step,
             Err(e) => {
                 s.ghost
@@ -1420,7 +1455,7 @@ impl<P: Connectors> SystemModel<P> {
             }
         }
         s.steps
-            .push_back(Arc::new(PendingStep { step: st, contents }));
+            .push_back(Shared::new(PendingStep { step: st, contents }));
     }
 
     /// Runs `rank`'s driver from where it stands until it waits on a transfer in flight or ends
@@ -1432,13 +1467,13 @@ impl<P: Connectors> SystemModel<P> {
         };
         let (step, contents) = (&pending.step, &pending.contents);
         if s.ranks[rank].driver.current_step().is_none()
-            && let Err(e) = s.ranks[rank].driver.begin(step)
+            && let Err(e) = s.ranks[rank].make_mut().driver.begin(step)
         {
             self.rank_failed(s, rank, &e);
             return;
         }
         loop {
-            let action = match s.ranks[rank].driver.poll() {
+            let action = match s.ranks[rank].make_mut().driver.poll() {
                 Ok(a) => a,
                 Err(e) => {
                     self.rank_failed(s, rank, &e);
@@ -1448,7 +1483,7 @@ impl<P: Connectors> SystemModel<P> {
             match action {
                 RankAction::Start(t) => {
                     s.ghost.idle = 0;
-                    s.ranks[rank].in_flight.push(InFlight {
+                    s.ranks[rank].make_mut().in_flight.push(InFlight {
                         transfer: Arc::new(t),
                         dirty: false,
                     });
@@ -1465,6 +1500,7 @@ impl<P: Connectors> SystemModel<P> {
                     self.finish(s, rank, &output);
                     if let Err(e) =
                         s.engine
+                            .make_mut()
                             .rank_output(step.output.step, Rank(rank as u32), Some(output))
                     {
                         s.ghost
@@ -1499,7 +1535,7 @@ impl<P: Connectors> SystemModel<P> {
             })
             .collect();
         for r in &mut s.ranks {
-            r.external.extend(seeds.iter().copied());
+            r.make_mut().external.extend(seeds.iter().copied());
         }
     }
 
@@ -1593,7 +1629,7 @@ impl<P: Connectors> SystemModel<P> {
 
     /// A write of GPU block `b` on `rank`: I-4 against the stores in flight.
     fn write_block(&self, s: &mut SystemState<P>, rank: usize, b: BlockId, content: u64, by: &str) {
-        let r = &mut s.ranks[rank];
+        let r = s.ranks[rank].make_mut();
         let mut hit = None;
         for t in &mut r.in_flight {
             if t.transfer.direction == TransferDirection::Store
@@ -1612,7 +1648,7 @@ impl<P: Connectors> SystemModel<P> {
                 ),
             );
         }
-        if let Some(x) = s.ranks[rank].gpu.get_mut(b.0 as usize) {
+        if let Some(x) = s.ranks[rank].make_mut().gpu.get_mut(b.0 as usize) {
             *x = content;
         }
     }
@@ -1647,7 +1683,7 @@ impl<P: Connectors> SystemModel<P> {
         else {
             return;
         };
-        let t = s.ranks[rank].in_flight.remove(pos);
+        let t = s.ranks[rank].make_mut().in_flight.remove(pos);
         s.ghost.idle = 0;
         let domain = if self.pair.shared_external() { 0 } else { rank };
         let req = t.transfer.request;
@@ -1658,7 +1694,7 @@ impl<P: Connectors> SystemModel<P> {
                 s.store_failures_left = s.store_failures_left.saturating_sub(1);
                 s.ghost.store_failed = true;
                 for slot in &t.transfer.external {
-                    s.ranks[domain].external.insert(*slot, CORRUPT);
+                    s.ranks[domain].make_mut().external.insert(*slot, CORRUPT);
                     s.ghost.stored_by.remove(slot);
                 }
             }
@@ -1675,7 +1711,7 @@ impl<P: Connectors> SystemModel<P> {
                     } else {
                         s.ranks[rank].gpu[b.0 as usize]
                     };
-                    s.ranks[domain].external.insert(*slot, content);
+                    s.ranks[domain].make_mut().external.insert(*slot, content);
                     s.ghost.stored_by.insert(*slot, req.0);
                 }
             }
@@ -1705,7 +1741,11 @@ impl<P: Connectors> SystemModel<P> {
                 }
             }
         }
-        if let Err(e) = s.ranks[rank].driver.transfer_done(TransferDone { job, ok }) {
+        if let Err(e) = s.ranks[rank]
+            .make_mut()
+            .driver
+            .transfer_done(TransferDone { job, ok })
+        {
             self.rank_failed(s, rank, &e);
         }
     }
@@ -1743,7 +1783,7 @@ impl<P: Connectors> SystemModel<P> {
         if s.steps.pop_front().is_none() {
             return;
         }
-        let applied = match s.engine.apply_fake() {
+        let applied = match s.engine.make_mut().apply_fake() {
             Ok(applied) => applied,
             Err(e) => {
                 s.ghost.violate(
@@ -1757,7 +1797,7 @@ impl<P: Connectors> SystemModel<P> {
             s.ghost.idle = 0;
         }
         // Released ids are forgotten by the engine; nothing in the model reuses them.
-        s.engine.take_released();
+        s.engine.make_mut().take_released();
         let Some(kv) = &applied.connector_output else {
             return;
         };
@@ -1942,6 +1982,11 @@ impl<P: Connectors> SystemModel<P> {
                 Some(n) => n,
                 None => continue,
             };
+            // The checker asks for these successors next (of the ample set, or of every
+            // enabled action): computed once.
+            for (&a, n) in mine.iter().zip(&next) {
+                memo::remember(self.id, s, a, n);
+            }
             // (G) None of them breaks a property or leaves the state as it is (a violation
             // ends a path, so it would hide what the other actions reach; a self-loop would
             // postpone them forever).
@@ -1978,6 +2023,7 @@ impl<P: Connectors> SystemModel<P> {
     /// when either breaks a property.
     fn deliver_then_schedule(&self, s: &SystemState<P>) -> Option<DeliveredThenScheduled<P>> {
         let d = self.next_state(s, SystemAction::Deliver)?;
+        memo::remember(self.id, s, SystemAction::Deliver, &d);
         if !d.ghost.violations.is_empty() {
             return None;
         }
@@ -1986,7 +2032,7 @@ impl<P: Connectors> SystemModel<P> {
         }
         let mut u = d.clone();
         self.schedule(&mut u);
-        self.check(&mut u);
+        self.check(&mut u, Some(&d));
         if !u.ghost.violations.is_empty() {
             return None;
         }
@@ -2105,22 +2151,34 @@ impl<P: Connectors> SystemModel<P> {
         }
     }
 
-    /// I-10 and the machines' own invariants, after every action.
-    fn check(&self, s: &mut SystemState<P>) {
+    /// I-10 and the machines' own invariants, after every action (`before`: the state the
+    /// action was taken in), then seals the parts the action wrote ([`Shared::seal`]).
+    ///
+    /// A part the action did not write is the very part of `before` ([`Shared::same`]), whose
+    /// invariants were checked when it was written (a state with a violation has no
+    /// successors), so only written parts are checked again: the invariants of a machine are
+    /// a function of that machine's state.
+    fn check(&self, s: &mut SystemState<P>, before: Option<&SystemState<P>>) {
         let mut broken = Vec::new();
-        if let Err(e) = s.engine.check_invariants() {
-            broken.push(format!("scheduler: {e}"));
-        }
-        if let Some(e) = s.scheduler().broken() {
-            broken.push(format!("scheduler stopped: {e}"));
-        }
-        if let Some(e) = s.engine.broken() {
-            broken.push(format!("engine stopped: {e}"));
-        }
-        if let Err(e) = self.pair.check_sched(&s.scheduler().connector().inner) {
-            broken.push(format!("connector: {e}"));
+        let engine_written = before.is_none_or(|b| !Shared::same(&b.engine, &s.engine));
+        if engine_written {
+            if let Err(e) = s.engine.check_invariants() {
+                broken.push(format!("scheduler: {e}"));
+            }
+            if let Some(e) = s.scheduler().broken() {
+                broken.push(format!("scheduler stopped: {e}"));
+            }
+            if let Some(e) = s.engine.broken() {
+                broken.push(format!("engine stopped: {e}"));
+            }
+            if let Err(e) = self.pair.check_sched(&s.scheduler().connector().inner) {
+                broken.push(format!("connector: {e}"));
+            }
         }
         for (i, r) in s.ranks.iter().enumerate() {
+            if before.is_some_and(|b| b.ranks.get(i).is_some_and(|x| Shared::same(x, r))) {
+                continue;
+            }
             if let Err(e) = r
                 .driver
                 .check_invariants()
@@ -2157,6 +2215,10 @@ impl<P: Connectors> SystemModel<P> {
                 property_names::FINISHED_ONCE,
                 format!("request {i}: request_finished called {n} times, finished: {finished}"),
             );
+        }
+        s.engine.seal();
+        for r in &mut s.ranks {
+            r.seal();
         }
     }
 }
@@ -2335,6 +2397,11 @@ impl<P: Connectors> Model for SystemModel<P> {
     }
 
     fn next_state(&self, last: &Self::State, action: Self::Action) -> Option<Self::State> {
+        if self.partial_order
+            && let Some(next) = memo::recall(self.id, last, &action)
+        {
+            return Some(next);
+        }
         let mut s = last.clone();
         match action {
             SystemAction::Arrive(id) => {
@@ -2345,7 +2412,7 @@ impl<P: Connectors> Model for SystemModel<P> {
                     stop_token: None,
                     kv_transfer_params: None,
                 };
-                if let Err(e) = s.engine.add_request(spec) {
+                if let Err(e) = s.engine.make_mut().add_request(spec) {
                     s.ghost
                         .violate(property_names::CORE, format!("add_request failed: {e}"));
                 }
@@ -2364,7 +2431,7 @@ impl<P: Connectors> Model for SystemModel<P> {
             SystemAction::Abort(id) => {
                 s.aborts_left -= 1;
                 s.ghost.idle = 0;
-                if let Err(e) = s.engine.abort(id) {
+                if let Err(e) = s.engine.make_mut().abort(id) {
                     s.ghost
                         .violate(property_names::CORE, format!("abort failed: {e}"));
                 }
@@ -2372,13 +2439,13 @@ impl<P: Connectors> Model for SystemModel<P> {
             SystemAction::Reset => {
                 s.resets_left -= 1;
                 s.ghost.idle = 0;
-                if let Err(e) = s.engine.reset_connector_cache() {
+                if let Err(e) = s.engine.make_mut().reset_connector_cache() {
                     s.ghost
                         .violate(property_names::CORE, format!("reset failed: {e}"));
                 }
             }
         }
-        self.check(&mut s);
+        self.check(&mut s, Some(last));
         Some(s)
     }
 
