@@ -10,6 +10,10 @@
 //! Call `remember` only with a successor computed by the very `next_state` the checker calls,
 //! from `source`; a state is recognised by equality, not by address, so a state equal to
 //! `source` gets the same successors.
+//!
+//! [`derived`] keeps one value computed from a state, for the next state that agrees with it on
+//! every part the value reads (the caller says which: its `same`); consecutive states of a
+//! depth-first search often differ in one rank only.
 
 use core::any::Any;
 use core::cell::RefCell;
@@ -26,6 +30,13 @@ struct Memo<S, A> {
 
 thread_local! {
     static MEMO: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+    static DERIVED: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+}
+
+struct Derived<S, V> {
+    model: u64,
+    source: S,
+    value: V,
 }
 
 /// Keeps `next`, the successor of `source` by `action` in the model numbered `model`, for
@@ -73,6 +84,37 @@ where
     })
 }
 
+/// `compute()`, or the value it gave for the last state `source` agrees with (`same`) in the
+/// model numbered `model` (one value kept per thread and per `(S, V)` type). `same` must hold
+/// only where `compute` reads nothing in which the two states differ.
+pub(crate) fn derived<S, V>(
+    model: u64,
+    source: &S,
+    same: impl Fn(&S, &S) -> bool,
+    compute: impl FnOnce() -> V,
+) -> V
+where
+    S: Clone + 'static,
+    V: Clone + 'static,
+{
+    let kept = DERIVED.with_borrow(|slot| {
+        let d = slot.as_ref()?.downcast_ref::<Derived<S, V>>()?;
+        (d.model == model && same(&d.source, source)).then(|| d.value.clone())
+    });
+    if let Some(v) = kept {
+        return v;
+    }
+    let value = compute();
+    DERIVED.with_borrow_mut(|slot| {
+        *slot = Some(Box::new(Derived::<S, V> {
+            model,
+            source: source.clone(),
+            value: value.clone(),
+        }));
+    });
+    value
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,5 +132,24 @@ mod tests {
         remember(1, &20u32, 'b', &21u32);
         assert_eq!(recall(1, &10u32, &'b'), None, "a new state forgets the old one");
         assert_eq!(recall(1, &20u32, &'b'), Some(21));
+    }
+
+    /// A derived value is reused for a state that agrees on what it reads, recomputed for
+    /// another state or model.
+    #[test]
+    fn derived_values_follow_what_they_read() {
+        let tens = |a: &u32, b: &u32| a / 10 == b / 10;
+        let mut calls = 0;
+        let mut get = |model: u64, s: u32| {
+            derived(model, &s, tens, || {
+                calls += 1;
+                (s / 10) as u64
+            })
+        };
+        assert_eq!(get(1, 12), 1);
+        assert_eq!(get(1, 15), 1, "agrees on the tens: reused");
+        assert_eq!(get(1, 25), 2);
+        assert_eq!(get(2, 26), 2, "another model: recomputed");
+        assert_eq!(calls, 3);
     }
 }

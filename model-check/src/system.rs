@@ -68,25 +68,28 @@
 //! - and the pair's ranks read their own external stores (not [`Connectors::shared_external`]).
 //!
 //! Instead of (A) and (B), **(A2)**: the pipeline holds two steps, the oldest is aggregated (so
-//! `Deliver` is enabled), no `Arrive`, `Abort` or `Reset` can happen any more, and `r` output
-//! the oldest step but not the second one. Then what can happen before `r` acts, besides other
-//! ranks' actions, is that `Deliver`, then at most one `Schedule` (the pipeline is then full
-//! again, and the next `Deliver` needs `r`'s output). Their effects are fixed — they read the
-//! scheduler, which nothing else in β changes, the oldest step's aggregated output, and the
-//! aggregator, which only the second step's aggregation changes, and that needs `r` — so the
-//! model computes them (`deliver_then_schedule`) and keeps `r` only if each of its actions
-//! commutes with both: what a `Run` reports is not what the `Deliver` emits (the quorum ghost
-//! resets those bits), its output does not complete the second step, a completion reads no
-//! witness input (request finished, request preempted) that the two change, and, if that
-//! `Schedule` is an idle step (it increments the idle counter), the action does not write the
-//! counter (a `Run` that starts no transfer). (C), (E), (F), (G) apply as well.
+//! `Deliver` is enabled), no `Arrive` or `Reset` can happen any more, and `r` output the oldest
+//! step but not the second one. Then what can happen before `r` acts, besides other ranks'
+//! actions, is that `Deliver`, at most one `Schedule` after it (the pipeline is then full
+//! again, and the next `Deliver` needs `r`'s output), and aborts while the budget lasts, in
+//! any order. Their effects do not depend on the ranks — they read the scheduler, which
+//! nothing else in β changes, the oldest step's aggregated output, and the aggregator, which
+//! only the second step's aggregation changes, and that needs `r` — so the model computes
+//! every state they reach (`engine_side`, a handful: with one abort and three requests about
+//! twenty) and keeps `r` only if each of its actions commutes with each of them: what a `Run`
+//! reports is not what the `Deliver` emits (the quorum ghost resets those bits), its output
+//! does not complete the second step, a completion reads no witness input (request finished,
+//! request preempted) that they change, and, if a `Schedule` among them is an idle step (it
+//! increments the idle counter), the action does not write the counter (a `Run` that starts
+//! no transfer; an abort, like every other action, only resets it). (C), (E), (F), (G) apply
+//! as well.
 //!
 //! Among the ranks that qualify, the one with the fewest enabled actions is chosen.
 //!
 //! **Why every verdict is kept.** Call *β* any sequence of actions from `s` that contains no
 //! action of `T`: by (A) and (B) it holds only other ranks' `Run`/`Complete`, `Arrive`,
-//! `Abort` and `Reset` (by (A2): other ranks' actions, that `Deliver` and that `Schedule`, whose
-//! commutation with `T` (A2) checks). Each of those commutes with each action `a` of `T`, state for state:
+//! `Abort` and `Reset` (by (A2): other ranks' actions, that `Deliver`, that `Schedule` and
+//! aborts, whose commutation with `T` (A2) checks). Each of those commutes with each action `a` of `T`, state for state:
 //! they write disjoint parts (another rank's driver, transfers and ghost memory; the engine's
 //! output slot of another rank; the scheduler), and where both touch the same ghost field the
 //! writes commute (the idle counter is only reset to 0 — nothing in β increments it, by (B);
@@ -1031,9 +1034,26 @@ impl Ghost {
     }
 }
 
-/// For the partial-order reduction's condition (A2): the state after `Deliver` of the oldest
-/// step, and after the `Schedule` that may follow it (`None`: nothing left to schedule).
-type DeliveredThenScheduled<P> = (SystemState<P>, Option<SystemState<P>>);
+/// For the partial-order reduction's condition (A2): what the engine-side actions that may
+/// happen before the chosen rank acts do — `Deliver` of the oldest step, at most one
+/// `Schedule` after it, aborts while the budget lasts — in every order they can take.
+#[derive(Clone, Debug)]
+struct EngineSide {
+    /// The quorum ghost after `Deliver` (it resets the bits of what it emits; aborts and
+    /// `Schedule` leave them alone, so every `Deliver` of those orders resets the same bits).
+    delivered_reports: Vec<u32>,
+    delivered_failed: Vec<u32>,
+    /// Per request: whether it is finished is not the same in every state they reach.
+    finished_moves: Vec<bool>,
+    /// Per request: its preempted witness is not the same in every state they reach.
+    preempted_moves: Vec<bool>,
+    /// One of those `Schedule`s is an idle step (it increments the idle counter).
+    idle_schedule: bool,
+}
+
+/// At most this many states are explored to compute an [`EngineSide`] (with one abort and
+/// three requests they are about twenty); past it, (A2) does not apply.
+const ENGINE_SIDE_BOUND: usize = 256;
 
 /// A state of the system model.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
@@ -1065,6 +1085,31 @@ impl<P: Connectors> SystemState<P> {
     /// The scheduler.
     pub fn scheduler(&self) -> &Scheduler<Counted<P::Sched>> {
         self.engine.scheduler()
+    }
+
+    /// `a` and `b` are equal but for their ranks: what `Deliver` and `Schedule` read, and what
+    /// they write besides the ranks (the reduction's (A2) reuses their effects, computed from
+    /// one state, for another that agrees on these parts).
+    fn same_but_ranks(a: &Self, b: &Self) -> bool {
+        let SystemState {
+            engine,
+            ranks: _,
+            steps,
+            arrived,
+            aborts_left,
+            resets_left,
+            failures_left,
+            store_failures_left,
+            ghost,
+        } = a;
+        *engine == b.engine
+            && *steps == b.steps
+            && *arrived == b.arrived
+            && *aborts_left == b.aborts_left
+            && *resets_left == b.resets_left
+            && *failures_left == b.failures_left
+            && *store_failures_left == b.store_failures_left
+            && *ghost == b.ghost
     }
 }
 
@@ -1202,6 +1247,10 @@ pub struct SystemModel<P: Connectors> {
     partial_order: bool,
     /// This model's number, for the successors the reduction computes ahead ([`crate::memo`]).
     id: u64,
+    /// The `sometimes` properties this model has ([`Connectors::expected_examples`]): only
+    /// their ghost witnesses are recorded (a witness no property reads would only split states
+    /// that are otherwise equal, and order actions that otherwise commute).
+    observed: Vec<&'static str>,
 }
 
 /// Numbers models for [`crate::memo`].
@@ -1224,6 +1273,7 @@ impl<P: Connectors> Clone for SystemModel<P> {
             discovered: fresh_discoveries(),
             partial_order: self.partial_order,
             id: next_model_id(),
+            observed: self.observed.clone(),
         }
     }
 }
@@ -1259,6 +1309,7 @@ impl<P: Connectors> SystemModel<P> {
         sched_config.validate().map_err(|e| e.to_string())?;
         // Build once to surface configuration errors here rather than in init_states.
         pair.scheduler_connector(&sched_config, &config)?;
+        let observed = pair.expected_examples(&config);
         Ok(Self {
             pair,
             config,
@@ -1266,6 +1317,7 @@ impl<P: Connectors> SystemModel<P> {
             discovered: fresh_discoveries(),
             partial_order: false,
             id: next_model_id(),
+            observed,
         })
     }
 
@@ -1379,6 +1431,11 @@ impl<P: Connectors> SystemModel<P> {
         s
     }
 
+    /// Whether `witness` (a `sometimes` property) is one of this model's properties.
+    fn observes(&self, witness: &str) -> bool {
+        self.observed.contains(&witness)
+    }
+
     fn all_ranks(&self) -> u32 {
         (1u32 << self.config.ranks) - 1
     }
@@ -1446,7 +1503,8 @@ impl<P: Connectors> SystemModel<P> {
                 .copied()
                 .unwrap_or(false)
             {
-                s.ghost.recomputed_after_failure = true;
+                s.ghost.recomputed_after_failure |=
+                    self.observes(property_names::LOAD_FAILED_RECOMPUTED);
             }
         }
         for &r in st.output.preempted_req_ids.iter() {
@@ -1491,7 +1549,7 @@ impl<P: Connectors> SystemModel<P> {
                 RankAction::Forward(pass) => self.forward(s, rank, contents, &pass),
                 RankAction::Wait { during, .. } => {
                     if during == WorkerCall::HandlePreemptions {
-                        s.ghost.flushed = true;
+                        s.ghost.flushed |= self.observes(property_names::FLUSHED);
                     }
                     return;
                 }
@@ -1692,7 +1750,7 @@ impl<P: Connectors> SystemModel<P> {
                 // The transfer stopped part-way: its external slots hold neither the old nor
                 // the new bytes (a later load of them would serve garbage: DATA catches it).
                 s.store_failures_left = s.store_failures_left.saturating_sub(1);
-                s.ghost.store_failed = true;
+                s.ghost.store_failed |= self.observes(property_names::STORE_FAILED_DONE);
                 for slot in &t.transfer.external {
                     s.ranks[domain].make_mut().external.insert(*slot, CORRUPT);
                     s.ghost.stored_by.remove(slot);
@@ -1703,7 +1761,7 @@ impl<P: Connectors> SystemModel<P> {
                     .status(req)
                     .is_some_and(RequestStatus::is_finished)
                 {
-                    s.ghost.delayed_free = true;
+                    s.ghost.delayed_free |= self.observes(property_names::DELAYED_FREE);
                 }
                 for (b, slot) in t.transfer.gpu_blocks.iter().zip(&t.transfer.external) {
                     let content = if t.dirty {
@@ -1732,12 +1790,14 @@ impl<P: Connectors> SystemModel<P> {
                 for (b, slot) in t.transfer.gpu_blocks.iter().zip(&t.transfer.external) {
                     let content = s.ranks[domain].external.get(slot).copied().unwrap_or(EMPTY);
                     if s.ghost.stored_by.get(slot).is_some_and(|&w| w != req.0) {
-                        s.ghost.shared_loaded = true;
+                        s.ghost.shared_loaded |=
+                            self.observes(property_names::SHARED_PREFIX_LOADED);
                     }
                     self.write_block(s, rank, *b, content, &format!("load job {}", job.0));
                 }
                 if s.ghost.preempted.get(req.index()).copied().unwrap_or(false) {
-                    s.ghost.resumed_from_offload = true;
+                    s.ghost.resumed_from_offload |=
+                        self.observes(property_names::RESUMED_FROM_OFFLOAD);
                 }
             }
         }
@@ -1932,18 +1992,18 @@ impl<P: Connectors> SystemModel<P> {
         // schedule and nothing can arrive.
         let drained = s.arrived == c.requests && !s.scheduler().has_requests();
         let oldest = s.steps.front()?.step.output.step.0;
-        // (X) For (A2): no arrival, abort or reset can happen any more, the pipeline is full
-        // (two steps at most: `async_depth` 2) and its oldest step is aggregated.
+        // (X) For (A2): no arrival or reset can happen any more, the pipeline is full (two
+        // steps at most: `async_depth` 2) and its oldest step is aggregated.
         let settled = s.arrived == c.requests
             && s.resets_left == 0
-            && (s.aborts_left == 0 || !enabled.iter().any(|a| matches!(a, SystemAction::Abort(_))))
             && full
             && s.steps.len() == 2
             && s.engine.ready();
-        // (A2) What can happen before the chosen rank acts: `Deliver` of the oldest step, then
-        // one `Schedule` (the pipeline is then full again and the next `Deliver` needs the
-        // rank). Both are fixed: computed once, here.
-        let mut after: Option<Option<DeliveredThenScheduled<P>>> = None;
+        // (A2) What can happen before the chosen rank acts: `Deliver` of the oldest step, one
+        // `Schedule` after it (the pipeline is then full again and the next `Deliver` needs
+        // the rank), aborts while the budget lasts. Their effects do not depend on the ranks:
+        // computed once, here (and reused for states that differ in their ranks only).
+        let mut after: Option<Option<EngineSide>> = None;
         let mut best: Option<Vec<SystemAction>> = None;
         for (i, r) in s.ranks.iter().enumerate() {
             let done = r.driver.steps_done();
@@ -1971,7 +2031,7 @@ impl<P: Connectors> SystemModel<P> {
                 continue;
             }
             // (C, E, F) No action of the rank reads what another part may change meanwhile.
-            if !mine.iter().all(|a| self.rank_local(s, i, a)) {
+            if !mine.iter().all(|a| self.rank_local(s, i, a, a2)) {
                 continue;
             }
             let next: Vec<SystemState<P>> = match mine
@@ -1997,14 +2057,18 @@ impl<P: Connectors> SystemModel<P> {
                 continue;
             }
             if a2 {
-                let fixed = after.get_or_insert_with(|| self.deliver_then_schedule(s));
-                let Some((d, u)) = fixed.as_ref() else {
+                let side = after.get_or_insert_with(|| {
+                    memo::derived(self.id, s, SystemState::same_but_ranks, || {
+                        self.engine_side(s)
+                    })
+                });
+                let Some(side) = side.as_ref() else {
                     continue;
                 };
                 if !mine
                     .iter()
                     .zip(&next)
-                    .all(|(a, n)| self.commutes_with_deliver(s, i, a, n, d, u.as_ref()))
+                    .all(|(a, n)| self.commutes_with_engine(s, i, a, n, side))
                 {
                     continue;
                 }
@@ -2018,48 +2082,101 @@ impl<P: Connectors> SystemModel<P> {
         best
     }
 
-    /// For (A2): the state after `Deliver` of the oldest step, and after the one `Schedule`
-    /// that may follow it (taken whatever the idle counter says: ranks may reset it). `None`
-    /// when either breaks a property.
-    fn deliver_then_schedule(&self, s: &SystemState<P>) -> Option<DeliveredThenScheduled<P>> {
-        let d = self.next_state(s, SystemAction::Deliver)?;
-        memo::remember(self.id, s, SystemAction::Deliver, &d);
-        if !d.ghost.violations.is_empty() {
-            return None;
+    /// For (A2): every state the engine-side actions reach from `s` — `Deliver` (enabled once:
+    /// the next one needs the chosen rank's output), `Schedule` when the pipeline has room
+    /// (whatever the idle counter says: ranks may reset it), `Abort` while the budget lasts —
+    /// in every order, summed up in an [`EngineSide`]. `None` when one of them breaks a
+    /// property, or past [`ENGINE_SIDE_BOUND`] states. None of them reads or writes a rank,
+    /// and (A2) reads only their other parts: the reduction reuses the summary for the next
+    /// state that differs from `s` in its ranks only ([`SystemState::same_but_ranks`],
+    /// `memo::derived`).
+    fn engine_side(&self, s: &SystemState<P>) -> Option<EngineSide> {
+        // What a store's completion reads (`complete`: the delayed-free witness).
+        let finished = |x: &SystemState<P>, id: RequestId| {
+            x.scheduler()
+                .status(id)
+                .is_some_and(RequestStatus::is_finished)
+        };
+        let n = self.config.requests as usize;
+        let mut side = EngineSide {
+            delivered_reports: s.ghost.recv_reports.clone(),
+            delivered_failed: s.ghost.recv_failed.clone(),
+            finished_moves: vec![false; n],
+            preempted_moves: vec![false; n],
+            idle_schedule: false,
+        };
+        let mut seen: Vec<SystemState<P>> = vec![s.clone()];
+        let mut next = 0;
+        while next < seen.len() {
+            let z = seen[next].clone();
+            next += 1;
+            let mut moves: Vec<(SystemAction, SystemState<P>)> = Vec::new();
+            if z.engine.ready() {
+                let d = self.next_state(&z, SystemAction::Deliver)?;
+                if next == 1 {
+                    // The checker asks for it next if no ample set is found.
+                    memo::remember(self.id, s, SystemAction::Deliver, &d);
+                }
+                side.delivered_reports.clone_from(&d.ghost.recv_reports);
+                side.delivered_failed.clone_from(&d.ghost.recv_failed);
+                moves.push((SystemAction::Deliver, d));
+            }
+            if z.scheduler().has_requests() && (z.steps.len() as u32) < self.config.async_depth {
+                let mut u = z.clone();
+                self.schedule(&mut u);
+                self.check(&mut u, Some(&z));
+                side.idle_schedule |= u.ghost.idle != 0;
+                moves.push((SystemAction::Schedule, u));
+            }
+            if z.aborts_left > 0 {
+                for i in 0..z.arrived {
+                    let id = RequestId(i);
+                    if z.scheduler().status(id).is_some_and(|st| !st.is_finished()) {
+                        let a = self.next_state(&z, SystemAction::Abort(id))?;
+                        moves.push((SystemAction::Abort(id), a));
+                    }
+                }
+            }
+            for (_, m) in moves {
+                if !m.ghost.violations.is_empty() {
+                    return None;
+                }
+                for i in 0..n {
+                    let id = RequestId(i as u32);
+                    side.finished_moves[i] |= finished(&m, id) != finished(s, id);
+                    side.preempted_moves[i] |= m.ghost.preempted.get(i) != s.ghost.preempted.get(i);
+                }
+                if !seen.contains(&m) {
+                    if seen.len() >= ENGINE_SIDE_BOUND {
+                        return None;
+                    }
+                    seen.push(m);
+                }
+            }
         }
-        if !d.scheduler().has_requests() {
-            return Some((d, None));
-        }
-        let mut u = d.clone();
-        self.schedule(&mut u);
-        self.check(&mut u, Some(&d));
-        if !u.ghost.violations.is_empty() {
-            return None;
-        }
-        Some((d, Some(u)))
+        Some(side)
     }
 
-    /// For (A2): `action` of rank `rank` (whose successor is `next`) commutes with the
-    /// `Deliver` (to `d`) and the `Schedule` (to `u`) that may happen before it: what the rank
-    /// reports is not what the `Deliver` emits (the quorum ghost resets those), its output
-    /// does not complete the next step (the `Deliver` releases ids by the aggregator's state),
-    /// a completion reads no witness input that the two change, and if the `Schedule` is an
-    /// idle step (it counts one more idle step, which an action resetting the counter does not
-    /// commute with), the action leaves the idle counter alone: a `Run` that starts no
-    /// transfer.
-    fn commutes_with_deliver(
+    /// For (A2): `action` of rank `rank` (whose successor is `next`) commutes with every
+    /// engine-side action that may happen before it ([`EngineSide`]): what a `Run` reports is
+    /// not what the `Deliver` emits (the quorum ghost resets those), its output does not
+    /// complete the next step (the `Deliver` releases ids by the aggregator's state), a
+    /// completion reads no witness input (request finished, request preempted) that they
+    /// change, and if a `Schedule` is an idle step (it counts one more idle step, which an
+    /// action resetting the counter does not commute with), the action leaves the idle
+    /// counter alone: a `Run` that starts no transfer. (An abort, like a `Run` or a
+    /// completion, only ever resets the counter.)
+    fn commutes_with_engine(
         &self,
         s: &SystemState<P>,
         rank: usize,
         action: &SystemAction,
         next: &SystemState<P>,
-        d: &SystemState<P>,
-        u: Option<&SystemState<P>>,
+        side: &EngineSide,
     ) -> bool {
-        let observed = |p: &str| self.pair.expected_examples(&self.config).contains(&p);
-        let idle_step = u.is_some_and(|u| u.ghost.idle != 0);
+        let observed = |p: &str| self.observes(p);
         let starts = next.ranks[rank].in_flight.len() > s.ranks[rank].in_flight.len();
-        if idle_step && (starts || !matches!(action, SystemAction::Run(_))) {
+        if side.idle_schedule && (starts || !matches!(action, SystemAction::Run(_))) {
             return false;
         }
         match *action {
@@ -2071,13 +2188,13 @@ impl<P: Connectors> SystemModel<P> {
                     .recv_reports
                     .iter()
                     .zip(&s.ghost.recv_reports)
-                    .zip(&d.ghost.recv_reports)
+                    .zip(&side.delivered_reports)
                     .chain(
                         next.ghost
                             .recv_failed
                             .iter()
                             .zip(&s.ghost.recv_failed)
-                            .zip(&d.ghost.recv_failed),
+                            .zip(&side.delivered_failed),
                     )
                     .any(|((n, o), dd)| n != o && dd != o);
                 !aggregates && !emitted_reported
@@ -2086,25 +2203,17 @@ impl<P: Connectors> SystemModel<P> {
                 let Some(t) = s.ranks[rank].in_flight_job(job) else {
                     return false;
                 };
-                let req = t.transfer.request;
+                let req = t.transfer.request.index();
                 match t.transfer.direction {
                     TransferDirection::Store => {
-                        let finished = |x: &SystemState<P>| {
-                            x.scheduler()
-                                .status(req)
-                                .is_some_and(RequestStatus::is_finished)
-                        };
                         s.ghost.delayed_free
                             || !observed(property_names::DELAYED_FREE)
-                            || (finished(s) == finished(d)
-                                && u.is_none_or(|u| finished(u) == finished(s)))
+                            || !side.finished_moves.get(req).copied().unwrap_or(true)
                     }
                     TransferDirection::Load => {
-                        let preempted =
-                            |x: &SystemState<P>| x.ghost.preempted.get(req.index()).copied();
                         s.ghost.resumed_from_offload
                             || !observed(property_names::RESUMED_FROM_OFFLOAD)
-                            || u.is_none_or(|u| preempted(u) == preempted(s))
+                            || !side.preempted_moves.get(req).copied().unwrap_or(true)
                     }
                 }
             }
@@ -2114,22 +2223,37 @@ impl<P: Connectors> SystemModel<P> {
 
     /// Whether `action` of rank `rank` reads nothing that an action of another rank, an
     /// arrival, an abort or a reset can change (conditions C, E, F of the module docs).
-    fn rank_local(&self, s: &SystemState<P>, rank: usize, action: &SystemAction) -> bool {
+    ///
+    /// `engine_acts`: the rank is chosen by (A2), so a `Schedule` may come before it.
+    fn rank_local(
+        &self,
+        s: &SystemState<P>,
+        rank: usize,
+        action: &SystemAction,
+        engine_acts: bool,
+    ) -> bool {
         match *action {
             SystemAction::Run(_) => true,
             SystemAction::Complete { job, ok, .. } => {
-                // (C) A failure spends a budget that other ranks' failures also spend.
-                if !ok {
-                    return false;
-                }
                 let Some(t) = s.ranks[rank].in_flight_job(job) else {
                     return false;
                 };
+                // (C) A failure spends a budget that other ranks' failures also spend, and a
+                // failed load sets the load-failed ghost a `Schedule` reads (for its
+                // recomputation witness). A failed load is kept under (A) — no `Schedule`
+                // comes first, and the budget only orders failures: see the module docs — a
+                // failed store never (it also forgets who stored its slots, which other
+                // ranks' stores write).
+                if !ok {
+                    return !engine_acts && t.transfer.direction == TransferDirection::Load;
+                }
                 match t.transfer.direction {
                     // (E) A store completing reads whether its request finished (the delayed
-                    // free witness): only an abort can change that meanwhile.
+                    // free witness, recorded only where it is a property): only an abort can
+                    // change that meanwhile.
                     TransferDirection::Store => {
                         s.ghost.delayed_free
+                            || !self.observes(property_names::DELAYED_FREE)
                             || s.aborts_left == 0
                             || s.scheduler()
                                 .status(t.transfer.request)
@@ -2140,10 +2264,7 @@ impl<P: Connectors> SystemModel<P> {
                     // is one of the model's properties and has not been seen on this path.
                     TransferDirection::Load => {
                         s.ghost.shared_loaded
-                            || !self
-                                .pair
-                                .expected_examples(&self.config)
-                                .contains(&property_names::SHARED_PREFIX_LOADED)
+                            || !self.observes(property_names::SHARED_PREFIX_LOADED)
                     }
                 }
             }
