@@ -150,8 +150,11 @@ fn multi_pd_then_offloading_holds() {
     // `pd_ci_explores_exhaustively_and_every_property_holds`), 317,404 before the offloading
     // manager's LRU kept pinned keys in its rank order (issue 23): the same abstract states, but
     // a load's pin and unpin no longer move a key between the order's list and tree, so fewer
-    // histories leave the same state in different layouts (the verdicts are unchanged).
-    assert_eq!(report.unique_states, 316_807);
+    // histories leave the same state in different layouts (the verdicts are unchanged), and
+    // 316,807 before the model recorded only the witnesses its properties read (issue 23): this
+    // pair expects no flush and no resumption from offloaded chunks, so the states its
+    // offloading child reaches with and without those (unread) flags are now one.
+    assert_eq!(report.unique_states, 281_649);
 }
 
 #[test]
