@@ -130,7 +130,11 @@ mod tests {
         assert_eq!(recall(1, &10u32, &'a'), Some(11));
         assert_eq!(recall(1, &10u32, &'a'), None, "handed back once");
         remember(1, &20u32, 'b', &21u32);
-        assert_eq!(recall(1, &10u32, &'b'), None, "a new state forgets the old one");
+        assert_eq!(
+            recall(1, &10u32, &'b'),
+            None,
+            "a new state forgets the old one"
+        );
         assert_eq!(recall(1, &20u32, &'b'), Some(21));
     }
 

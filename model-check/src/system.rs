@@ -54,8 +54,12 @@
 //!   (`async_depth` steps pending, and only `Deliver` pops one), or every request arrived and
 //!   none is left. (`Schedule` reads the idle counter that `Run` and `Complete` reset: the two
 //!   do not commute.)
-//! - **(C)** No action of `T` is a *failing* `Complete`: failures spend a budget that other
-//!   ranks' failures spend too.
+//! - **(C)** No action of `T` is a failing store `Complete` (it also forgets who stored its
+//!   slots, which other ranks' stores write), and a failing load `Complete` is in `T` only under
+//!   (A), not (A2): it sets the load-failed ghost that a `Schedule` reads, and no `Schedule`
+//!   comes first under (A). A failure spends a budget other ranks' failures spend too, so one
+//!   rank's failure may disable another's; but the budget is a count, so where `β·f` is
+//!   possible for a failing load `f` of `T`, so is `f·β`, to the same state.
 //! - **(E)** A `Complete` of a store reads whether its request finished (the delayed-free
 //!   witness), which only an abort can change meanwhile (no `Deliver` by (A)): the witness was
 //!   already seen, no abort is left, or the request cannot be aborted (it is finished or gone).
@@ -103,7 +107,10 @@
 //! step order either way. The checks after each action are either local to the acting rank
 //! (data, owned writes, writes under a store, its reports' quorum bits, its protocol guard) or
 //! predicates of the machines' state, which is the same after `a·β` and `β·a`. And no action
-//! of β disables `a`. These are the conditions D1 and D2 of a stubborn set.
+//! of β disables a *key* action of `T`: a `Run` or a completion that succeeds (a failing
+//! completion always comes with its successful twin, which no β disables; the failure itself
+//! may be disabled by a β that spends the last failure). These are the conditions D1 and D2 of
+//! a (weak) stubborn set.
 //!
 //! Every property of the model asks whether some reachable state satisfies a predicate:
 //! a property's sticky violation flag, a sticky witness flag, "quiescent and no violation", or
@@ -113,7 +120,8 @@
 //! protocol) or, with all of those unchanged, completes a transfer (one fewer in flight; job
 //! ids are never reused). So by induction on (length of the shortest full path from `s` to a
 //! target state, longest path from `s`): if that path takes an action `a` of `T` after a β,
-//! `a·β` reaches the same state and `s·a` is explored; if it takes none, `s·a·β` reaches a
+//! `a·β` reaches the same state and `s·a` is explored; if it takes none, `s·a·β` (`a` a key
+//! action) reaches a
 //! state where the same flags are set (sticky, and `a` breaks nothing by (G) and cannot make
 //! β's checks fail), and `s·a` is closer to the end. A target "no action enabled" is never
 //! reached by a β alone (`a` stays enabled), nor "quiescent" (`r` still has its step or a
@@ -1556,11 +1564,11 @@ impl<P: Connectors> SystemModel<P> {
                 RankAction::Collect => {}
                 RankAction::Done(output) => {
                     self.finish(s, rank, &output);
-                    if let Err(e) =
-                        s.engine
-                            .make_mut()
-                            .rank_output(step.output.step, Rank(rank as u32), Some(output))
-                    {
+                    if let Err(e) = s.engine.make_mut().rank_output(
+                        step.output.step,
+                        Rank(rank as u32),
+                        Some(output),
+                    ) {
                         s.ghost
                             .violate(property_names::CORE, format!("rank {rank}'s output: {e}"));
                     }
