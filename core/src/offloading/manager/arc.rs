@@ -41,11 +41,11 @@ impl Arc {
     /// T2, a write-pending one (just prepared to be stored) stays in T1 as most recent, a key in
     /// T2 becomes its most recent, and a ghost adapts the target.
     pub(super) fn touch(&mut self, arena: &mut Arena, keys: &[OffloadKey], capacity: u32) {
-        let nodes = &mut arena.nodes;
         for k in keys.iter().rev() {
-            let Some(s) = arena.index.get(k) else {
+            let Some(s) = arena.slot(k) else {
                 continue;
             };
+            let nodes = &mut arena.nodes;
             let n = &nodes[s as usize];
             let ready = n.chunk.is_some_and(|c| c.ref_cnt >= 0);
             match n.place {
@@ -61,16 +61,8 @@ impl Arc {
         }
     }
 
-    /// A store miss of a key: a ghost adapts the T1 target.
-    pub(super) fn on_store_miss(&mut self, arena: &mut Arena, k: &OffloadKey, capacity: u32) {
-        let Some(s) = arena.slot(k) else {
-            return;
-        };
-        self.ghost_hit(&mut arena.nodes, capacity, s);
-    }
-
     /// A store miss or touch of a ghost adapts the T1 target (no-op for other nodes).
-    fn ghost_hit(&mut self, nodes: &mut [Node], capacity: u32, s: u32) {
+    pub(super) fn ghost_hit(&mut self, nodes: &mut [Node], capacity: u32, s: u32) {
         let capacity = f64::from(capacity);
         let target = f64::from_bits(self.target_bits);
         match nodes[s as usize].place {

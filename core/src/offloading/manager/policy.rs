@@ -72,10 +72,11 @@ impl Policy {
         }
     }
 
-    /// An offered key that is not stored (only ARC's ghosts react).
-    pub(super) fn on_store_miss(&mut self, arena: &mut Arena, k: &OffloadKey, capacity: u32) {
+    /// A store miss of a key whose node (at `s`) holds no chunk: an ARC ghost adapts the
+    /// target (LRU keeps no such node).
+    pub(super) fn on_ghost_miss(&mut self, nodes: &mut [Node], s: u32, capacity: u32) {
         if let Self::Arc(arc) = self {
-            arc.on_store_miss(arena, k, capacity);
+            arc.ghost_hit(nodes, capacity, s);
         }
     }
 

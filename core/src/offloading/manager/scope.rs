@@ -199,6 +199,7 @@ impl RequestAccess {
     }
 
     /// The entry at index `i` (from [`Self::admit`]).
+    #[inline]
     pub(super) fn at(&mut self, i: u32) -> &mut KeyAccess {
         &mut self.keys[i as usize]
     }
@@ -210,6 +211,7 @@ impl RequestAccess {
 
     /// Marks the entry at `i` accessed: `true` (and it gets the next index of its group's
     /// first-access order) if this is its first access.
+    #[inline]
     pub(super) fn see(&mut self, i: u32) -> bool {
         let a = &mut self.keys[i as usize];
         if a.seen.is_some() {
