@@ -97,6 +97,7 @@ impl List {
         len: 0,
     };
 
+    #[inline]
     pub(super) fn push_back(&mut self, nodes: &mut [Node], s: u32, place: Place) {
         let n = &mut nodes[s as usize];
         n.prev = self.tail;
@@ -111,6 +112,7 @@ impl List {
         self.len += 1;
     }
 
+    #[inline]
     pub(super) fn push_front(&mut self, nodes: &mut [Node], s: u32, place: Place) {
         let n = &mut nodes[s as usize];
         n.prev = NIL;
@@ -126,6 +128,7 @@ impl List {
     }
 
     /// Unlinks a node of this list (its place becomes `Unlinked`).
+    #[inline]
     pub(super) fn unlink(&mut self, nodes: &mut [Node], s: u32) {
         let (prev, next) = (nodes[s as usize].prev, nodes[s as usize].next);
         if prev == NIL {
@@ -145,7 +148,50 @@ impl List {
         self.len -= 1;
     }
 
+    /// Cuts the first `count` nodes of this list, up to `last`, off its front (their own links
+    /// among them are kept).
+    #[inline]
+    pub(super) fn cut_front(&mut self, nodes: &mut [Node], last: u32, count: u32) {
+        let after = nodes[last as usize].next;
+        self.head = after;
+        if after == NIL {
+            self.tail = NIL;
+        } else {
+            nodes[after as usize].prev = NIL;
+        }
+        self.len -= count;
+    }
+
+    /// Appends a run of `count` nodes linked from `first` to `last` (cut off another list) at
+    /// the most recent end, tagging them `place`: the links `push_back` of each in turn gives.
+    #[inline]
+    pub(super) fn append(
+        &mut self,
+        nodes: &mut [Node],
+        first: u32,
+        last: u32,
+        count: u32,
+        place: Place,
+    ) {
+        nodes[first as usize].prev = self.tail;
+        nodes[last as usize].next = NIL;
+        if self.tail == NIL {
+            self.head = first;
+        } else {
+            nodes[self.tail as usize].next = first;
+        }
+        self.tail = last;
+        self.len += count;
+        let mut s = first;
+        for _ in 0..count {
+            let n = &mut nodes[s as usize];
+            n.place = place;
+            s = n.next;
+        }
+    }
+
     /// Moves a node of this list to the most recent end.
+    #[inline]
     pub(super) fn move_to_back(&mut self, nodes: &mut [Node], s: u32) {
         if self.tail != s {
             let place = nodes[s as usize].place;
@@ -308,7 +354,7 @@ impl KeyIndex {
 
     /// Unlinks the live node at `s` (its key still in the node).
     #[inline]
-    fn remove(&mut self, nodes: &[Node], s: u32) {
+    pub(super) fn remove(&mut self, nodes: &[Node], s: u32) {
         let (prev, next) = (self.prev[s as usize], self.next[s as usize]);
         if prev == NIL {
             let h = home_of(&nodes[s as usize].key, self.heads.len());
@@ -366,6 +412,7 @@ impl Arena {
     }
 
     /// A node for a key without one, unlinked and without chunk.
+    #[inline]
     pub(super) fn alloc(&mut self, key: OffloadKey) -> u32 {
         let node = Node {
             key,
@@ -387,6 +434,7 @@ impl Arena {
     }
 
     /// Frees an unlinked node without chunk.
+    #[inline]
     pub(super) fn release(&mut self, s: u32) {
         self.index.remove(&self.nodes, s);
         self.nodes[s as usize] = Node::FREE;

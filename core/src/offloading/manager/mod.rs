@@ -82,7 +82,9 @@ pub struct CpuOffloadingManager {
     /// Stored keys (and ARC ghosts) with their chunks and policy links.
     arena: Arena,
     policy: Policy,
-    requests: BTreeMap<RequestId, RequestAccess>,
+    /// Open request scopes, sorted by request (a map: hashed and compared as a `BTreeMap`
+    /// would be, entry by entry in key order; a few at a time, so a sorted vector).
+    requests: Vec<(RequestId, RequestAccess)>,
     next_fresh: u32,
     free: Vec<ChunkId>,
     evictable: u32,
@@ -109,7 +111,7 @@ impl CpuOffloadingManager {
             config,
             arena: Arena::with_capacity(Policy::max_nodes(config.policy, config.capacity_chunks)),
             policy: Policy::new(config.policy),
-            requests: BTreeMap::new(),
+            requests: Vec::new(),
             next_fresh: 0,
             free: Vec::new(),
             evictable: 0,
@@ -123,6 +125,7 @@ impl CpuOffloadingManager {
     }
 
     /// Whether `key` is stored and readable (`Hit`), being written (`HitPending`), or absent.
+    #[inline]
     pub fn lookup(&self, key: OffloadKey) -> KeyLookup {
         match self.arena.chunk(&key) {
             None => KeyLookup::Miss,
@@ -138,8 +141,8 @@ impl CpuOffloadingManager {
         keys: &[OffloadKey],
         access: Access<'_>,
     ) -> Result<Vec<ChunkId>, ManagerError> {
-        let mut scratch = core::mem::take(&mut self.scratch);
-        scratch.slots.clear();
+        let slots = &mut self.scratch.slots;
+        slots.clear();
         for k in keys {
             match self.arena.slot(k) {
                 Some(s)
@@ -147,14 +150,12 @@ impl CpuOffloadingManager {
                         .chunk
                         .is_some_and(|c| c.ref_cnt >= 0) =>
                 {
-                    scratch.slots.push(s);
+                    slots.push(s);
                 }
-                _ => {
-                    self.scratch = scratch;
-                    return Err(ManagerError::NotLoadable(*k));
-                }
+                _ => return Err(ManagerError::NotLoadable(*k)),
             }
         }
+        let mut scratch = core::mem::take(&mut self.scratch);
         let mut out = Vec::with_capacity(keys.len());
         for &s in &scratch.slots {
             let c = self.arena.nodes[s as usize]
@@ -223,16 +224,19 @@ impl CpuOffloadingManager {
     /// The smallest key of a refused `complete_load` that is not pinned as often as it is
     /// named.
     fn first_unpinned(&self, keys: &[OffloadKey]) -> OffloadKey {
-        let mut sorted = keys.to_vec();
-        sorted.sort_unstable();
-        sorted
-            .chunk_by(|a, b| a == b)
-            .find(|run| {
-                self.arena
-                    .chunk(&run[0])
-                    .is_none_or(|c| c.ref_cnt < run.len() as i32)
-            })
-            .map_or(sorted[0], |run| run[0])
+        // A key is checked only if it is below the best found so far (few are), by counting
+        // its copies: no sort, no allocation.
+        let mut best: Option<OffloadKey> = None;
+        for k in keys {
+            if best.is_some_and(|b| b <= *k) {
+                continue;
+            }
+            let named = keys.iter().filter(|x| *x == k).count();
+            if self.arena.chunk(k).is_none_or(|c| c.ref_cnt < named as i32) {
+                best = Some(*k);
+            }
+        }
+        best.unwrap_or_else(|| *keys.iter().min().expect("a refused call names a key"))
     }
 
     /// Marks keys recently used (also keys served by the GPU prefix cache); processed tail to
@@ -248,7 +252,13 @@ impl CpuOffloadingManager {
     /// the call).
     fn take_ctx(&mut self, access: Access<'_>, scratch: &mut Scratch) -> RequestAccess {
         let ctx = match access.request {
-            Some(r) => core::mem::take(self.requests.entry(r).or_default()),
+            Some(r) => match self.requests.binary_search_by_key(&r, |e| e.0) {
+                Ok(i) => core::mem::take(&mut self.requests[i].1),
+                Err(i) => {
+                    self.requests.insert(i, (r, RequestAccess::default()));
+                    RequestAccess::default()
+                }
+            },
             None => RequestAccess::default(),
         };
         if ctx.is_blank() {
@@ -259,8 +269,11 @@ impl CpuOffloadingManager {
     }
 
     fn put_ctx(&mut self, access: Access<'_>, ctx: RequestAccess, scratch: &mut Scratch) {
-        match access.request.and_then(|r| self.requests.get_mut(&r)) {
-            Some(slot) => *slot = ctx,
+        let open = access
+            .request
+            .and_then(|r| self.requests.binary_search_by_key(&r, |e| e.0).ok());
+        match open {
+            Some(i) => self.requests[i].1 = ctx,
             None => Self::spare_scope(scratch, ctx),
         }
     }
@@ -616,31 +629,45 @@ impl CpuOffloadingManager {
     /// Requests with an open access scope: they were named by a `prepare_*`/`touch` call and
     /// [`CpuOffloadingManager::on_request_finished`] has not been called for them since.
     pub fn scoped_requests(&self) -> impl Iterator<Item = RequestId> + '_ {
-        self.requests.keys().copied()
+        self.requests.iter().map(|e| e.0)
     }
 
     /// No more `prepare_*` for this request (`complete_*` of its jobs may still follow): commits
     /// its accesses to the policy in prefix order (LRU: fresh ranks tail to head; ARC: reused
     /// keys promoted to T2, insert-only keys refreshed in their list).
     pub fn on_request_finished(&mut self, request: RequestId) {
-        let Some(ctx) = self.requests.remove(&request) else {
+        let Ok(i) = self.requests.binary_search_by_key(&request, |e| e.0) else {
             return;
         };
-        let mut ordered = core::mem::take(&mut self.scratch.order);
-        ctx.commit_order(&mut ordered);
-        self.policy
-            .on_request_finished(&mut self.arena, &ordered, &ctx);
-        self.scratch.order = ordered;
+        let ctx = self.requests.remove(i).1;
+        let slots = &mut self.scratch.slots;
+        match ctx.first_access_commits() {
+            Some(ordered) => self
+                .policy
+                .on_request_finished(&mut self.arena, ordered, &ctx, slots),
+            None => {
+                let mut ordered = core::mem::take(&mut self.scratch.order);
+                ctx.commit_order(&mut ordered);
+                self.policy.on_request_finished(
+                    &mut self.arena,
+                    &ordered,
+                    &ctx,
+                    &mut self.scratch.slots,
+                );
+                self.scratch.order = ordered;
+            }
+        }
         Self::spare_scope(&mut self.scratch, ctx);
     }
 
     /// The events since the last call, in order: stored (`removed: false`) and removed keys.
     pub fn take_events(&mut self) -> Vec<OffloadEvent> {
-        let events = core::mem::take(&mut self.events);
-        let mut out = Vec::with_capacity(events.len());
-        for (mut e, metadata_only) in events {
+        // Drained in place: the buffer keeps its storage for the next events.
+        let mut out = Vec::with_capacity(self.events.len());
+        let arena = &self.arena;
+        for (mut e, metadata_only) in self.events.drain(..) {
             if metadata_only {
-                e.keys.retain(|k| self.arena.chunk(k).is_none());
+                e.keys.retain(|k| arena.chunk(k).is_none());
                 if e.keys.is_empty() {
                     continue;
                 }
