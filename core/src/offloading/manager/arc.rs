@@ -175,15 +175,17 @@ impl Arc {
                 chosen.push(s);
             }
         }
-        let mut victims = Vec::with_capacity(n);
         free.reserve(n);
         let nodes = &mut arena.nodes;
-        for &s in chosen.iter() {
-            let node = &mut nodes[s as usize];
-            let chunk = node.chunk.take().expect("idle keys are stored");
-            victims.push(node.key);
-            free.push(chunk.chunk);
-        }
+        let victims: Vec<OffloadKey> = chosen
+            .iter()
+            .map(|&s| {
+                let node = &mut nodes[s as usize];
+                let chunk = node.chunk.take().expect("idle keys are stored");
+                free.push(chunk.chunk);
+                node.key
+            })
+            .collect();
         arena.stored -= n as u32;
         for (list, ghosts, place, (count, last, skipped)) in [
             (&mut *t1, &mut *b1, Place::B1, picked[0]),

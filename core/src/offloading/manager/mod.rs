@@ -544,18 +544,27 @@ impl CpuOffloadingManager {
             ));
             evicted = victims;
         }
-        let mut chunks = Vec::with_capacity(candidates.len());
-        let mut keys_to_store = Vec::with_capacity(candidates.len());
-        for &i in candidates.iter() {
+        // Fresh chunks first, then freed ones, most recently freed first.
+        let (capacity, next_fresh, free) = (
+            self.config.capacity_chunks,
+            &mut self.next_fresh,
+            &mut self.free,
+        );
+        let chunks: Vec<ChunkId> = candidates
+            .iter()
+            .map(|_| {
+                if *next_fresh < capacity {
+                    *next_fresh += 1;
+                    ChunkId(*next_fresh - 1)
+                } else {
+                    free.pop()
+                        .expect("`need` was computed so that enough chunks are free")
+                }
+            })
+            .collect();
+        let keys_to_store: Vec<OffloadKey> = candidates.iter().map(|&i| keys[i]).collect();
+        for (&i, &chunk) in candidates.iter().zip(&chunks) {
             let k = keys[i];
-            let chunk = if self.next_fresh < self.config.capacity_chunks {
-                self.next_fresh += 1;
-                ChunkId(self.next_fresh - 1)
-            } else {
-                self.free
-                    .pop()
-                    .expect("`need` was computed so that enough chunks are free")
-            };
             let entry = ctx.at(at[i]);
             // The ghost's node, unless the eviction trimmed it (its slot is then free, or
             // another candidate's); an absent key gained no node since the offer was read.
@@ -572,8 +581,6 @@ impl CpuOffloadingManager {
             let position = entry.position;
             self.policy
                 .insert(&mut self.arena.nodes, s, position, &mut ctx.lru_rank);
-            chunks.push(chunk);
-            keys_to_store.push(k);
         }
         self.write_pending += candidates.len() as u32;
         Some(PrepareStoreOutput {
@@ -610,8 +617,8 @@ impl CpuOffloadingManager {
                 self.policy.on_store_failed(&mut self.arena.nodes, s);
                 self.arena.release(s);
             }
-            if done.is_empty() {
-                done.reserve_exact(keys.len());
+            if done.capacity() == 0 {
+                done = Vec::with_capacity(keys.len());
             }
             done.push(*k);
         }
