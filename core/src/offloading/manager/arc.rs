@@ -11,7 +11,7 @@
 use alloc::vec::Vec;
 
 use super::arena::{Arena, List, NIL, Node, Place};
-use super::scope::KeyAccess;
+use super::scope::{KeyAccess, RequestAccess};
 use super::types::{ChunkId, OffloadKey};
 use crate::{InvariantViolation, ensure_invariant};
 
@@ -41,11 +41,11 @@ impl Arc {
     /// T2, a write-pending one (just prepared to be stored) stays in T1 as most recent, a key in
     /// T2 becomes its most recent, and a ghost adapts the target.
     pub(super) fn touch(&mut self, arena: &mut Arena, keys: &[OffloadKey], capacity: u32) {
-        let nodes = &mut arena.nodes;
         for k in keys.iter().rev() {
-            let Some(s) = arena.index.get(k) else {
+            let Some(s) = arena.slot(k) else {
                 continue;
             };
+            let nodes = &mut arena.nodes;
             let n = &nodes[s as usize];
             let ready = n.chunk.is_some_and(|c| c.ref_cnt >= 0);
             match n.place {
@@ -61,16 +61,9 @@ impl Arc {
         }
     }
 
-    /// A store miss of a key: a ghost adapts the T1 target.
-    pub(super) fn on_store_miss(&mut self, arena: &mut Arena, k: &OffloadKey, capacity: u32) {
-        let Some(s) = arena.slot(k) else {
-            return;
-        };
-        self.ghost_hit(&mut arena.nodes, capacity, s);
-    }
-
     /// A store miss or touch of a ghost adapts the T1 target (no-op for other nodes).
-    fn ghost_hit(&mut self, nodes: &mut [Node], capacity: u32, s: u32) {
+    #[inline]
+    pub(super) fn ghost_hit(&mut self, nodes: &mut [Node], capacity: u32, s: u32) {
         let capacity = f64::from(capacity);
         let target = f64::from_bits(self.target_bits);
         match nodes[s as usize].place {
@@ -90,6 +83,7 @@ impl Arc {
 
     /// A key just reserved for a store (a fresh node or a ghost that got its chunk back) enters
     /// T1 as most recent.
+    #[inline]
     pub(super) fn insert(&mut self, nodes: &mut [Node], s: u32) {
         match nodes[s as usize].place {
             Place::B1 => self.b1.unlink(nodes, s),
@@ -111,6 +105,11 @@ impl Arc {
     /// Evicts exactly `n` idle keys not `offered` by the store in progress, frees their chunks and moves
     /// them to the ghost lists (trimmed to `capacity`), returning them in eviction order; `None`
     /// (nothing changed) if there are fewer. `chosen` is a working buffer.
+    ///
+    /// Each list's victims are taken in its order, so they join their ghost list in that order
+    /// whatever the interleaving of the two lists' picks: when a list's victims are its first
+    /// nodes (none skipped), they move as one run (a splice), else one by one; the ghosts
+    /// trimmed are the first nodes of their list, cut as one run.
     pub(super) fn evict(
         &mut self,
         arena: &mut Arena,
@@ -128,6 +127,8 @@ impl Arc {
             target_bits,
         } = self;
         let target = f64::from_bits(*target_bits) as usize;
+        // Per list: its picks, the last one, and whether a node before it was skipped.
+        let mut picked = [(0u32, NIL, false); 2];
         {
             let nodes = &arena.nodes;
             let idle = |s: u32| {
@@ -135,58 +136,102 @@ impl Arc {
                 n.chunk.is_some_and(|c| c.ref_cnt == 0) && !n.offered
             };
             // The next idle node from a cursor, advancing it past that node.
-            let next_idle = |cursor: &mut u32| {
+            let next_idle = |cursor: &mut u32, skipped: &mut bool| {
                 while *cursor != NIL {
                     let s = *cursor;
                     *cursor = nodes[s as usize].next;
                     if idle(s) {
                         return Some(s);
                     }
+                    *skipped = true;
                 }
                 None
             };
             let mut virtual_t1 = t1.len as usize;
             let (mut c1, mut c2) = (t1.head, t2.head);
+            let (mut skip1, mut skip2) = (false, false);
             for _ in 0..n {
                 let mut pick = None;
                 if virtual_t1 >= target
-                    && let Some(s) = next_idle(&mut c1)
+                    && let Some(s) = next_idle(&mut c1, &mut skip1)
                 {
-                    pick = Some(s);
+                    pick = Some((s, 0));
                     virtual_t1 -= 1;
                 }
                 if pick.is_none()
-                    && let Some(s) = next_idle(&mut c2)
+                    && let Some(s) = next_idle(&mut c2, &mut skip2)
                 {
-                    pick = Some(s);
+                    pick = Some((s, 1));
                 }
                 if pick.is_none() {
-                    pick = Some(next_idle(&mut c1)?);
+                    pick = Some((next_idle(&mut c1, &mut skip1)?, 0));
                     virtual_t1 -= 1;
                 }
-                chosen.extend(pick);
+                let (s, list) = pick.expect("picked above");
+                let p = &mut picked[list];
+                p.0 += 1;
+                p.1 = s;
+                p.2 = if list == 0 { skip1 } else { skip2 };
+                chosen.push(s);
             }
         }
-        let mut victims = Vec::with_capacity(n);
-        for &s in chosen.iter() {
-            if arena.nodes[s as usize].place == Place::T1 {
-                t1.unlink(&mut arena.nodes, s);
-                b1.push_back(&mut arena.nodes, s, Place::B1);
+        free.reserve(n);
+        let nodes = &mut arena.nodes;
+        let victims: Vec<OffloadKey> = chosen
+            .iter()
+            .map(|&s| {
+                let node = &mut nodes[s as usize];
+                let chunk = node.chunk.take().expect("idle keys are stored");
+                free.push(chunk.chunk);
+                node.key
+            })
+            .collect();
+        arena.stored -= n as u32;
+        for (list, ghosts, place, (count, last, skipped)) in [
+            (&mut *t1, &mut *b1, Place::B1, picked[0]),
+            (&mut *t2, &mut *b2, Place::B2, picked[1]),
+        ] {
+            if count == 0 {
+                continue;
+            }
+            if skipped {
+                // One by one, in list order (their order among `chosen`).
+                let from = if place == Place::B1 {
+                    Place::T1
+                } else {
+                    Place::T2
+                };
+                for &s in chosen.iter() {
+                    if nodes[s as usize].place == from {
+                        list.unlink(nodes, s);
+                        ghosts.push_back(nodes, s, place);
+                    }
+                }
             } else {
-                t2.unlink(&mut arena.nodes, s);
-                b2.push_back(&mut arena.nodes, s, Place::B2);
+                let first = list.head;
+                list.cut_front(nodes, last, count);
+                ghosts.append(nodes, first, last, count, place);
             }
-            let node = &mut arena.nodes[s as usize];
-            let chunk = node.chunk.take().expect("idle keys are stored");
-            victims.push(node.key);
-            free.push(chunk.chunk);
-            arena.stored -= 1;
         }
-        for ghost in [b1, b2] {
-            while ghost.len > capacity {
-                let s = ghost.head;
-                ghost.unlink(&mut arena.nodes, s);
-                arena.release(s);
+        for ghosts in [b1, b2] {
+            if ghosts.len > capacity {
+                // The oldest ghosts leave, their nodes freed in list order.
+                let count = ghosts.len - capacity;
+                let mut s = ghosts.head;
+                for _ in 0..count {
+                    let next = nodes[s as usize].next;
+                    arena.index.remove(nodes, s);
+                    nodes[s as usize] = Node::FREE;
+                    arena.free_slots.push(s);
+                    s = next;
+                }
+                ghosts.head = s;
+                if s == NIL {
+                    ghosts.tail = NIL;
+                } else {
+                    nodes[s as usize].prev = NIL;
+                }
+                ghosts.len = capacity;
             }
         }
         Some(victims)
@@ -195,6 +240,7 @@ impl Arc {
     /// `on_request_finished`, for one of the request's keys (at slot `s`; the policy walks
     /// them tail to head in prefix order): a reused key is promoted from T1 or becomes T2's
     /// most recent; a key it only inserted is refreshed in its list.
+    #[inline]
     pub(super) fn commit(&mut self, nodes: &mut [Node], s: u32, access: &KeyAccess) {
         let place = nodes[s as usize].place;
         if access.inserted && !access.reused {
@@ -215,6 +261,57 @@ impl Arc {
                 _ => {}
             }
         }
+    }
+
+    /// `on_request_finished` at once, when the request's keys in prefix order (`ordered`,
+    /// indices into `scope`) are exactly T1's most recent nodes in that order and were only
+    /// inserted by it: committing them one by one, tail to head, refreshes each in T1, which
+    /// reverses the run; `false` (nothing changed) otherwise. `slots` is a working buffer.
+    pub(super) fn commit_run(
+        &mut self,
+        arena: &mut Arena,
+        ordered: &[u32],
+        scope: &RequestAccess,
+        slots: &mut Vec<u32>,
+    ) -> bool {
+        slots.clear();
+        let mut prev = NIL;
+        for &e in ordered {
+            let access = scope.entry(e);
+            if !access.inserted || access.reused {
+                return false;
+            }
+            let Some(s) = arena.slot_hinted(&access.key, access.slot) else {
+                return false;
+            };
+            let n = &arena.nodes[s as usize];
+            if n.place != Place::T1 || (prev != NIL && n.prev != prev) {
+                return false;
+            }
+            prev = s;
+            slots.push(s);
+        }
+        let (Some(&first), Some(&last)) = (slots.first(), slots.last()) else {
+            return true;
+        };
+        if last != self.t1.tail {
+            return false;
+        }
+        let nodes = &mut arena.nodes;
+        let before = nodes[first as usize].prev;
+        for &s in slots.iter() {
+            let n = &mut nodes[s as usize];
+            core::mem::swap(&mut n.prev, &mut n.next);
+        }
+        nodes[last as usize].prev = before;
+        nodes[first as usize].next = NIL;
+        if before == NIL {
+            self.t1.head = last;
+        } else {
+            nodes[before as usize].next = last;
+        }
+        self.t1.tail = first;
+        true
     }
 
     /// Whether a node sits where ARC puts it: a stored key in T1 or T2, a ghost in B1 or B2.

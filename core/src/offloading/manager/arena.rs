@@ -97,6 +97,7 @@ impl List {
         len: 0,
     };
 
+    #[inline]
     pub(super) fn push_back(&mut self, nodes: &mut [Node], s: u32, place: Place) {
         let n = &mut nodes[s as usize];
         n.prev = self.tail;
@@ -111,6 +112,7 @@ impl List {
         self.len += 1;
     }
 
+    #[inline]
     pub(super) fn push_front(&mut self, nodes: &mut [Node], s: u32, place: Place) {
         let n = &mut nodes[s as usize];
         n.prev = NIL;
@@ -126,6 +128,7 @@ impl List {
     }
 
     /// Unlinks a node of this list (its place becomes `Unlinked`).
+    #[inline]
     pub(super) fn unlink(&mut self, nodes: &mut [Node], s: u32) {
         let (prev, next) = (nodes[s as usize].prev, nodes[s as usize].next);
         if prev == NIL {
@@ -145,7 +148,50 @@ impl List {
         self.len -= 1;
     }
 
+    /// Cuts the first `count` nodes of this list, up to `last`, off its front (their own links
+    /// among them are kept).
+    #[inline]
+    pub(super) fn cut_front(&mut self, nodes: &mut [Node], last: u32, count: u32) {
+        let after = nodes[last as usize].next;
+        self.head = after;
+        if after == NIL {
+            self.tail = NIL;
+        } else {
+            nodes[after as usize].prev = NIL;
+        }
+        self.len -= count;
+    }
+
+    /// Appends a run of `count` nodes linked from `first` to `last` (cut off another list) at
+    /// the most recent end, tagging them `place`: the links `push_back` of each in turn gives.
+    #[inline]
+    pub(super) fn append(
+        &mut self,
+        nodes: &mut [Node],
+        first: u32,
+        last: u32,
+        count: u32,
+        place: Place,
+    ) {
+        nodes[first as usize].prev = self.tail;
+        nodes[last as usize].next = NIL;
+        if self.tail == NIL {
+            self.head = first;
+        } else {
+            nodes[self.tail as usize].next = first;
+        }
+        self.tail = last;
+        self.len += count;
+        let mut s = first;
+        for _ in 0..count {
+            let n = &mut nodes[s as usize];
+            n.place = place;
+            s = n.next;
+        }
+    }
+
     /// Moves a node of this list to the most recent end.
+    #[inline]
     pub(super) fn move_to_back(&mut self, nodes: &mut [Node], s: u32) {
         if self.tail != s {
             let place = nodes[s as usize].place;
@@ -179,36 +225,30 @@ impl List {
     }
 }
 
-/// One entry of the key index: a key and its arena slot (`NIL` = empty).
-#[derive(Clone, Copy, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
-struct IndexEntry {
-    hash: u64,
-    group: u32,
-    slot: u32,
-}
-
-const EMPTY_ENTRY: IndexEntry = IndexEntry {
-    hash: 0,
-    group: 0,
-    slot: NIL,
-};
-
-/// Key → arena slot: open addressing with linear probing and backward-shift deletion under a
-/// fixed (unseeded) mixer, so it is deterministic. It is never iterated for behaviour: every
-/// order the manager shows comes from the policy's lists.
+/// Key → arena slot: a chained hash table under a fixed (unseeded) mixer, so it is
+/// deterministic. Each bucket holds the first slot of its chain, and the chains are doubly
+/// linked through two arrays parallel to the arena's nodes, so a node leaves the index in O(1)
+/// by its slot (no search), and a key is found by comparing the nodes' own keys. It is never
+/// iterated for behaviour: every order the manager shows comes from the policy's lists.
 ///
 /// It is a function of the arena's nodes (each live node's key → its slot, I-40), so it is no
 /// part of the manager's identity: equality and hashing ignore it, and two managers whose
 /// tables differ only in layout (keys inserted in another order) are the same state.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub(super) struct KeyIndex {
-    table: Vec<IndexEntry>,
+    /// Bucket → the first slot of its chain (`NIL`: empty); a power of two long, or empty.
+    heads: Vec<u32>,
+    /// Per arena slot: the next slot of its chain (`NIL`: the last).
+    next: Vec<u32>,
+    /// Per arena slot: the previous slot of its chain (`NIL`: the first).
+    prev: Vec<u32>,
     pub(super) len: usize,
 }
 
 /// Where `k` starts its probe in a table of `len` (a power of two) positions: Fibonacci
 /// hashing — one multiplication by 2⁶⁴/φ, top bits — under a fixed (unseeded) constant, so it
 /// is deterministic; it spreads sequential ids as well as random hashes.
+#[inline]
 pub(super) fn home_of(k: &OffloadKey, len: usize) -> usize {
     const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
     let x = (k.hash.0 ^ u64::from(k.group).wrapping_mul(PHI)).wrapping_mul(PHI);
@@ -234,106 +274,98 @@ impl KeyIndex {
     /// An empty index that holds `n` keys without growing.
     fn with_capacity(n: usize) -> Self {
         Self {
-            table: alloc::vec![EMPTY_ENTRY; Self::table_len(n)],
+            heads: alloc::vec![NIL; Self::table_len(n)],
+            next: Vec::with_capacity(n),
+            prev: Vec::with_capacity(n),
             len: 0,
         }
     }
 
-    /// The table length for `n` keys: at most a quarter full (short probe runs), at least 64
-    /// entries.
+    /// The bucket count for `n` keys: at most half as many keys as buckets (short chains), at
+    /// least 64 buckets.
     fn table_len(n: usize) -> usize {
-        n.saturating_mul(4).next_power_of_two().max(64)
+        n.saturating_mul(2).next_power_of_two().max(64)
     }
 
-    /// Forgets every key, keeping the table.
+    /// Forgets every key, keeping the storage.
     fn clear(&mut self) {
-        self.table.fill(EMPTY_ENTRY);
+        self.heads.fill(NIL);
+        self.next.clear();
+        self.prev.clear();
         self.len = 0;
     }
 
-    fn home(&self, hash: u64, group: u32) -> usize {
-        let key = OffloadKey {
-            hash: BlockHash(hash),
-            group,
-        };
-        home_of(&key, self.table.len())
-    }
-
-    fn find(&self, k: &OffloadKey) -> Option<usize> {
-        if self.table.is_empty() {
+    /// The slot of the live node holding `k`.
+    #[inline]
+    fn get(&self, nodes: &[Node], k: &OffloadKey) -> Option<u32> {
+        if self.heads.is_empty() {
             return None;
         }
-        let mask = self.table.len() - 1;
-        let mut i = self.home(k.hash.0, k.group);
-        loop {
-            let e = &self.table[i];
-            if e.slot == NIL {
-                return None;
+        let mut s = self.heads[home_of(k, self.heads.len())];
+        while s != NIL {
+            if nodes[s as usize].key == *k {
+                return Some(s);
             }
-            if e.hash == k.hash.0 && e.group == k.group {
-                return Some(i);
-            }
-            i = (i + 1) & mask;
+            s = self.next[s as usize];
         }
+        None
     }
 
-    pub(super) fn get(&self, k: &OffloadKey) -> Option<u32> {
-        self.find(k).map(|i| self.table[i].slot)
-    }
-
-    /// Inserts a key that is not in the index.
-    fn insert(&mut self, k: &OffloadKey, slot: u32) {
-        if (self.len + 1) * 4 > self.table.len() {
-            self.grow();
+    /// Links the node at `s`, whose key is not in the index.
+    #[inline]
+    fn insert(&mut self, nodes: &[Node], s: u32) {
+        if (self.len + 1) * 2 > self.heads.len() {
+            self.grow(nodes);
         }
-        self.place(IndexEntry {
-            hash: k.hash.0,
-            group: k.group,
-            slot,
-        });
+        if self.next.len() <= s as usize {
+            self.next.resize(s as usize + 1, NIL);
+            self.prev.resize(s as usize + 1, NIL);
+        }
+        self.link(&nodes[s as usize].key, s);
         self.len += 1;
     }
 
-    fn place(&mut self, e: IndexEntry) {
-        let mask = self.table.len() - 1;
-        let mut i = self.home(e.hash, e.group);
-        while self.table[i].slot != NIL {
-            i = (i + 1) & mask;
+    /// Pushes `s` at the front of `key`'s chain.
+    #[inline]
+    fn link(&mut self, key: &OffloadKey, s: u32) {
+        let h = home_of(key, self.heads.len());
+        let first = self.heads[h];
+        self.next[s as usize] = first;
+        self.prev[s as usize] = NIL;
+        if first != NIL {
+            self.prev[first as usize] = s;
         }
-        self.table[i] = e;
+        self.heads[h] = s;
     }
 
-    fn grow(&mut self) {
-        let cap = (self.table.len() * 2).max(64);
-        let old = core::mem::replace(&mut self.table, alloc::vec![EMPTY_ENTRY; cap]);
-        for e in old {
-            if e.slot != NIL {
-                self.place(e);
+    /// Doubles the buckets, relinking every key.
+    fn grow(&mut self, nodes: &[Node]) {
+        let cap = (self.heads.len() * 2).max(64);
+        let old = core::mem::replace(&mut self.heads, alloc::vec![NIL; cap]);
+        for head in old {
+            let mut s = head;
+            while s != NIL {
+                let next = self.next[s as usize];
+                self.link(&nodes[s as usize].key, s);
+                s = next;
             }
         }
     }
 
-    fn remove(&mut self, k: &OffloadKey) -> Option<u32> {
-        let mut gap = self.find(k)?;
-        let slot = self.table[gap].slot;
-        let mask = self.table.len() - 1;
-        let mut j = gap;
-        loop {
-            j = (j + 1) & mask;
-            let e = self.table[j];
-            if e.slot == NIL {
-                break;
-            }
-            // `e` may fill the gap unless its home lies cyclically in (gap, j].
-            let home = self.home(e.hash, e.group);
-            if j.wrapping_sub(home) & mask >= j.wrapping_sub(gap) & mask {
-                self.table[gap] = e;
-                gap = j;
-            }
+    /// Unlinks the live node at `s` (its key still in the node).
+    #[inline]
+    pub(super) fn remove(&mut self, nodes: &[Node], s: u32) {
+        let (prev, next) = (self.prev[s as usize], self.next[s as usize]);
+        if prev == NIL {
+            let h = home_of(&nodes[s as usize].key, self.heads.len());
+            self.heads[h] = next;
+        } else {
+            self.next[prev as usize] = next;
         }
-        self.table[gap] = EMPTY_ENTRY;
+        if next != NIL {
+            self.prev[next as usize] = prev;
+        }
         self.len -= 1;
-        Some(slot)
     }
 }
 
@@ -358,12 +390,14 @@ impl Arena {
         }
     }
 
+    #[inline]
     pub(super) fn slot(&self, k: &OffloadKey) -> Option<u32> {
-        self.index.get(k)
+        self.index.get(&self.nodes, k)
     }
 
     /// [`Self::slot`], trying `hint` first: a slot whose live node holds `k` is its node (one
     /// node per key).
+    #[inline]
     pub(super) fn slot_hinted(&self, k: &OffloadKey, hint: u32) -> Option<u32> {
         match self.nodes.get(hint as usize) {
             Some(n) if n.key == *k && n.place != Place::Free => Some(hint),
@@ -372,11 +406,13 @@ impl Arena {
     }
 
     /// The chunk of a stored key.
+    #[inline]
     pub(super) fn chunk(&self, k: &OffloadKey) -> Option<Chunk> {
         self.slot(k).and_then(|s| self.nodes[s as usize].chunk)
     }
 
     /// A node for a key without one, unlinked and without chunk.
+    #[inline]
     pub(super) fn alloc(&mut self, key: OffloadKey) -> u32 {
         let node = Node {
             key,
@@ -393,16 +429,15 @@ impl Arena {
                 (self.nodes.len() - 1) as u32
             }
         };
-        self.index.insert(&key, s);
+        self.index.insert(&self.nodes, s);
         s
     }
 
     /// Frees an unlinked node without chunk.
+    #[inline]
     pub(super) fn release(&mut self, s: u32) {
-        let n = &mut self.nodes[s as usize];
-        let key = n.key;
-        *n = Node::FREE;
-        self.index.remove(&key);
+        self.index.remove(&self.nodes, s);
+        self.nodes[s as usize] = Node::FREE;
         self.free_slots.push(s);
     }
 

@@ -55,7 +55,7 @@ impl CpuOffloadingManager {
                 n.key
             );
             ensure_invariant!(
-                arena.index.get(&n.key) == Some(s as u32),
+                arena.slot(&n.key) == Some(s as u32),
                 "I-40",
                 "key index disagrees for {:?}",
                 n.key

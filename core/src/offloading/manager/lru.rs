@@ -48,6 +48,7 @@ impl Lru {
     }
 
     /// Adds a stored key to the order, by its rank.
+    #[inline]
     fn link(&mut self, nodes: &mut [Node], s: u32) {
         let list = &mut self.list;
         let o = order(&nodes[s as usize]);
@@ -62,6 +63,7 @@ impl Lru {
     }
 
     /// Takes a key out of the order (no-op for a key that is not in it).
+    #[inline]
     fn unlink(&mut self, nodes: &mut [Node], s: u32) {
         let n = &mut nodes[s as usize];
         match n.place {
@@ -86,6 +88,7 @@ impl Lru {
 
     /// A fresh global rank for a present key (`touch`, and `on_request_finished` for each of
     /// the request's keys, which the policy walks tail to head in prefix order).
+    #[inline]
     pub(super) fn new_rank(&mut self, nodes: &mut [Node], s: u32) {
         self.unlink(nodes, s);
         nodes[s as usize].rank = self.fresh_rank();
@@ -94,6 +97,7 @@ impl Lru {
 
     /// A fresh global rank: above every rank given so far (global and provisional ranks share
     /// the counter), so its key goes to the list's most recent end without a comparison.
+    #[inline]
     fn fresh_rank(&mut self) -> Rank {
         self.next_rank += 1;
         (self.next_rank, 0)
@@ -138,6 +142,7 @@ impl Lru {
     /// A key just reserved for a store (write-pending) takes its rank — the request's
     /// provisional rank at its position if known, else a fresh global rank — and its place in
     /// the order.
+    #[inline]
     pub(super) fn insert(
         &mut self,
         nodes: &mut [Node],

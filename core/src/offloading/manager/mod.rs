@@ -63,10 +63,10 @@ mod tests;
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::vec::Vec;
 
-use self::arena::{Arena, Chunk};
+use self::arena::{Arena, Chunk, NIL, Place};
 use self::policy::Policy;
 use self::scope::RequestAccess;
-use self::scratch::{Mark, SPARE_SCOPES, Scratch};
+use self::scratch::{SPARE_SCOPES, Scratch};
 use crate::RequestId;
 
 pub use self::types::{
@@ -82,7 +82,9 @@ pub struct CpuOffloadingManager {
     /// Stored keys (and ARC ghosts) with their chunks and policy links.
     arena: Arena,
     policy: Policy,
-    requests: BTreeMap<RequestId, RequestAccess>,
+    /// Open request scopes, sorted by request (a map: hashed and compared as a `BTreeMap`
+    /// would be, entry by entry in key order; a few at a time, so a sorted vector).
+    requests: Vec<(RequestId, RequestAccess)>,
     next_fresh: u32,
     free: Vec<ChunkId>,
     evictable: u32,
@@ -109,7 +111,7 @@ impl CpuOffloadingManager {
             config,
             arena: Arena::with_capacity(Policy::max_nodes(config.policy, config.capacity_chunks)),
             policy: Policy::new(config.policy),
-            requests: BTreeMap::new(),
+            requests: Vec::new(),
             next_fresh: 0,
             free: Vec::new(),
             evictable: 0,
@@ -123,6 +125,7 @@ impl CpuOffloadingManager {
     }
 
     /// Whether `key` is stored and readable (`Hit`), being written (`HitPending`), or absent.
+    #[inline]
     pub fn lookup(&self, key: OffloadKey) -> KeyLookup {
         match self.arena.chunk(&key) {
             None => KeyLookup::Miss,
@@ -138,8 +141,8 @@ impl CpuOffloadingManager {
         keys: &[OffloadKey],
         access: Access<'_>,
     ) -> Result<Vec<ChunkId>, ManagerError> {
-        let mut scratch = core::mem::take(&mut self.scratch);
-        scratch.slots.clear();
+        let slots = &mut self.scratch.slots;
+        slots.clear();
         for k in keys {
             match self.arena.slot(k) {
                 Some(s)
@@ -147,14 +150,12 @@ impl CpuOffloadingManager {
                         .chunk
                         .is_some_and(|c| c.ref_cnt >= 0) =>
                 {
-                    scratch.slots.push(s);
+                    slots.push(s);
                 }
-                _ => {
-                    self.scratch = scratch;
-                    return Err(ManagerError::NotLoadable(*k));
-                }
+                _ => return Err(ManagerError::NotLoadable(*k)),
             }
         }
+        let mut scratch = core::mem::take(&mut self.scratch);
         let mut out = Vec::with_capacity(keys.len());
         for &s in &scratch.slots {
             let c = self.arena.nodes[s as usize]
@@ -173,9 +174,7 @@ impl CpuOffloadingManager {
         for (&e, &s) in scratch.at.iter().zip(&scratch.slots) {
             ctx.at(e).slot = s;
         }
-        scratch.marks.clear();
-        scratch.marks.resize(keys.len(), Mark::Reused);
-        self.record_access(&mut ctx, keys, &mut scratch, access);
+        self.record_load(&mut ctx, keys, &mut scratch, access);
         self.put_ctx(access, ctx, &mut scratch);
         self.scratch = scratch;
         Ok(out)
@@ -225,16 +224,19 @@ impl CpuOffloadingManager {
     /// The smallest key of a refused `complete_load` that is not pinned as often as it is
     /// named.
     fn first_unpinned(&self, keys: &[OffloadKey]) -> OffloadKey {
-        let mut sorted = keys.to_vec();
-        sorted.sort_unstable();
-        sorted
-            .chunk_by(|a, b| a == b)
-            .find(|run| {
-                self.arena
-                    .chunk(&run[0])
-                    .is_none_or(|c| c.ref_cnt < run.len() as i32)
-            })
-            .map_or(sorted[0], |run| run[0])
+        // A key is checked only if it is below the best found so far (few are), by counting
+        // its copies: no sort, no allocation.
+        let mut best: Option<OffloadKey> = None;
+        for k in keys {
+            if best.is_some_and(|b| b <= *k) {
+                continue;
+            }
+            let named = keys.iter().filter(|x| *x == k).count();
+            if self.arena.chunk(k).is_none_or(|c| c.ref_cnt < named as i32) {
+                best = Some(*k);
+            }
+        }
+        best.unwrap_or_else(|| *keys.iter().min().expect("a refused call names a key"))
     }
 
     /// Marks keys recently used (also keys served by the GPU prefix cache); processed tail to
@@ -250,7 +252,13 @@ impl CpuOffloadingManager {
     /// the call).
     fn take_ctx(&mut self, access: Access<'_>, scratch: &mut Scratch) -> RequestAccess {
         let ctx = match access.request {
-            Some(r) => core::mem::take(self.requests.entry(r).or_default()),
+            Some(r) => match self.requests.binary_search_by_key(&r, |e| e.0) {
+                Ok(i) => core::mem::take(&mut self.requests[i].1),
+                Err(i) => {
+                    self.requests.insert(i, (r, RequestAccess::default()));
+                    RequestAccess::default()
+                }
+            },
             None => RequestAccess::default(),
         };
         if ctx.is_blank() {
@@ -261,8 +269,11 @@ impl CpuOffloadingManager {
     }
 
     fn put_ctx(&mut self, access: Access<'_>, ctx: RequestAccess, scratch: &mut Scratch) {
-        match access.request.and_then(|r| self.requests.get_mut(&r)) {
-            Some(slot) => *slot = ctx,
+        let open = access
+            .request
+            .and_then(|r| self.requests.binary_search_by_key(&r, |e| e.0).ok());
+        match open {
+            Some(i) => self.requests[i].1 = ctx,
             None => Self::spare_scope(scratch, ctx),
         }
     }
@@ -285,28 +296,25 @@ impl CpuOffloadingManager {
         }
     }
 
-    /// `_record_request_cache_access`: first accesses in order (the LRU's provisional ranks),
-    /// and the reused keys that were not inserted by this request. `scratch.marks` says, per
-    /// key of the call (scope indices `scratch.at`), whether it is recorded and whether reused;
-    /// positions must have been learnt from the whole call first.
-    fn record_access(
+    /// `_record_request_cache_access` of a load: every key of the call (scope indices
+    /// `scratch.at`) is accessed — first accesses in order (the LRU's provisional ranks) — and
+    /// reused unless this request inserted it. Positions must have been learnt from the whole
+    /// call first. (`prepare_store` records its accesses in its own pass over the offer.)
+    fn record_load(
         &mut self,
         ctx: &mut RequestAccess,
         keys: &[OffloadKey],
         scratch: &mut Scratch,
         access: Access<'_>,
     ) {
-        let Scratch {
-            at, marks, ranked, ..
-        } = scratch;
-        let recorded = || (0..keys.len()).filter(|&i| marks[i] != Mark::Skip);
+        let Scratch { at, ranked, .. } = scratch;
         ranked.clear();
         if access.request.is_none() {
             // A fresh scope that is dropped after this call: only the provisional LRU ranks of
             // keys with positions outlive it.
             if ctx.has_positions() {
                 ranked.extend(
-                    recorded().filter_map(|i| ctx.at(at[i]).position.map(|p| (keys[i], p))),
+                    (0..keys.len()).filter_map(|i| ctx.at(at[i]).position.map(|p| (keys[i], p))),
                 );
                 self.policy
                     .on_request_access(&mut self.arena, ranked, &mut ctx.lru_rank);
@@ -315,11 +323,11 @@ impl CpuOffloadingManager {
         }
         // First accesses, and of them those with a position (for the LRU).
         let mut first = false;
-        for i in recorded() {
-            if ctx.see(at[i]) {
+        for (&e, k) in at.iter().zip(keys) {
+            if ctx.see(e) {
                 first = true;
-                if let Some(p) = ctx.at(at[i]).position {
-                    ranked.push((keys[i], p));
+                if let Some(p) = ctx.at(e).position {
+                    ranked.push((*k, p));
                 }
             }
         }
@@ -327,11 +335,9 @@ impl CpuOffloadingManager {
             self.policy
                 .on_request_access(&mut self.arena, ranked, &mut ctx.lru_rank);
         }
-        for i in 0..keys.len() {
-            if marks[i] == Mark::Reused {
-                let a = ctx.at(at[i]);
-                a.reused |= !a.inserted;
-            }
+        for &e in at.iter() {
+            let a = ctx.at(e);
+            a.reused |= !a.inserted;
         }
     }
 
@@ -388,78 +394,104 @@ impl CpuOffloadingManager {
         let mut ctx = self.take_ctx(access, &mut scratch);
         ctx.admit(keys, &mut scratch.at);
         Self::learn_positions(&mut ctx, &scratch.at, access);
-        // The store candidates (indices into `keys`, first occurrences), and per key whether it
-        // is recorded as an access of the request (candidates that passed the threshold, and
-        // ready keys) and whether reused (ready keys). Stored keys are flagged `offered`: the
-        // eviction that makes room for the candidates must not take them.
+        // One pass over the offer finds the store candidates (indices into `keys`, first
+        // occurrences) and records the request's accesses (candidates that passed the
+        // threshold, and ready keys; ready keys are reused). Stored keys are flagged
+        // `offered`: the eviction that makes room for the candidates must not take them. A
+        // candidate's scope entry keeps its ghost's slot (`NIL`: none), and the ghosts that
+        // react to this store miss are listed in `ghosts`.
         let Scratch {
             at,
             candidates,
-            marks,
             offered,
+            ranked,
+            ghosts,
             ..
         } = &mut scratch;
         candidates.clear();
         offered.clear();
-        marks.clear();
-        marks.resize(keys.len(), Mark::Skip);
-        // An unscoped call without positions records nothing (see `record_access`).
+        ranked.clear();
+        ghosts.clear();
+        // An unscoped call without positions records nothing, and an unscoped call records
+        // only the provisional LRU ranks of keys with positions (its scope is dropped after
+        // the call).
         let records = scoped || access.positions.is_some_and(|p| !p.is_empty());
-        // Whether a candidate has a node (an ARC ghost); if none has, none gains one before
-        // `allocate` (ghost hits and evictions create no nodes), so their lookups are skipped.
-        let mut ghost_candidates = false;
+        // Whether the request accessed a key for the first time.
+        let mut first = false;
         for (i, k) in keys.iter().enumerate() {
+            let e = at[i];
             let slot = self.arena.slot(k);
-            match slot.map(|s| &mut self.arena.nodes[s as usize]) {
-                Some(n) if n.chunk.is_some() => {
-                    ctx.at(at[i]).slot = slot.expect("a node has a slot");
-                    if !n.offered {
-                        n.offered = true;
-                        offered.push(slot.expect("a node has a slot"));
-                    }
-                    if records && n.chunk.is_some_and(|c| c.ref_cnt >= 0) {
-                        marks[i] = Mark::Reused;
-                    }
+            let stored = slot.and_then(|s| {
+                let n = &mut self.arena.nodes[s as usize];
+                let c = n.chunk?;
+                if !n.offered {
+                    n.offered = true;
+                    offered.push(s);
                 }
-                _ => {
+                Some((s, c.ref_cnt >= 0))
+            });
+            let (recorded, reused) = match stored {
+                Some((s, ready)) => {
+                    ctx.at(e).slot = s;
+                    (ready, ready)
+                }
+                None => {
                     let admitted =
                         threshold < 2 || self.tracker.get(k).map_or(0, |e| e.0) >= threshold;
                     if admitted {
-                        ghost_candidates |= slot.is_some();
-                        let entry = ctx.at(at[i]);
+                        let entry = ctx.at(e);
                         if !entry.candidate {
                             entry.candidate = true;
                             candidates.push(i);
-                        }
-                        if records {
-                            marks[i] = Mark::Recorded;
+                            // An absent key may still have a node: an ARC ghost, which reacts
+                            // once per request.
+                            match slot {
+                                Some(s) => {
+                                    entry.slot = s;
+                                    if !entry.store_miss {
+                                        ghosts.push(s);
+                                    }
+                                }
+                                None => entry.slot = NIL,
+                            }
+                            entry.store_miss |= scoped;
                         }
                     }
+                    (admitted, false)
                 }
+            };
+            if !(records && recorded) {
+                continue;
+            }
+            if scoped {
+                if ctx.see(e) {
+                    first = true;
+                    if let Some(p) = ctx.at(e).position {
+                        ranked.push((*k, p));
+                    }
+                }
+                if reused {
+                    let a = ctx.at(e);
+                    a.reused |= !a.inserted;
+                }
+            } else if let Some(p) = ctx.at(e).position {
+                ranked.push((*k, p));
             }
         }
         for &i in candidates.iter() {
             ctx.at(at[i]).candidate = false;
         }
-        if ghost_candidates {
-            // Only ARC has ghosts. LRU's `on_store_miss` is `touch` of absent keys: nothing to do.
-            for &i in candidates.iter().rev() {
-                if !ctx.at(at[i]).store_miss {
-                    self.policy.on_store_miss(
-                        &mut self.arena,
-                        &keys[i],
-                        self.config.capacity_chunks,
-                    );
-                }
-            }
+        // Only ARC has ghosts (LRU's `on_store_miss` is `touch` of absent keys: nothing to
+        // do); they react tail to head.
+        for &s in ghosts.iter().rev() {
+            self.policy
+                .on_ghost_miss(&mut self.arena.nodes, s, self.config.capacity_chunks);
         }
-        if scoped {
-            for &i in candidates.iter() {
-                ctx.at(at[i]).store_miss = true;
-            }
+        if (scoped && first) || (!scoped && ctx.has_positions()) {
+            self.policy
+                .on_request_access(&mut self.arena, ranked, &mut ctx.lru_rank);
         }
-        self.record_access(&mut ctx, keys, &mut scratch, access);
-        let out = self.allocate(&mut ctx, keys, &mut scratch, ghost_candidates, scoped);
+        let out = self.allocate(&mut ctx, keys, &mut scratch, scoped);
         for &s in &scratch.offered {
             self.arena.nodes[s as usize].offered = false;
         }
@@ -469,13 +501,13 @@ impl CpuOffloadingManager {
     }
 
     /// Reserves chunks for `scratch.candidates` (indices into the call's `keys`, scope indices
-    /// `scratch.at`); eviction skips the `offered` keys.
+    /// `scratch.at`, whose entries hold their ghost's slot or `NIL`); eviction skips the
+    /// `offered` keys.
     fn allocate(
         &mut self,
         ctx: &mut RequestAccess,
         keys: &[OffloadKey],
         scratch: &mut Scratch,
-        ghost_candidates: bool,
         scoped: bool,
     ) -> Option<PrepareStoreOutput> {
         let Scratch {
@@ -512,44 +544,45 @@ impl CpuOffloadingManager {
             ));
             evicted = victims;
         }
-        let mut chunks = Vec::with_capacity(candidates.len());
-        let mut keys_to_store = Vec::with_capacity(candidates.len());
-        for &i in candidates.iter() {
+        // Fresh chunks first, then freed ones, most recently freed first.
+        let (capacity, next_fresh, free) = (
+            self.config.capacity_chunks,
+            &mut self.next_fresh,
+            &mut self.free,
+        );
+        let chunks: Vec<ChunkId> = candidates
+            .iter()
+            .map(|_| {
+                if *next_fresh < capacity {
+                    *next_fresh += 1;
+                    ChunkId(*next_fresh - 1)
+                } else {
+                    free.pop()
+                        .expect("`need` was computed so that enough chunks are free")
+                }
+            })
+            .collect();
+        let keys_to_store: Vec<OffloadKey> = candidates.iter().map(|&i| keys[i]).collect();
+        for (&i, &chunk) in candidates.iter().zip(&chunks) {
             let k = keys[i];
-            let chunk = if self.next_fresh < self.config.capacity_chunks {
-                self.next_fresh += 1;
-                ChunkId(self.next_fresh - 1)
-            } else {
-                self.free
-                    .pop()
-                    .expect("`need` was computed so that enough chunks are free")
-            };
-            // An absent key may still have a node: an ARC ghost.
-            let ghost = if ghost_candidates {
-                self.arena.slot(&k)
-            } else {
-                None
-            };
-            let s = match ghost {
-                Some(s) => s,
-                None => self.arena.alloc(k),
+            let entry = ctx.at(at[i]);
+            // The ghost's node, unless the eviction trimmed it (its slot is then free, or
+            // another candidate's); an absent key gained no node since the offer was read.
+            let ghost = entry.slot;
+            let s = match self.arena.nodes.get(ghost as usize) {
+                Some(n) if n.key == k && n.place != Place::Free => ghost,
+                _ => self.arena.alloc(k),
             };
             self.arena.nodes[s as usize].chunk = Some(Chunk { ref_cnt: -1, chunk });
             self.arena.stored += 1;
             let entry = ctx.at(at[i]);
             entry.slot = s;
+            entry.inserted |= scoped;
             let position = entry.position;
             self.policy
                 .insert(&mut self.arena.nodes, s, position, &mut ctx.lru_rank);
-            chunks.push(chunk);
-            keys_to_store.push(k);
         }
         self.write_pending += candidates.len() as u32;
-        if scoped {
-            for &i in candidates.iter() {
-                ctx.at(at[i]).inserted = true;
-            }
-        }
         Some(PrepareStoreOutput {
             keys_to_store,
             chunks,
@@ -584,8 +617,8 @@ impl CpuOffloadingManager {
                 self.policy.on_store_failed(&mut self.arena.nodes, s);
                 self.arena.release(s);
             }
-            if done.is_empty() {
-                done.reserve_exact(keys.len());
+            if done.capacity() == 0 {
+                done = Vec::with_capacity(keys.len());
             }
             done.push(*k);
         }
@@ -603,31 +636,45 @@ impl CpuOffloadingManager {
     /// Requests with an open access scope: they were named by a `prepare_*`/`touch` call and
     /// [`CpuOffloadingManager::on_request_finished`] has not been called for them since.
     pub fn scoped_requests(&self) -> impl Iterator<Item = RequestId> + '_ {
-        self.requests.keys().copied()
+        self.requests.iter().map(|e| e.0)
     }
 
     /// No more `prepare_*` for this request (`complete_*` of its jobs may still follow): commits
     /// its accesses to the policy in prefix order (LRU: fresh ranks tail to head; ARC: reused
     /// keys promoted to T2, insert-only keys refreshed in their list).
     pub fn on_request_finished(&mut self, request: RequestId) {
-        let Some(ctx) = self.requests.remove(&request) else {
+        let Ok(i) = self.requests.binary_search_by_key(&request, |e| e.0) else {
             return;
         };
-        let mut ordered = core::mem::take(&mut self.scratch.order);
-        ctx.commit_order(&mut ordered);
-        self.policy
-            .on_request_finished(&mut self.arena, &ordered, &ctx);
-        self.scratch.order = ordered;
+        let ctx = self.requests.remove(i).1;
+        let slots = &mut self.scratch.slots;
+        match ctx.first_access_commits() {
+            Some(ordered) => self
+                .policy
+                .on_request_finished(&mut self.arena, ordered, &ctx, slots),
+            None => {
+                let mut ordered = core::mem::take(&mut self.scratch.order);
+                ctx.commit_order(&mut ordered);
+                self.policy.on_request_finished(
+                    &mut self.arena,
+                    &ordered,
+                    &ctx,
+                    &mut self.scratch.slots,
+                );
+                self.scratch.order = ordered;
+            }
+        }
         Self::spare_scope(&mut self.scratch, ctx);
     }
 
     /// The events since the last call, in order: stored (`removed: false`) and removed keys.
     pub fn take_events(&mut self) -> Vec<OffloadEvent> {
-        let events = core::mem::take(&mut self.events);
-        let mut out = Vec::with_capacity(events.len());
-        for (mut e, metadata_only) in events {
+        // Drained in place: the buffer keeps its storage for the next events.
+        let mut out = Vec::with_capacity(self.events.len());
+        let arena = &self.arena;
+        for (mut e, metadata_only) in self.events.drain(..) {
             if metadata_only {
-                e.keys.retain(|k| self.arena.chunk(k).is_none());
+                e.keys.retain(|k| arena.chunk(k).is_none());
                 if e.keys.is_empty() {
                     continue;
                 }

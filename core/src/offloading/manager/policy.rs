@@ -72,15 +72,18 @@ impl Policy {
         }
     }
 
-    /// An offered key that is not stored (only ARC's ghosts react).
-    pub(super) fn on_store_miss(&mut self, arena: &mut Arena, k: &OffloadKey, capacity: u32) {
+    /// A store miss of a key whose node (at `s`) holds no chunk: an ARC ghost adapts the
+    /// target (LRU keeps no such node).
+    #[inline]
+    pub(super) fn on_ghost_miss(&mut self, nodes: &mut [Node], s: u32, capacity: u32) {
         if let Self::Arc(arc) = self {
-            arc.on_store_miss(arena, k, capacity);
+            arc.ghost_hit(nodes, capacity, s);
         }
     }
 
     /// A key that was just given a chunk for a store (write-pending), at `position` of the
     /// storing request if known.
+    #[inline]
     pub(super) fn insert(
         &mut self,
         nodes: &mut [Node],
@@ -121,13 +124,20 @@ impl Policy {
 
     /// A request finished: its `scope`'s entries in prefix order (`ordered`, indices into the
     /// scope); the scope says which keys it inserted and which it reused. Its keys are walked
-    /// tail to head (so the head ends most recent); absent ones are skipped.
+    /// tail to head (so the head ends most recent); absent ones are skipped. `slots` is a
+    /// working buffer.
     pub(super) fn on_request_finished(
         &mut self,
         arena: &mut Arena,
         ordered: &[u32],
         scope: &RequestAccess,
+        slots: &mut Vec<u32>,
     ) {
+        if let Self::Arc(arc) = self
+            && arc.commit_run(arena, ordered, scope, slots)
+        {
+            return;
+        }
         for &e in ordered.iter().rev() {
             let access = scope.entry(e);
             let Some(s) = arena.slot_hinted(&access.key, access.slot) else {

@@ -115,6 +115,7 @@ impl RequestAccess {
     }
 
     /// The entry of `key`, or the empty index position where it would go.
+    #[inline]
     fn probe(&self, key: &OffloadKey) -> Result<u32, usize> {
         let mask = self.index.len() - 1;
         let mut p = home_of(key, self.index.len());
@@ -173,6 +174,7 @@ impl RequestAccess {
     /// Admits the keys of one call: gives the ones the request never named an entry and fills
     /// `at` with each key's entry index, parallel to `keys`. Every fact of the call is then set
     /// through them ([`Self::at`]), with no further search.
+    #[inline]
     pub(super) fn admit(&mut self, keys: &[OffloadKey], at: &mut Vec<u32>) {
         at.clear();
         self.reserve(keys.len());
@@ -199,17 +201,20 @@ impl RequestAccess {
     }
 
     /// The entry at index `i` (from [`Self::admit`]).
+    #[inline]
     pub(super) fn at(&mut self, i: u32) -> &mut KeyAccess {
         &mut self.keys[i as usize]
     }
 
     /// The entry at index `i` (from [`Self::commit_order`]).
+    #[inline]
     pub(super) fn entry(&self, i: u32) -> &KeyAccess {
         &self.keys[i as usize]
     }
 
     /// Marks the entry at `i` accessed: `true` (and it gets the next index of its group's
     /// first-access order) if this is its first access.
+    #[inline(always)]
     pub(super) fn see(&mut self, i: u32) -> bool {
         let a = &mut self.keys[i as usize];
         if a.seen.is_some() {
@@ -255,6 +260,18 @@ impl RequestAccess {
         if self.seen_per_group.len() > 1 && out.iter().all(|e| position(e).is_some()) {
             out.sort_by_key(position);
         }
+    }
+
+    /// The first-access order itself when it is [`Self::commit_order`] (the common case, read
+    /// in place): one group at most, and not every key with a position.
+    pub(super) fn first_access_commits(&self) -> Option<&[u32]> {
+        let unsorted = self.seen_per_group.len() <= 1
+            && (self.order.is_empty()
+                || self
+                    .order
+                    .iter()
+                    .any(|&e| self.keys[e as usize].position.is_none()));
+        unsorted.then_some(self.order.as_slice())
     }
 
     /// The keys of [`Self::commit_order`] (tests).

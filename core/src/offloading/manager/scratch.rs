@@ -1,4 +1,4 @@
-//! The manager's working buffers: per-call lists (scope indices, marks, candidates, the sorted
+//! The manager's working buffers: per-call lists (scope indices, candidates, the sorted
 //! offer, eviction victims) reused from call to call, and the storage of finished requests'
 //! scopes, so that a call allocates only what it returns.
 //!
@@ -15,32 +15,22 @@ use super::types::OffloadKey;
 /// How many finished requests' scopes are kept for reuse.
 pub(super) const SPARE_SCOPES: usize = 16;
 
-/// What a call does with one of its keys in the request's scope (`record_access`).
-#[derive(Clone, Copy, Debug, Eq, PartialEq)]
-pub(super) enum Mark {
-    /// Not recorded.
-    Skip,
-    /// Recorded as an access.
-    Recorded,
-    /// Recorded as an access, and reused (a load, or a ready key in a store offer).
-    Reused,
-}
-
 /// Reused per-call buffers. See the module docs.
 #[derive(Default)]
 pub(super) struct Scratch {
     /// Each key's index in the request's scope (`RequestAccess::admit`).
     pub(super) at: Vec<u32>,
-    /// Per key of the call: recorded, reused or neither (`record_access`).
-    pub(super) marks: Vec<Mark>,
     /// Store candidates: indices into the call's keys (`prepare_store`).
     pub(super) candidates: Vec<usize>,
     /// Arena slots of the offered keys that are stored, flagged `offered` for the call
     /// (`prepare_store`: eviction protection).
     pub(super) offered: Vec<u32>,
-    /// Arena slots chosen for eviction (the policies' `evict`), or whose pins a call took.
+    /// Arena slots of the ghosts that react to a store miss (`prepare_store`).
+    pub(super) ghosts: Vec<u32>,
+    /// Arena slots chosen for eviction (the policies' `evict`), whose pins a call took, or of
+    /// a finished request's keys (ARC's `commit_run`).
     pub(super) slots: Vec<u32>,
-    /// Keys with their positions for the LRU's provisional ranks (`record_access`).
+    /// Keys with their positions for the LRU's provisional ranks (`record_load`, `prepare_store`).
     pub(super) ranked: Vec<(OffloadKey, u32)>,
     /// A finished request's scope entries in commit order (`on_request_finished`).
     pub(super) order: Vec<u32>,
