@@ -26,6 +26,9 @@ use super::wire::{Down, Up, WireError, read_frame, write_frame};
 /// How long a started worker has to connect and say hello.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// How long the engine waits for a worker's reason to stop once sending to it failed.
+const LAST_WORD_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// The engine's end of one worker process.
 #[derive(Debug)]
 pub(crate) struct WorkerLink {
@@ -158,10 +161,20 @@ impl WorkerLink {
                             forget: (*m.forget).clone(),
                         };
                         if let Err(e) = write_frame(&mut wr, &frame).await {
-                            let why = format!("sending a step: {e}");
-                            let _ = reports
-                                .send(failed(rank, current, RunError::Worker { rank, why }))
-                                .await;
+                            // A worker that stopped on an error sent its reason before it closed
+                            // the connection: report that, not the broken pipe it left behind.
+                            let report = match last_word(&mut frames).await {
+                                Some((step, message)) => RankReport {
+                                    rank,
+                                    step,
+                                    output: Err(RunError::Remote { rank, message }),
+                                },
+                                None => failed(rank, current, RunError::Worker {
+                                    rank,
+                                    why: format!("sending a step: {e}"),
+                                }),
+                            };
+                            let _ = reports.send(report).await;
                             break None;
                         }
                     }
@@ -220,6 +233,24 @@ fn failed(rank: u32, step: Option<kvrelay_core::StepId>, e: RunError) -> RankRep
         step: step.unwrap_or(kvrelay_core::StepId(u64::MAX)),
         output: Err(e),
     }
+}
+
+/// The reason a worker sent for stopping (`Up::Failed`), if one comes before its connection
+/// ends; waits at most [`LAST_WORD_TIMEOUT`] (a worker whose socket broke is gone or going).
+async fn last_word(
+    frames: &mut mpsc::Receiver<Result<Up, WireError>>,
+) -> Option<(kvrelay_core::StepId, String)> {
+    tokio::time::timeout(LAST_WORD_TIMEOUT, async {
+        while let Some(Ok(f)) = frames.recv().await {
+            if let Up::Failed { step, message } = f {
+                return Some((step, message));
+            }
+        }
+        None
+    })
+    .await
+    .ok()
+    .flatten()
 }
 
 async fn drain_stats(frames: &mut mpsc::Receiver<Result<Up, WireError>>) -> Option<RankStats> {
