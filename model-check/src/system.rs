@@ -819,10 +819,11 @@ impl SystemConfig {
 
     /// A larger configuration: 3 ranks, 3 requests, preemption and resumption from offloaded
     /// chunks (a tight GPU pool), async scheduling depth 2; no abort (with one, the space does
-    /// not finish in 10 minutes on 2 cores, even with partial-order reduction: 6.8 M unique
-    /// states by then). Exhaustive with symmetry over ranks and partial-order reduction in
-    /// about 10 minutes on 2 shared cores: `kvrelay check --config deep --symmetry` (5.2 M
-    /// unique states; 11.5 M before the engine step and without the reduction). With the P/D
+    /// not finish in 10 minutes on 2 cores, even with partial-order reduction: it holds more
+    /// than 43 M unique states). Exhaustive with symmetry over ranks and partial-order
+    /// reduction in about 3 minutes on 2 shared cores: `kvrelay check --config deep
+    /// --symmetry` (5.2 M unique states; 11.5 M before the engine step and without the
+    /// reduction). With the P/D
     /// connector (decode side) and one load
     /// failure: `kvrelay check --connector pd --pd-role decode --config deep --symmetry` (6.1 M
     /// unique states, about 5 minutes, measured likewise).
