@@ -321,23 +321,14 @@ impl CpuOffloadingManager {
             }
             return;
         }
-        // First accesses, and of them those with a position (for the LRU).
+        // First accesses, and of them those with a position (for the LRU); every key reused.
         let mut first = false;
-        for (&e, k) in at.iter().zip(keys) {
-            if ctx.see(e) {
-                first = true;
-                if let Some(p) = ctx.at(e).position {
-                    ranked.push((*k, p));
-                }
-            }
+        for &e in at.iter() {
+            first |= ctx.record(e, true, ranked);
         }
         if first {
             self.policy
                 .on_request_access(&mut self.arena, ranked, &mut ctx.lru_rank);
-        }
-        for &e in at.iter() {
-            let a = ctx.at(e);
-            a.reused |= !a.inserted;
         }
     }
 
@@ -464,16 +455,7 @@ impl CpuOffloadingManager {
                 continue;
             }
             if scoped {
-                if ctx.see(e) {
-                    first = true;
-                    if let Some(p) = ctx.at(e).position {
-                        ranked.push((*k, p));
-                    }
-                }
-                if reused {
-                    let a = ctx.at(e);
-                    a.reused |= !a.inserted;
-                }
+                first |= ctx.record(e, reused, ranked);
             } else if let Some(p) = ctx.at(e).position {
                 ranked.push((*k, p));
             }

@@ -238,6 +238,28 @@ impl RequestAccess {
         true
     }
 
+    /// Records the entry at `i` as accessed by the request (one key of
+    /// `_record_request_cache_access`): a first access with a position goes to `ranked` (the
+    /// LRU's provisional ranks), and a `reused` key this request did not insert is marked
+    /// reused. `true` if this was its first access.
+    #[inline(always)]
+    pub(super) fn record(
+        &mut self,
+        i: u32,
+        reused: bool,
+        ranked: &mut Vec<(OffloadKey, u32)>,
+    ) -> bool {
+        let first = self.see(i);
+        let a = &mut self.keys[i as usize];
+        if first && let Some(p) = a.position {
+            ranked.push((a.key, p));
+        }
+        if reused {
+            a.reused |= !a.inserted;
+        }
+        first
+    }
+
     /// The accessed entries (indices for [`Self::entry`]) into `out`, in the order a finished
     /// request commits them (vLLM's `order_request_keys`): per group (groups ascending) in
     /// first-access order, a group sorted by position when all its keys have one; then, when
