@@ -2131,9 +2131,7 @@ impl<P: Connectors> SystemModel<P> {
                 moves.push((SystemAction::Deliver, d));
             }
             if z.scheduler().has_requests() && (z.steps.len() as u32) < self.config.async_depth {
-                let mut u = z.clone();
-                self.schedule(&mut u);
-                self.check(&mut u, Some(&z));
+                let u = self.next_state(&z, SystemAction::Schedule)?;
                 side.idle_schedule |= u.ghost.idle != 0;
                 moves.push((SystemAction::Schedule, u));
             }
@@ -2183,7 +2181,6 @@ impl<P: Connectors> SystemModel<P> {
         next: &SystemState<P>,
         side: &EngineSide,
     ) -> bool {
-        let observed = |p: &str| self.observes(p);
         let starts = next.ranks[rank].in_flight.len() > s.ranks[rank].in_flight.len();
         if side.idle_schedule && (starts || !matches!(action, SystemAction::Run(_))) {
             return false;
@@ -2216,12 +2213,12 @@ impl<P: Connectors> SystemModel<P> {
                 match t.transfer.direction {
                     TransferDirection::Store => {
                         s.ghost.delayed_free
-                            || !observed(property_names::DELAYED_FREE)
+                            || !self.observes(property_names::DELAYED_FREE)
                             || !side.finished_moves.get(req).copied().unwrap_or(true)
                     }
                     TransferDirection::Load => {
                         s.ghost.resumed_from_offload
-                            || !observed(property_names::RESUMED_FROM_OFFLOAD)
+                            || !self.observes(property_names::RESUMED_FROM_OFFLOAD)
                             || !side.preempted_moves.get(req).copied().unwrap_or(true)
                     }
                 }
@@ -2581,7 +2578,7 @@ impl<P: Connectors> Model for SystemModel<P> {
 
     fn properties(&self) -> Vec<Property<Self>> {
         use property_names as n;
-        let expected = self.pair.expected_examples(&self.config);
+        let expected = &self.observed;
         // Each property reports its first discovery only (see `discovered`); `slot` numbers them.
         let mut all = vec![
             Property::always(n::PROTOCOL, |m: &Self, s: &SystemState<P>| {
