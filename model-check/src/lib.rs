@@ -68,7 +68,8 @@
 //! | `explain` | [`Explain`], what a model says about itself | `trace` |
 //! | `shared` | [`Shared`], a state part successors share until one writes it | — |
 //! | `memo` | successors computed ahead (for the partial-order reduction), kept per thread | — |
-//! | `runner` | [`check`], [`check_with_symmetry`], [`serve_explorer`], [`CheckReport`] | `explain`, `trace` |
+//! | `search` | kvrelay's own depth-first search with symmetry (a stateright `Checker`) | — |
+//! | `runner` | [`check`], [`check_with_symmetry`], [`serve_explorer`], [`CheckReport`] | `explain`, `search`, `trace` |
 //! | `completion` | [`CompletionModel`] | `explain`, `trace` |
 //! | `system` | [`SystemModel`], [`Connectors`], [`OffloadingPair`], [`remote_slot`] | `explain`, `memo`, `shared`, `trace` |
 //! | `pd` | [`PdPair`] | `system` |
@@ -88,6 +89,7 @@ mod memo;
 mod multi_pair;
 mod pd;
 mod runner;
+mod search;
 mod shared;
 mod system;
 mod trace;

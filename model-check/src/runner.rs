@@ -19,6 +19,7 @@ use stateright::{
 };
 
 use crate::explain::Explain;
+use crate::search::{self, Limits, SymmetricDfs};
 use crate::trace::{TraceStep, mermaid_with_final_note};
 
 /// How often `on_progress` is called while a check runs.
@@ -272,9 +273,14 @@ pub fn check<M: Explain + Send + Sync + 'static>(
 
 /// [`check`] with symmetry reduction: states are deduplicated by their
 /// [`Representative::representative`] (e.g. ranks sorted), so `unique_states` counts
-/// equivalence classes. Stateright 0.31 only honours symmetry in depth-first search, so this
-/// always searches depth-first, whatever `options.strategy` says ([`CheckReport::strategy`]
-/// records it); counterexamples are therefore not shortest.
+/// equivalence classes. This always searches depth-first, whatever `options.strategy` says
+/// ([`CheckReport::strategy`] records it); counterexamples are therefore not shortest.
+///
+/// A model whose properties are all `always` or `sometimes` (every model of this crate) is
+/// checked by kvrelay's own depth-first search (`search.rs`): the states stateright's
+/// depth-first checker visits with symmetry, without a path per state and with one
+/// fingerprint per new state. A model with an `eventually` property is checked by
+/// stateright's.
 pub fn check_with_symmetry<M>(
     model: M,
     options: &CheckOptions,
@@ -284,9 +290,23 @@ where
     M: Explain + Send + Sync + 'static,
     M::State: Representative,
 {
-    let builder = configure(model.checker(), options).symmetry();
+    if !search::supports(&model) {
+        let builder = configure(model.checker(), options).symmetry();
+        return drive(
+            builder.spawn_dfs(),
+            options,
+            Strategy::Dfs,
+            true,
+            on_progress,
+        );
+    }
+    let limits = Limits {
+        threads: options.threads.max(1),
+        target_max_depth: options.target_max_depth.filter(|&d| d > 0),
+        stop_at_first_violation: options.stop_at_first_violation,
+    };
     drive(
-        builder.spawn_dfs(),
+        SymmetricDfs::spawn(model, limits),
         options,
         Strategy::Dfs,
         true,
