@@ -9,29 +9,27 @@
 //! `model-check/tests` hold with either). What it does not do is what made stateright's search
 //! cost more than the model on the deep configurations:
 //!
-//! - **No path per state.** Stateright keeps, with every state waiting on the stack, the action
-//!   indices of its whole path from the initial state, copied for every successor. Here the
-//!   visited set maps a fingerprint to its *parent*: the fingerprint it was reached from and the
-//!   index of the action taken ([`Visited`]). A discovery's path is rebuilt once, at the end,
-//!   by walking the parents back to an initial state and replaying the actions forward (the
-//!   model's `actions` and `next_state` are deterministic, and the state explored under a
-//!   fingerprint is the first one inserted, whose parent is recorded with it).
+//! - **No path copied per state.** Stateright keeps, with every state waiting on the stack, the
+//!   action indices of its whole path from the initial state, copied for every successor. Here
+//!   a waiting state holds one shared link to its parent's ([`Link`]: the action index taken,
+//!   and the parent's link), so a path costs one small allocation per new state and lives only
+//!   as long as a state below it waits. A discovery keeps its link; its path is replayed
+//!   forward once, at the end (the model's `actions` and `next_state` are deterministic), and
+//!   must end in a state of the discovery's fingerprint.
 //! - **One fingerprint per new state.** Stateright hashes the representative and then the
 //!   state itself, whose fingerprint it never reads.
 //! - **Work shared only when a thread is hungry.** Threads keep their own stacks and hand half of
 //!   theirs (the oldest states, nearest the root) to the pool only when another thread waits;
 //!   the visited set is sharded by fingerprint bits, one lock per shard.
 //!
-//! Memory is about 30 bytes per unique state (fingerprint, parent, action index in a hash
-//! table) plus the states on the threads' stacks; stateright's set holds 8 bytes per state and
-//! its stacks hold paths.
+//! The visited set holds fingerprints only (8 bytes per unique state in a hash table, as
+//! stateright's); the threads' stacks hold states and their links.
 //!
 //! `eventually` properties (stateright tracks them per path) are not supported: a model with
 //! one is checked by stateright's checker instead ([`supports`]).
 
 use core::hash::{BuildHasherDefault, Hash, Hasher};
-use std::collections::HashMap;
-use std::collections::hash_map::Entry;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -93,19 +91,32 @@ impl Hasher for Identity {
     }
 }
 
-/// Where a state was first reached from: its parent's fingerprint (0 for an initial state) and
-/// the index of the action taken there (for an initial state, its index among the initial
-/// states).
-#[derive(Clone, Copy, Debug)]
-struct Parent {
-    from: u64,
+/// How a waiting state was reached: the index of the action taken in its parent (for an
+/// initial state, its index among the initial states) and the parent's link (`None` for an
+/// initial state).
+#[derive(Debug)]
+struct Link {
     action: u32,
+    parent: Option<Arc<Link>>,
+}
+
+impl Drop for Link {
+    /// Unlinks iteratively: a long path dropped recursively could exhaust the stack.
+    fn drop(&mut self) {
+        let mut next = self.parent.take();
+        while let Some(link) = next {
+            next = match Arc::try_unwrap(link) {
+                Ok(mut only) => only.parent.take(),
+                Err(_) => None,
+            };
+        }
+    }
 }
 
 /// One shard of the visited set.
-type Shard = HashMap<u64, Parent, BuildHasherDefault<Identity>>;
+type Shard = HashSet<u64, BuildHasherDefault<Identity>>;
 
-/// The visited set: fingerprint → [`Parent`], sharded.
+/// The visited set of fingerprints, sharded.
 struct Visited {
     shards: Box<[Mutex<Shard>]>,
 }
@@ -124,19 +135,9 @@ impl Visited {
         self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Records `fp`; `false` if it was already there (the first parent stays).
-    fn insert(&self, fp: u64, parent: Parent) -> bool {
-        match self.shard(fp).entry(fp) {
-            Entry::Vacant(v) => {
-                v.insert(parent);
-                true
-            }
-            Entry::Occupied(_) => false,
-        }
-    }
-
-    fn parent(&self, fp: u64) -> Option<Parent> {
-        self.shard(fp).get(&fp).copied()
+    /// Records `fp`; `false` if it was already there.
+    fn insert(&self, fp: u64) -> bool {
+        self.shard(fp).insert(fp)
     }
 }
 
@@ -147,11 +148,13 @@ struct Pool<S> {
     closed: bool,
 }
 
-/// A state waiting to be expanded: the state, its representative's fingerprint, its depth.
+/// A state waiting to be expanded: the state, its representative's fingerprint, its depth, how
+/// it was reached.
 struct Frame<S> {
     state: S,
     fp: u64,
     depth: usize,
+    link: Arc<Link>,
 }
 
 struct Common<M: Model> {
@@ -166,8 +169,9 @@ struct Common<M: Model> {
     stop: AtomicBool,
     /// Threads still running.
     running: AtomicUsize,
-    /// Property name → the fingerprint of the state that discovered it, first one only.
-    discoveries: Mutex<Vec<(&'static str, u64)>>,
+    /// Property name → the fingerprint of the state that discovered it and its link, first one
+    /// only.
+    discoveries: Mutex<Vec<(&'static str, u64, Arc<Link>)>>,
     pool: Mutex<Pool<M::State>>,
     wake: Condvar,
 }
@@ -214,16 +218,17 @@ where
             }
             common.states.fetch_add(1, Ordering::Relaxed);
             let fp = fingerprint(&s.representative());
-            let parent = Parent {
-                from: 0,
-                action: i as u32,
-            };
-            if common.visited.insert(fp, parent) {
+            if common.visited.insert(fp) {
                 common.unique.fetch_add(1, Ordering::Relaxed);
+                let link = Arc::new(Link {
+                    action: i as u32,
+                    parent: None,
+                });
                 first.push(Frame {
                     state: s,
                     fp,
                     depth: 1,
+                    link,
                 });
             }
         }
@@ -270,14 +275,20 @@ where
             }
             let (mut states, mut unique) = (0, 0);
             for _ in 0..BLOCK {
-                let Some(Frame { state, fp, depth }) = stack.pop() else {
+                let Some(Frame {
+                    state,
+                    fp,
+                    depth,
+                    link,
+                }) = stack.pop()
+                else {
                     break;
                 };
                 max_depth = max_depth.max(depth);
                 if self.limits.target_max_depth.is_some_and(|d| depth >= d) {
                     continue;
                 }
-                if !self.evaluate(&properties, &state, fp) {
+                if !self.evaluate(&properties, &state, fp, &link) {
                     continue;
                 }
                 model.actions(&state, &mut actions);
@@ -290,16 +301,17 @@ where
                     }
                     states += 1;
                     let next_fp = fingerprint(&next.representative());
-                    let parent = Parent {
-                        from: fp,
-                        action: i as u32,
-                    };
-                    if self.visited.insert(next_fp, parent) {
+                    if self.visited.insert(next_fp) {
                         unique += 1;
+                        let link = Arc::new(Link {
+                            action: i as u32,
+                            parent: Some(Arc::clone(&link)),
+                        });
                         stack.push(Frame {
                             state: next,
                             fp: next_fp,
                             depth: depth + 1,
+                            link,
                         });
                     }
                 }
@@ -327,7 +339,13 @@ where
     /// Evaluates every property on `state` (fingerprint `fp`), recording first discoveries;
     /// `false` when nothing is left to learn from its successors (every property discovered
     /// here, as stateright decides).
-    fn evaluate(&self, properties: &[Property<M>], state: &M::State, fp: u64) -> bool {
+    fn evaluate(
+        &self,
+        properties: &[Property<M>],
+        state: &M::State,
+        fp: u64,
+        link: &Arc<Link>,
+    ) -> bool {
         let model = &*self.model;
         let mut awaiting = false;
         for p in properties {
@@ -338,8 +356,8 @@ where
             };
             if found {
                 let mut d = self.discoveries.lock().unwrap_or_else(|e| e.into_inner());
-                if !d.iter().any(|(name, _)| *name == p.name) {
-                    d.push((p.name, fp));
+                if !d.iter().any(|(name, ..)| *name == p.name) {
+                    d.push((p.name, fp, Arc::clone(link)));
                 }
             } else {
                 awaiting = true;
@@ -351,7 +369,7 @@ where
     /// Whether the run is done with what it was asked (see [`Limits::stop_at_first_violation`]).
     fn finished(&self, properties: &[Property<M>]) -> bool {
         let d = self.discoveries.lock().unwrap_or_else(|e| e.into_inner());
-        let found = |p: &Property<M>| d.iter().any(|(name, _)| *name == p.name);
+        let found = |p: &Property<M>| d.iter().any(|(name, ..)| *name == p.name);
         if self.limits.stop_at_first_violation
             && properties
                 .iter()
@@ -393,26 +411,24 @@ where
         }
     }
 
-    /// The actions from an initial state to the state of fingerprint `fp`: walks the parents
-    /// back, then replays the action indices forward.
-    fn path(&self, fp: u64) -> Path<M::State, M::Action>
+    /// The path to the state of fingerprint `fp` reached by `link`: the links back to an
+    /// initial state, then the action indices replayed forward.
+    fn path(&self, fp: u64, link: &Link) -> Path<M::State, M::Action>
     where
         M::Action: Clone + PartialEq,
         M::State: PartialEq,
     {
         let model = &*self.model;
         let mut indices = Vec::new();
-        let mut at = fp;
+        let mut at = link;
         let init = loop {
-            let parent = self
-                .visited
-                .parent(at)
-                .expect("a discovery's ancestors are all in the visited set");
-            if parent.from == 0 {
-                break parent.action as usize;
+            match &at.parent {
+                None => break at.action as usize,
+                Some(parent) => {
+                    indices.push(at.action as usize);
+                    at = parent;
+                }
             }
-            indices.push(parent.action as usize);
-            at = parent.from;
         };
         let init_state = model
             .init_states()
@@ -475,7 +491,7 @@ where
             .clone();
         found
             .into_iter()
-            .map(|(name, fp)| (name, self.common.path(fp)))
+            .map(|(name, fp, link)| (name, self.common.path(fp, &link)))
             .collect()
     }
 
