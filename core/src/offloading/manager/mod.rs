@@ -629,20 +629,15 @@ impl CpuOffloadingManager {
             return;
         };
         let ctx = self.requests.remove(i).1;
-        let slots = &mut self.scratch.slots;
         match ctx.first_access_commits() {
             Some(ordered) => self
                 .policy
-                .on_request_finished(&mut self.arena, ordered, &ctx, slots),
+                .on_request_finished(&mut self.arena, ordered, &ctx),
             None => {
                 let mut ordered = core::mem::take(&mut self.scratch.order);
                 ctx.commit_order(&mut ordered);
-                self.policy.on_request_finished(
-                    &mut self.arena,
-                    &ordered,
-                    &ctx,
-                    &mut self.scratch.slots,
-                );
+                self.policy
+                    .on_request_finished(&mut self.arena, &ordered, &ctx);
                 self.scratch.order = ordered;
             }
         }

@@ -27,8 +27,7 @@ pub(super) struct Scratch {
     pub(super) offered: Vec<u32>,
     /// Arena slots of the ghosts that react to a store miss (`prepare_store`).
     pub(super) ghosts: Vec<u32>,
-    /// Arena slots chosen for eviction (the policies' `evict`), whose pins a call took, or of
-    /// a finished request's keys (ARC's `commit_run`).
+    /// Arena slots chosen for eviction (the policies' `evict`), or whose pins a call took.
     pub(super) slots: Vec<u32>,
     /// Keys with their positions for the LRU's provisional ranks (`record_load`, `prepare_store`).
     pub(super) ranked: Vec<(OffloadKey, u32)>,
