@@ -168,14 +168,14 @@ impl CpuOffloadingManager {
                 self.evictable -= 1;
             }
         }
-        let mut ctx = self.take_ctx(access, &mut scratch);
+        let (mut ctx, open) = self.take_ctx(access, &mut scratch);
         ctx.admit(keys, &mut scratch.at);
         Self::learn_positions(&mut ctx, &scratch.at, access);
         for (&e, &s) in scratch.at.iter().zip(&scratch.slots) {
             ctx.at(e).slot = s;
         }
         self.record_load(&mut ctx, keys, &mut scratch, access);
-        self.put_ctx(access, ctx, &mut scratch);
+        self.put_ctx(open, ctx, &mut scratch);
         self.scratch.put(scratch);
         Ok(out)
     }
@@ -231,8 +231,12 @@ impl CpuOffloadingManager {
             if best.is_some_and(|b| b <= *k) {
                 continue;
             }
-            let named = keys.iter().filter(|x| *x == k).count();
-            if self.arena.chunk(k).is_none_or(|c| c.ref_cnt < named as i32) {
+            // Copies are counted only for a key pinned at all (every key is named at least
+            // once).
+            let unpinned = self.arena.chunk(k).is_none_or(|c| {
+                c.ref_cnt < 1 || c.ref_cnt < keys.iter().filter(|x| *x == k).count() as i32
+            });
+            if unpinned {
                 best = Some(*k);
             }
         }
@@ -247,31 +251,34 @@ impl CpuOffloadingManager {
     }
 
     /// The request scope for one call: the named request's, or a fresh one (dropped after the
-    /// call).
+    /// call), with its index in `requests` (`None`: the fresh one) for [`Self::put_ctx`].
     /// A new scope takes the storage of a spare one (`scratch`, taken out of the manager for
     /// the call).
-    fn take_ctx(&mut self, access: Access<'_>, scratch: &mut Scratch) -> RequestAccess {
-        let ctx = match access.request {
+    fn take_ctx(
+        &mut self,
+        access: Access<'_>,
+        scratch: &mut Scratch,
+    ) -> (RequestAccess, Option<usize>) {
+        let (ctx, open) = match access.request {
             Some(r) => match self.requests.binary_search_by_key(&r, |e| e.0) {
-                Ok(i) => core::mem::take(&mut self.requests[i].1),
+                Ok(i) => (core::mem::take(&mut self.requests[i].1), Some(i)),
                 Err(i) => {
                     self.requests.insert(i, (r, RequestAccess::default()));
-                    RequestAccess::default()
+                    (RequestAccess::default(), Some(i))
                 }
             },
-            None => RequestAccess::default(),
+            None => (RequestAccess::default(), None),
         };
         if ctx.is_blank() {
-            scratch.spare_scopes.pop().unwrap_or(ctx)
+            (scratch.spare_scopes.pop().unwrap_or(ctx), open)
         } else {
-            ctx
+            (ctx, open)
         }
     }
 
-    fn put_ctx(&mut self, access: Access<'_>, ctx: RequestAccess, scratch: &mut Scratch) {
-        let open = access
-            .request
-            .and_then(|r| self.requests.binary_search_by_key(&r, |e| e.0).ok());
+    /// Puts back the scope [`Self::take_ctx`] took (`open`: its index; `requests` has not
+    /// changed since).
+    fn put_ctx(&mut self, open: Option<usize>, ctx: RequestAccess, scratch: &mut Scratch) {
         match open {
             Some(i) => self.requests[i].1 = ctx,
             None => Self::spare_scope(scratch, ctx),
@@ -382,7 +389,7 @@ impl CpuOffloadingManager {
         }
         let mut scratch = self.scratch.take();
         let scoped = access.request.is_some();
-        let mut ctx = self.take_ctx(access, &mut scratch);
+        let (mut ctx, open) = self.take_ctx(access, &mut scratch);
         ctx.admit(keys, &mut scratch.at);
         Self::learn_positions(&mut ctx, &scratch.at, access);
         // One pass over the offer finds the store candidates (indices into `keys`, first
@@ -474,7 +481,7 @@ impl CpuOffloadingManager {
         for &s in &scratch.offered {
             self.arena.nodes[s as usize].offered = false;
         }
-        self.put_ctx(access, ctx, &mut scratch);
+        self.put_ctx(open, ctx, &mut scratch);
         self.scratch.put(scratch);
         out
     }
@@ -575,43 +582,45 @@ impl CpuOffloadingManager {
     /// them (a metadata-only removal, published only if the key is still absent when drained).
     /// Keys that are not write-pending are ignored, so repeating a call is harmless.
     pub fn complete_store(&mut self, keys: &[OffloadKey], success: bool) {
-        let mut done = Vec::new();
+        // Sized for every key at once (a repeated call, which completes none, drops it unused).
+        let mut done = Vec::with_capacity(keys.len());
+        let arena = &mut self.arena;
         for k in keys {
-            let Some(s) = self.arena.slot(k) else {
+            let Some(s) = arena.slot(k) else {
                 continue;
             };
-            let node = &mut self.arena.nodes[s as usize];
+            let node = &mut arena.nodes[s as usize];
             let Some(c) = node.chunk.as_mut() else {
                 continue;
             };
             if c.ref_cnt != -1 {
                 continue;
             }
-            self.write_pending -= 1;
             if success {
                 c.ref_cnt = 0;
-                self.evictable += 1;
             } else {
                 self.free.push(c.chunk);
                 node.chunk = None;
-                self.arena.stored -= 1;
-                self.policy.on_store_failed(&mut self.arena.nodes, s);
-                self.arena.release(s);
-            }
-            if done.capacity() == 0 {
-                done = Vec::with_capacity(keys.len());
+                arena.stored -= 1;
+                self.policy.on_store_failed(&mut arena.nodes, s);
+                arena.release(s);
             }
             done.push(*k);
         }
-        if !done.is_empty() {
-            self.events.push((
-                OffloadEvent {
-                    keys: done,
-                    removed: !success,
-                },
-                !success,
-            ));
+        if done.is_empty() {
+            return;
         }
+        self.write_pending -= done.len() as u32;
+        if success {
+            self.evictable += done.len() as u32;
+        }
+        self.events.push((
+            OffloadEvent {
+                keys: done,
+                removed: !success,
+            },
+            !success,
+        ));
     }
 
     /// Requests with an open access scope: they were named by a `prepare_*`/`touch` call and
