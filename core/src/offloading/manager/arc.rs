@@ -266,42 +266,42 @@ impl Arc {
     /// `on_request_finished` at once, when the request's keys in prefix order (`ordered`,
     /// indices into `scope`) are exactly T1's most recent nodes in that order and were only
     /// inserted by it: committing them one by one, tail to head, refreshes each in T1, which
-    /// reverses the run; `false` (nothing changed) otherwise. `slots` is a working buffer.
+    /// reverses the run; `false` (nothing changed) otherwise.
+    ///
+    /// The run is checked by walking `ordered` and T1 together from their ends: a T1 node that
+    /// holds an entry's key is that key's node (one node per key), so no key is looked up.
     pub(super) fn commit_run(
         &mut self,
-        arena: &mut Arena,
+        nodes: &mut [Node],
         ordered: &[u32],
         scope: &RequestAccess,
-        slots: &mut Vec<u32>,
     ) -> bool {
-        slots.clear();
-        let mut prev = NIL;
-        for &e in ordered {
+        let last = self.t1.tail;
+        let mut first = NIL;
+        let mut s = last;
+        for &e in ordered.iter().rev() {
             let access = scope.entry(e);
-            if !access.inserted || access.reused {
+            if !access.inserted || access.reused || s == NIL {
                 return false;
             }
-            let Some(s) = arena.slot_hinted(&access.key, access.slot) else {
-                return false;
-            };
-            let n = &arena.nodes[s as usize];
-            if n.place != Place::T1 || (prev != NIL && n.prev != prev) {
+            let n = &nodes[s as usize];
+            if n.key != access.key {
                 return false;
             }
-            prev = s;
-            slots.push(s);
+            first = s;
+            s = n.prev;
         }
-        let (Some(&first), Some(&last)) = (slots.first(), slots.last()) else {
+        if first == NIL {
             return true;
-        };
-        if last != self.t1.tail {
-            return false;
         }
-        let nodes = &mut arena.nodes;
-        let before = nodes[first as usize].prev;
-        for &s in slots.iter() {
+        // `s` is the node before the run. Each node's links swap, walking the run from its
+        // first node by the old `next` links (the new `prev` ones).
+        let before = s;
+        let mut s = first;
+        for _ in 0..ordered.len() {
             let n = &mut nodes[s as usize];
             core::mem::swap(&mut n.prev, &mut n.next);
+            s = n.prev;
         }
         nodes[last as usize].prev = before;
         nodes[first as usize].next = NIL;

@@ -247,12 +247,13 @@ pub(super) struct KeyIndex {
 
 /// Where `k` starts its probe in a table of `len` (a power of two) positions: Fibonacci
 /// hashing — one multiplication by 2⁶⁴/φ, top bits — under a fixed (unseeded) constant, so it
-/// is deterministic; it spreads sequential ids as well as random hashes.
+/// is deterministic; it spreads sequential ids as well as random hashes. (An empty table, `len`
+/// 0, gets a position beyond it.)
 #[inline]
 pub(super) fn home_of(k: &OffloadKey, len: usize) -> usize {
     const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
     let x = (k.hash.0 ^ u64::from(k.group).wrapping_mul(PHI)).wrapping_mul(PHI);
-    // `len` ≥ 2, so the shift is at most 63.
+    // `len` ≥ 2 or 0, so the shift is at most 63 (0 for an empty table).
     (x >> (64 - len.trailing_zeros())) as usize
 }
 
@@ -298,10 +299,8 @@ impl KeyIndex {
     /// The slot of the live node holding `k`.
     #[inline]
     fn get(&self, nodes: &[Node], k: &OffloadKey) -> Option<u32> {
-        if self.heads.is_empty() {
-            return None;
-        }
-        let mut s = self.heads[home_of(k, self.heads.len())];
+        // An empty table (a default index) has no bucket to find.
+        let mut s = *self.heads.get(home_of(k, self.heads.len()))?;
         while s != NIL {
             if nodes[s as usize].key == *k {
                 return Some(s);

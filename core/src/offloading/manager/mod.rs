@@ -66,7 +66,7 @@ use alloc::vec::Vec;
 use self::arena::{Arena, Chunk, NIL, Place};
 use self::policy::Policy;
 use self::scope::RequestAccess;
-use self::scratch::{SPARE_SCOPES, Scratch};
+use self::scratch::{SPARE_SCOPES, Scratch, ScratchBox};
 use crate::RequestId;
 
 pub use self::types::{
@@ -96,7 +96,7 @@ pub struct CpuOffloadingManager {
     tracker_tick: u64,
     /// Working buffers reused by every call (not state: see `scratch.rs`).
     #[serde(skip)]
-    scratch: Scratch,
+    scratch: ScratchBox,
 }
 
 /// vLLM's `max_tracker_size` default.
@@ -120,7 +120,7 @@ impl CpuOffloadingManager {
             tracker: BTreeMap::new(),
             tracker_order: BTreeSet::new(),
             tracker_tick: 0,
-            scratch: Scratch::default(),
+            scratch: ScratchBox::default(),
         })
     }
 
@@ -141,7 +141,7 @@ impl CpuOffloadingManager {
         keys: &[OffloadKey],
         access: Access<'_>,
     ) -> Result<Vec<ChunkId>, ManagerError> {
-        let slots = &mut self.scratch.slots;
+        let slots = &mut self.scratch.get().slots;
         slots.clear();
         for k in keys {
             match self.arena.slot(k) {
@@ -155,7 +155,7 @@ impl CpuOffloadingManager {
                 _ => return Err(ManagerError::NotLoadable(*k)),
             }
         }
-        let mut scratch = core::mem::take(&mut self.scratch);
+        let mut scratch = self.scratch.take();
         let mut out = Vec::with_capacity(keys.len());
         for &s in &scratch.slots {
             let c = self.arena.nodes[s as usize]
@@ -168,22 +168,22 @@ impl CpuOffloadingManager {
                 self.evictable -= 1;
             }
         }
-        let mut ctx = self.take_ctx(access, &mut scratch);
+        let (mut ctx, open) = self.take_ctx(access, &mut scratch);
         ctx.admit(keys, &mut scratch.at);
         Self::learn_positions(&mut ctx, &scratch.at, access);
         for (&e, &s) in scratch.at.iter().zip(&scratch.slots) {
             ctx.at(e).slot = s;
         }
         self.record_load(&mut ctx, keys, &mut scratch, access);
-        self.put_ctx(access, ctx, &mut scratch);
-        self.scratch = scratch;
+        self.put_ctx(open, ctx, &mut scratch);
+        self.scratch.put(scratch);
         Ok(out)
     }
 
     /// Unpins what [`Self::prepare_load`] pinned. Atomic: an unpinned key changes nothing.
     pub fn complete_load(&mut self, keys: &[OffloadKey]) -> Result<(), ManagerError> {
         // One pass unpins; a key not pinned as often as it is named undoes the pass.
-        let mut slots = core::mem::take(&mut self.scratch.slots);
+        let mut slots = core::mem::take(&mut self.scratch.get().slots);
         slots.clear();
         let mut complete = true;
         for k in keys {
@@ -213,7 +213,7 @@ impl CpuOffloadingManager {
                 c.ref_cnt += 1;
             }
         }
-        self.scratch.slots = slots;
+        self.scratch.get().slots = slots;
         if complete {
             Ok(())
         } else {
@@ -231,8 +231,12 @@ impl CpuOffloadingManager {
             if best.is_some_and(|b| b <= *k) {
                 continue;
             }
-            let named = keys.iter().filter(|x| *x == k).count();
-            if self.arena.chunk(k).is_none_or(|c| c.ref_cnt < named as i32) {
+            // Copies are counted only for a key pinned at all (every key is named at least
+            // once).
+            let unpinned = self.arena.chunk(k).is_none_or(|c| {
+                c.ref_cnt < 1 || c.ref_cnt < keys.iter().filter(|x| *x == k).count() as i32
+            });
+            if unpinned {
                 best = Some(*k);
             }
         }
@@ -247,31 +251,34 @@ impl CpuOffloadingManager {
     }
 
     /// The request scope for one call: the named request's, or a fresh one (dropped after the
-    /// call).
+    /// call), with its index in `requests` (`None`: the fresh one) for [`Self::put_ctx`].
     /// A new scope takes the storage of a spare one (`scratch`, taken out of the manager for
     /// the call).
-    fn take_ctx(&mut self, access: Access<'_>, scratch: &mut Scratch) -> RequestAccess {
-        let ctx = match access.request {
+    fn take_ctx(
+        &mut self,
+        access: Access<'_>,
+        scratch: &mut Scratch,
+    ) -> (RequestAccess, Option<usize>) {
+        let (ctx, open) = match access.request {
             Some(r) => match self.requests.binary_search_by_key(&r, |e| e.0) {
-                Ok(i) => core::mem::take(&mut self.requests[i].1),
+                Ok(i) => (core::mem::take(&mut self.requests[i].1), Some(i)),
                 Err(i) => {
                     self.requests.insert(i, (r, RequestAccess::default()));
-                    RequestAccess::default()
+                    (RequestAccess::default(), Some(i))
                 }
             },
-            None => RequestAccess::default(),
+            None => (RequestAccess::default(), None),
         };
         if ctx.is_blank() {
-            scratch.spare_scopes.pop().unwrap_or(ctx)
+            (scratch.spare_scopes.pop().unwrap_or(ctx), open)
         } else {
-            ctx
+            (ctx, open)
         }
     }
 
-    fn put_ctx(&mut self, access: Access<'_>, ctx: RequestAccess, scratch: &mut Scratch) {
-        let open = access
-            .request
-            .and_then(|r| self.requests.binary_search_by_key(&r, |e| e.0).ok());
+    /// Puts back the scope [`Self::take_ctx`] took (`open`: its index; `requests` has not
+    /// changed since).
+    fn put_ctx(&mut self, open: Option<usize>, ctx: RequestAccess, scratch: &mut Scratch) {
         match open {
             Some(i) => self.requests[i].1 = ctx,
             None => Self::spare_scope(scratch, ctx),
@@ -380,9 +387,9 @@ impl CpuOffloadingManager {
         if threshold >= 2 {
             self.track_offer(keys);
         }
-        let mut scratch = core::mem::take(&mut self.scratch);
+        let mut scratch = self.scratch.take();
         let scoped = access.request.is_some();
-        let mut ctx = self.take_ctx(access, &mut scratch);
+        let (mut ctx, open) = self.take_ctx(access, &mut scratch);
         ctx.admit(keys, &mut scratch.at);
         Self::learn_positions(&mut ctx, &scratch.at, access);
         // One pass over the offer finds the store candidates (indices into `keys`, first
@@ -398,7 +405,7 @@ impl CpuOffloadingManager {
             ranked,
             ghosts,
             ..
-        } = &mut scratch;
+        } = &mut *scratch;
         candidates.clear();
         offered.clear();
         ranked.clear();
@@ -460,9 +467,6 @@ impl CpuOffloadingManager {
                 ranked.push((*k, p));
             }
         }
-        for &i in candidates.iter() {
-            ctx.at(at[i]).candidate = false;
-        }
         // Only ARC has ghosts (LRU's `on_store_miss` is `touch` of absent keys: nothing to
         // do); they react tail to head.
         for &s in ghosts.iter().rev() {
@@ -477,14 +481,14 @@ impl CpuOffloadingManager {
         for &s in &scratch.offered {
             self.arena.nodes[s as usize].offered = false;
         }
-        self.put_ctx(access, ctx, &mut scratch);
-        self.scratch = scratch;
+        self.put_ctx(open, ctx, &mut scratch);
+        self.scratch.put(scratch);
         out
     }
 
     /// Reserves chunks for `scratch.candidates` (indices into the call's `keys`, scope indices
-    /// `scratch.at`, whose entries hold their ghost's slot or `NIL`); eviction skips the
-    /// `offered` keys.
+    /// `scratch.at`, whose entries hold their ghost's slot or `NIL` and are flagged
+    /// `candidate`: the flags are cleared here); eviction skips the `offered` keys.
     fn allocate(
         &mut self,
         ctx: &mut RequestAccess,
@@ -506,16 +510,23 @@ impl CpuOffloadingManager {
             .saturating_sub(self.num_free_chunks() as usize);
         let mut evicted = Vec::new();
         if need > 0 {
-            if need > self.evictable as usize {
+            let victims = if need > self.evictable as usize {
+                None
+            } else {
+                self.policy.evict(
+                    &mut self.arena,
+                    &mut self.free,
+                    need,
+                    self.config.capacity_chunks,
+                    slots,
+                )
+            };
+            let Some(victims) = victims else {
+                for &i in candidates.iter() {
+                    ctx.at(at[i]).candidate = false;
+                }
                 return None;
-            }
-            let victims = self.policy.evict(
-                &mut self.arena,
-                &mut self.free,
-                need,
-                self.config.capacity_chunks,
-                slots,
-            )?;
+            };
             self.evictable -= victims.len() as u32;
             self.events.push((
                 OffloadEvent {
@@ -527,30 +538,24 @@ impl CpuOffloadingManager {
             evicted = victims;
         }
         // Fresh chunks first, then freed ones, most recently freed first.
-        let (capacity, next_fresh, free) = (
-            self.config.capacity_chunks,
-            &mut self.next_fresh,
-            &mut self.free,
-        );
-        let chunks: Vec<ChunkId> = candidates
-            .iter()
-            .map(|_| {
-                if *next_fresh < capacity {
-                    *next_fresh += 1;
-                    ChunkId(*next_fresh - 1)
-                } else {
-                    free.pop()
-                        .expect("`need` was computed so that enough chunks are free")
-                }
-            })
-            .collect();
-        let keys_to_store: Vec<OffloadKey> = candidates.iter().map(|&i| keys[i]).collect();
-        for (&i, &chunk) in candidates.iter().zip(&chunks) {
+        let capacity = self.config.capacity_chunks;
+        let mut keys_to_store = Vec::with_capacity(candidates.len());
+        let mut chunks = Vec::with_capacity(candidates.len());
+        for &i in candidates.iter() {
+            let chunk = if self.next_fresh < capacity {
+                self.next_fresh += 1;
+                ChunkId(self.next_fresh - 1)
+            } else {
+                self.free
+                    .pop()
+                    .expect("`need` was computed so that enough chunks are free")
+            };
             let k = keys[i];
-            let entry = ctx.at(at[i]);
+            keys_to_store.push(k);
+            chunks.push(chunk);
             // The ghost's node, unless the eviction trimmed it (its slot is then free, or
             // another candidate's); an absent key gained no node since the offer was read.
-            let ghost = entry.slot;
+            let ghost = ctx.at(at[i]).slot;
             let s = match self.arena.nodes.get(ghost as usize) {
                 Some(n) if n.key == k && n.place != Place::Free => ghost,
                 _ => self.arena.alloc(k),
@@ -560,6 +565,7 @@ impl CpuOffloadingManager {
             let entry = ctx.at(at[i]);
             entry.slot = s;
             entry.inserted |= scoped;
+            entry.candidate = false;
             let position = entry.position;
             self.policy
                 .insert(&mut self.arena.nodes, s, position, &mut ctx.lru_rank);
@@ -576,43 +582,45 @@ impl CpuOffloadingManager {
     /// them (a metadata-only removal, published only if the key is still absent when drained).
     /// Keys that are not write-pending are ignored, so repeating a call is harmless.
     pub fn complete_store(&mut self, keys: &[OffloadKey], success: bool) {
-        let mut done = Vec::new();
+        // Sized for every key at once (a repeated call, which completes none, drops it unused).
+        let mut done = Vec::with_capacity(keys.len());
+        let arena = &mut self.arena;
         for k in keys {
-            let Some(s) = self.arena.slot(k) else {
+            let Some(s) = arena.slot(k) else {
                 continue;
             };
-            let node = &mut self.arena.nodes[s as usize];
+            let node = &mut arena.nodes[s as usize];
             let Some(c) = node.chunk.as_mut() else {
                 continue;
             };
             if c.ref_cnt != -1 {
                 continue;
             }
-            self.write_pending -= 1;
             if success {
                 c.ref_cnt = 0;
-                self.evictable += 1;
             } else {
                 self.free.push(c.chunk);
                 node.chunk = None;
-                self.arena.stored -= 1;
-                self.policy.on_store_failed(&mut self.arena.nodes, s);
-                self.arena.release(s);
-            }
-            if done.capacity() == 0 {
-                done = Vec::with_capacity(keys.len());
+                arena.stored -= 1;
+                self.policy.on_store_failed(&mut arena.nodes, s);
+                arena.release(s);
             }
             done.push(*k);
         }
-        if !done.is_empty() {
-            self.events.push((
-                OffloadEvent {
-                    keys: done,
-                    removed: !success,
-                },
-                !success,
-            ));
+        if done.is_empty() {
+            return;
         }
+        self.write_pending -= done.len() as u32;
+        if success {
+            self.evictable += done.len() as u32;
+        }
+        self.events.push((
+            OffloadEvent {
+                keys: done,
+                removed: !success,
+            },
+            !success,
+        ));
     }
 
     /// Requests with an open access scope: they were named by a `prepare_*`/`touch` call and
@@ -629,24 +637,19 @@ impl CpuOffloadingManager {
             return;
         };
         let ctx = self.requests.remove(i).1;
-        let slots = &mut self.scratch.slots;
         match ctx.first_access_commits() {
             Some(ordered) => self
                 .policy
-                .on_request_finished(&mut self.arena, ordered, &ctx, slots),
+                .on_request_finished(&mut self.arena, ordered, &ctx),
             None => {
-                let mut ordered = core::mem::take(&mut self.scratch.order);
+                let mut ordered = core::mem::take(&mut self.scratch.get().order);
                 ctx.commit_order(&mut ordered);
-                self.policy.on_request_finished(
-                    &mut self.arena,
-                    &ordered,
-                    &ctx,
-                    &mut self.scratch.slots,
-                );
-                self.scratch.order = ordered;
+                self.policy
+                    .on_request_finished(&mut self.arena, &ordered, &ctx);
+                self.scratch.get().order = ordered;
             }
         }
-        Self::spare_scope(&mut self.scratch, ctx);
+        Self::spare_scope(self.scratch.get(), ctx);
     }
 
     /// The events since the last call, in order: stored (`removed: false`) and removed keys.

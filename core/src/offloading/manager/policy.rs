@@ -124,17 +124,15 @@ impl Policy {
 
     /// A request finished: its `scope`'s entries in prefix order (`ordered`, indices into the
     /// scope); the scope says which keys it inserted and which it reused. Its keys are walked
-    /// tail to head (so the head ends most recent); absent ones are skipped. `slots` is a
-    /// working buffer.
+    /// tail to head (so the head ends most recent); absent ones are skipped.
     pub(super) fn on_request_finished(
         &mut self,
         arena: &mut Arena,
         ordered: &[u32],
         scope: &RequestAccess,
-        slots: &mut Vec<u32>,
     ) {
         if let Self::Arc(arc) = self
-            && arc.commit_run(arena, ordered, scope, slots)
+            && arc.commit_run(&mut arena.nodes, ordered, scope)
         {
             return;
         }

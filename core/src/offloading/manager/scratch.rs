@@ -6,7 +6,11 @@
 //! they are not part of the manager's state: a clone starts with empty buffers, and equality
 //! and hashing ignore them (two managers that differ only in their buffers' leftovers are the
 //! same state to the model checker).
+//!
+//! The manager keeps them boxed ([`ScratchBox`]): a call that needs them beside `&mut self`
+//! takes them out and puts them back by moving one pointer.
 
+use alloc::boxed::Box;
 use alloc::vec::Vec;
 
 use super::scope::RequestAccess;
@@ -27,8 +31,7 @@ pub(super) struct Scratch {
     pub(super) offered: Vec<u32>,
     /// Arena slots of the ghosts that react to a store miss (`prepare_store`).
     pub(super) ghosts: Vec<u32>,
-    /// Arena slots chosen for eviction (the policies' `evict`), whose pins a call took, or of
-    /// a finished request's keys (ARC's `commit_run`).
+    /// Arena slots chosen for eviction (the policies' `evict`), or whose pins a call took.
     pub(super) slots: Vec<u32>,
     /// Keys with their positions for the LRU's provisional ranks (`record_load`, `prepare_store`).
     pub(super) ranked: Vec<(OffloadKey, u32)>,
@@ -39,29 +42,53 @@ pub(super) struct Scratch {
     pub(super) spare_scopes: Vec<RequestAccess>,
 }
 
-impl Clone for Scratch {
+/// The manager's [`Scratch`], boxed; `None` until a call first needs it (and in a clone).
+#[derive(Default)]
+pub(super) struct ScratchBox(Option<Box<Scratch>>);
+
+impl ScratchBox {
+    /// Takes the buffers out for a call (see [`Self::put`]).
+    #[inline]
+    pub(super) fn take(&mut self) -> Box<Scratch> {
+        self.0.take().unwrap_or_default()
+    }
+
+    /// Puts back what [`Self::take`] took.
+    #[inline]
+    pub(super) fn put(&mut self, scratch: Box<Scratch>) {
+        self.0 = Some(scratch);
+    }
+
+    /// The buffers, in place.
+    #[inline]
+    pub(super) fn get(&mut self) -> &mut Scratch {
+        self.0.get_or_insert_default()
+    }
+}
+
+impl Clone for ScratchBox {
     /// Empty buffers: they carry nothing between calls.
     fn clone(&self) -> Self {
         Self::default()
     }
 }
 
-impl core::fmt::Debug for Scratch {
+impl core::fmt::Debug for ScratchBox {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.write_str("Scratch")
     }
 }
 
-impl PartialEq for Scratch {
+impl PartialEq for ScratchBox {
     /// Always equal: buffers are not state.
     fn eq(&self, _: &Self) -> bool {
         true
     }
 }
 
-impl Eq for Scratch {}
+impl Eq for ScratchBox {}
 
-impl core::hash::Hash for Scratch {
+impl core::hash::Hash for ScratchBox {
     /// Nothing: buffers are not state.
     fn hash<H: core::hash::Hasher>(&self, _: &mut H) {}
 }
