@@ -837,13 +837,12 @@ impl SystemConfig {
     /// A larger configuration: 3 ranks, 3 requests, preemption and resumption from offloaded
     /// chunks (a tight GPU pool), async scheduling depth 2; no abort (with one, the space does
     /// not finish in 10 minutes on 2 cores, even with partial-order reduction: it holds more
-    /// than 43 M unique states). Exhaustive with symmetry over ranks and partial-order
-    /// reduction in about 3 minutes on 2 shared cores: `kvrelay check --config deep
-    /// --symmetry` (5.2 M unique states; 11.5 M before the engine step and without the
-    /// reduction). With the P/D
-    /// connector (decode side) and one load
-    /// failure: `kvrelay check --connector pd --pd-role decode --config deep --symmetry` (6.1 M
-    /// unique states, about 5 minutes, measured likewise).
+    /// than 42 M unique states). Exhaustive with symmetry over ranks and partial-order
+    /// reduction in about a minute on 2 cores: `kvrelay check --config deep --symmetry`
+    /// (4.6 M unique states; 11.5 M before the engine step and without the reduction). With the
+    /// P/D connector (both sides: remote loads, sends) and one load failure: `kvrelay check
+    /// --connector pd --pd-role both --config deep --symmetry` (23.9 M unique states, about 5
+    /// minutes, measured likewise).
     pub fn deep() -> Self {
         Self {
             ranks: 3,

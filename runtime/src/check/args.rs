@@ -33,14 +33,14 @@ When to use what:
   kvrelay check --config deep --symmetry
                                      the larger preset (3 ranks, 3 requests, async depth 2):
                                      depth-first with symmetry over ranks and, by default with
-                                     deep, partial-order reduction (~130 MB; breadth-first
-                                     needs many GB): 5.2 million unique states, about 3
-                                     minutes on 2 shared cores. With --aborts 1 it does not
-                                     finish in 10 minutes (over 43 million unique states).
-  kvrelay check --connector pd --pd-role decode --config deep --symmetry
-                                     the same with remote loads and one load failure (last
-                                     measured likewise: 6.1 million unique states, about 5
-                                     minutes).
+                                     deep, partial-order reduction (~110 MB; breadth-first
+                                     needs many GB): 4.6 million unique states, about a
+                                     minute on 2 cores. With --aborts 1 it does not
+                                     finish in 10 minutes (over 42 million unique states).
+  kvrelay check --connector pd --pd-role both --config deep --symmetry
+                                     the same with remote loads, sends and one load failure:
+                                     23.9 million unique states, about 5 minutes on 2 cores
+                                     (~360 MB).
   --partial-order BOOL               (system model) explore only one rank's actions where they
                                      commute with everything else that can happen first; keeps
                                      every verdict. Default: on with --config deep, off with
