@@ -66,11 +66,7 @@ pub(crate) struct Limits {
 fn fingerprint<T: Hash>(value: &T) -> u64 {
     const KEY1: u64 = 123_456_789_987_654_321;
     const KEY2: u64 = 98_765_432_123_456_789;
-    // Stateright treats 0 as invalid; here 0 marks "no parent", so map it away (a collision
-    // with fingerprint 1 costs one state, as any collision does).
-    ahash::RandomState::with_seeds(KEY1, KEY2, 0, 0)
-        .hash_one(value)
-        .max(1)
+    ahash::RandomState::with_seeds(KEY1, KEY2, 0, 0).hash_one(value)
 }
 
 /// A fingerprint is already a hash: the table uses it as is.
