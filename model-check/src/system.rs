@@ -31,10 +31,15 @@
 //! # Bounding the space
 //!
 //! Requests, tokens, blocks and chunks are small and fixed by [`SystemConfig`]. Steps are not
-//! counted; instead an engine step that schedules no token is allowed only `idle_steps` times in
-//! a row without progress (an arrival, an abort, a reset, a transfer completing, a step that
-//! scheduled tokens, or a delivered output that carried anything). A correct system is
-//! quiescent when no action is left; a system that can only spin is not, and the
+//! counted; instead an *idle* engine step (one that schedules no token, preempts nothing and
+//! changes neither a request's status nor the scheduler-side connector) is allowed only
+//! `idle_steps` times in a row without progress: an arrival, an abort, a reset, a step that is
+//! not idle, or a delivered output that carried anything. Past that bound, one more step is
+//! allowed while a rank holds a completed transfer and has no step left to report it in (its
+//! next output may carry it, and a delivered output that carries it is progress). So only the
+//! engine's own actions read or write the idle counter: a rank's actions never do, and a
+//! transfer's completion is progress once it is reported, not when it happens. A correct
+//! system is quiescent when no action is left; a system that can only spin is not, and the
 //! [`property_names::QUIESCENT`] property reports it.
 //!
 //! # Partial-order reduction
@@ -52,8 +57,8 @@
 //!   in flight).
 //! - **(B)** No `Schedule` can happen before an action of `r` does: the pipeline is full
 //!   (`async_depth` steps pending, and only `Deliver` pops one), or every request arrived and
-//!   none is left. (`Schedule` reads the idle counter that `Run` and `Complete` reset: the two
-//!   do not commute.)
+//!   none is left. (Otherwise (A3) below applies: a `Schedule` may preempt or finish a
+//!   request whose witness a completion reads, which it checks.)
 //! - **(C)** No action of `T` is a failing store `Complete` (it also forgets who stored its
 //!   slots, which other ranks' stores write), and a failing load `Complete` is in `T` only under
 //!   (A), not (A2): it sets the load-failed ghost that a `Schedule` reads, and no `Schedule`
@@ -72,34 +77,36 @@
 //! - and the pair's ranks read their own external stores (not [`Connectors::shared_external`]).
 //!
 //! Instead of (A) and (B), **(A2)**: the pipeline holds two steps, the oldest is aggregated (so
-//! `Deliver` is enabled), no `Arrive` or `Reset` can happen any more, and `r` output the oldest
-//! step but not the second one. Then what can happen before `r` acts, besides other ranks'
-//! actions, is that `Deliver`, at most one `Schedule` after it (the pipeline is then full
-//! again, and the next `Deliver` needs `r`'s output), and aborts while the budget lasts, in
-//! any order. Their effects do not depend on the ranks — they read the scheduler, which
+//! `Deliver` is enabled), no `Reset` can happen any more, and `r` output the oldest step but
+//! not the second one. Then what can happen before `r` acts, besides other ranks' actions, is
+//! that `Deliver`, at most one `Schedule` after it (the pipeline is then full again, and the
+//! next `Deliver` needs `r`'s output), the arrivals still due (in id order) and aborts while
+//! the budget lasts, in any order. Their effects do not depend on the ranks — they read the scheduler, which
 //! nothing else in β changes, the oldest step's aggregated output, and the aggregator, which
 //! only the second step's aggregation changes, and that needs `r` — so the model computes
 //! every state they reach (`engine_side`, a handful: with one abort and three requests about
 //! twenty) and keeps `r` only if each of its actions commutes with each of them: what a `Run`
 //! reports is not what the `Deliver` emits (the quorum ghost resets those bits), its output
 //! does not complete the second step, a completion reads no witness input (request finished,
-//! request preempted) that they change, and, if a `Schedule` among them is an idle step (it
-//! increments the idle counter), the action does not write the counter (a `Run` that starts
-//! no transfer; an abort, like every other action, only resets it). (C), (E), (F), (G) apply
-//! as well.
+//! request preempted) that they change. The idle counter needs no check: only engine actions
+//! read or write it (see *Bounding the space*). A completion may let a `Schedule` past the
+//! idle bound (its rank then has a report due) but never stops one, and a `Run` never changes
+//! whether its rank has a report due (it needs a step to run, and a step's output collects
+//! the report), so no action of `r` disables a `Schedule`. (C), (E), (F), (G) apply as well.
 //!
 //! Instead of (B), **(A3)**: (A) without a full pipeline — the rank has not output the oldest
-//! step, the pipeline has room, and no `Arrive` or `Reset` can happen any more. What can happen
-//! before the rank acts, besides other ranks' actions, is then a `Schedule` while the pipeline
-//! has room and aborts while the budget lasts (no `Deliver`: it needs the rank's output of the
-//! oldest step). That is (A2)'s engine side without its `Deliver`, and the same `engine_side`
+//! step, the pipeline has room, and no `Reset` can happen any more. What can happen before the
+//! rank acts, besides other ranks' actions, is then a `Schedule` while the pipeline has room,
+//! the arrivals still due and aborts while the budget lasts (no `Deliver`: it needs the rank's
+//! output of the oldest step). That is (A2)'s engine side without its `Deliver`, and the same `engine_side`
 //! computes it (its `Deliver` branch needs the oldest step aggregated, which it is not) and
 //! the same checks apply: a `Schedule` only appends a step in flight and the scheduler's state,
 //! a rank's output only fills its slot of the oldest step (and aggregates it when it is the
 //! last one in, which reads no slot of a later step), so the two commute unless the
-//! `Schedule` is idle and the rank action resets the counter, or the `Schedule` preempts (or an
-//! abort finishes) a request whose witness a completion reads; (C) keeps a failing load out,
-//! as under (A2). Measured on `deep` with 2 requests (`--threads 1`): 136,880 → 116,248
+//! `Schedule` preempts (or an abort finishes) a request whose witness a completion reads; (C)
+//! keeps a failing load out, as under (A2). An `Arrive` only adds a request to the scheduler
+//! (and, for a P/D pair, seeds that request's remote slots, which no transfer reads before it
+//! is scheduled). Measured on `deep` with 2 requests (`--threads 1`): 136,880 → 116,248
 //! unique states, with one abort 1,035,979 → 868,916, P/D both sides 1,609,580 → 1,295,334
 //! (most candidates it still rejects have an idle `Schedule` in front of a rank action that
 //! resets the idle counter).
@@ -108,13 +115,13 @@
 //!
 //! **Why every verdict is kept.** Call *β* any sequence of actions from `s` that contains no
 //! action of `T`: by (A) and (B) it holds only other ranks' `Run`/`Complete`, `Arrive`,
-//! `Abort` and `Reset` (by (A2): other ranks' actions, that `Deliver`, that `Schedule` and
-//! aborts; by (A3): other ranks' actions, `Schedule`s and aborts — whose commutation with `T`
-//! (A2) and (A3) check). Each of those commutes with each action `a` of `T`, state for state:
+//! `Abort` and `Reset` (by (A2): other ranks' actions, that `Deliver`, that `Schedule`,
+//! arrivals and aborts; by (A3): other ranks' actions, `Schedule`s, arrivals and aborts — whose
+//! commutation with `T` (A2) and (A3) check). Each of those commutes with each action `a` of `T`, state for state:
 //! they write disjoint parts (another rank's driver, transfers and ghost memory; the engine's
 //! output slot of another rank; the scheduler), and where both touch the same ghost field the
-//! writes commute (the idle counter is only reset to 0 — nothing in β increments it, by (B);
-//! `flushed`, `store_failed`, `shared_loaded` are only set; `recv_reports` bits are per rank).
+//! writes commute (no rank action touches the idle counter, and an action of `T` disables no
+//! `Schedule` of β: see (A2); `flushed`, `store_failed`, `shared_loaded` are only set; `recv_reports` bits are per rank).
 //! What `a` reads is fixed along β: its own rank's state, its step (shared and immutable), and
 //! the ghost fields (C), (E), (F) cover; a `Run` reads no ghost state another part writes (the
 //! recompute witness is set when the scheduler schedules the request, not in a rank's forward
@@ -977,6 +984,9 @@ pub struct RankState<P: Connectors> {
     gpu: Vec<u64>,
     /// Ghost: the content of every external slot written so far.
     external: BTreeMap<u64, u64>,
+    /// A transfer of this rank completed since its last step output: the next output may
+    /// report it (what lets an engine step past the idle bound, see [`SystemModel`]'s docs).
+    uncollected: bool,
     /// This rank is interchangeable with the others (see the `Representative` impl).
     symmetric: bool,
 }
@@ -1072,8 +1082,6 @@ struct EngineSide {
     finished_moves: Vec<bool>,
     /// Per request: its preempted witness is not the same in every state they reach.
     preempted_moves: Vec<bool>,
-    /// One of those `Schedule`s is an idle step (it increments the idle counter).
-    idle_schedule: bool,
 }
 
 /// At most this many states are explored to compute an [`EngineSide`] (with one abort and
@@ -1430,6 +1438,7 @@ impl<P: Connectors> SystemModel<P> {
                     in_flight: Vec::new(),
                     gpu: vec![EMPTY; c.gpu_blocks as usize],
                     external: BTreeMap::new(),
+                    uncollected: false,
                     symmetric,
                 })
             })
@@ -1477,6 +1486,12 @@ impl<P: Connectors> SystemModel<P> {
         state.steps.get(usize::try_from(idx).ok()?)
     }
 
+    /// Some rank has a completed transfer to report and no step to report it in: an engine
+    /// step is then allowed past the idle bound.
+    fn report_due(&self, s: &SystemState<P>) -> bool {
+        (0..s.ranks.len()).any(|i| s.ranks[i].uncollected && self.next_step_of(s, i).is_none())
+    }
+
     fn quiescent(&self, s: &SystemState<P>) -> bool {
         s.arrived == self.config.requests
             && !s.scheduler().has_requests()
@@ -1512,7 +1527,7 @@ impl<P: Connectors> SystemModel<P> {
             && *s.scheduler().connector() == before
             && statuses(s) == statuses_before
         {
-            s.ghost.idle += 1;
+            s.ghost.idle = (s.ghost.idle + 1).min(self.config.idle_steps);
         } else {
             s.ghost.idle = 0;
         }
@@ -1565,7 +1580,6 @@ impl<P: Connectors> SystemModel<P> {
             };
             match action {
                 RankAction::Start(t) => {
-                    s.ghost.idle = 0;
                     s.ranks[rank].make_mut().in_flight.push(InFlight {
                         transfer: Arc::new(t),
                         dirty: false,
@@ -1580,6 +1594,9 @@ impl<P: Connectors> SystemModel<P> {
                 }
                 RankAction::Collect => {}
                 RankAction::Done(output) => {
+                    if s.ranks[rank].uncollected {
+                        s.ranks[rank].make_mut().uncollected = false;
+                    }
                     self.finish(s, rank, &output);
                     if let Err(e) = s.engine.make_mut().rank_output(
                         step.output.step,
@@ -1767,7 +1784,7 @@ impl<P: Connectors> SystemModel<P> {
             return;
         };
         let t = s.ranks[rank].make_mut().in_flight.remove(pos);
-        s.ghost.idle = 0;
+        s.ranks[rank].make_mut().uncollected = true;
         let domain = if self.pair.shared_external() { 0 } else { rank };
         let req = t.transfer.request;
         match (t.transfer.direction, ok) {
@@ -1944,7 +1961,7 @@ impl<P: Connectors> SystemModel<P> {
         }
         if s.scheduler().has_requests()
             && (s.steps.len() as u32) < c.async_depth
-            && s.ghost.idle < c.idle_steps
+            && (s.ghost.idle < c.idle_steps || self.report_due(s))
         {
             actions.push(SystemAction::Schedule);
         }
@@ -2017,20 +2034,18 @@ impl<P: Connectors> SystemModel<P> {
         // schedule and nothing can arrive.
         let drained = s.arrived == c.requests && !s.scheduler().has_requests();
         let oldest = s.steps.front()?.step.output.step.0;
-        // (X) For (A2): no arrival or reset can happen any more, the pipeline is full (two
-        // steps at most: `async_depth` 2) and its oldest step is aggregated.
-        let settled = s.arrived == c.requests
-            && s.resets_left == 0
-            && full
-            && s.steps.len() == 2
-            && s.engine.ready();
-        // (A3) The pipeline has room, but no arrival or reset can happen any more: what can
-        // happen before a rank that has not output the oldest step acts is a `Schedule` (while
-        // the pipeline has room) and aborts — (A2)'s engine side without its `Deliver`.
-        let open = s.arrived == c.requests && s.resets_left == 0 && !full;
+        // (X) For (A2): no reset can happen any more, the pipeline is full (two steps at
+        // most: `async_depth` 2) and its oldest step is aggregated.
+        let settled = s.resets_left == 0 && full && s.steps.len() == 2 && s.engine.ready();
+        // (A3) The pipeline has room, but no reset can happen any more: what can happen before
+        // a rank that has not output the oldest step acts is a `Schedule` (while the pipeline
+        // has room), the arrivals still due and aborts — (A2)'s engine side without its
+        // `Deliver`.
+        let open = s.resets_left == 0 && !full;
         // (A2) What can happen before the chosen rank acts: `Deliver` of the oldest step, one
         // `Schedule` after it (the pipeline is then full again and the next `Deliver` needs
-        // the rank), aborts while the budget lasts. Their effects do not depend on the ranks:
+        // the rank), the arrivals still due, aborts while the budget lasts. Their effects do
+        // not depend on the ranks:
         // computed once, here (and reused for states that differ in their ranks only).
         let mut after: Option<Option<EngineSide>> = None;
         let mut best: Option<Vec<SystemAction>> = None;
@@ -2113,14 +2128,15 @@ impl<P: Connectors> SystemModel<P> {
         best
     }
 
-    /// For (A2) and (A3): every state the engine-side actions reach from `s` — `Deliver` (enabled once:
-    /// the next one needs the chosen rank's output), `Schedule` when the pipeline has room
-    /// (whatever the idle counter says: ranks may reset it), `Abort` while the budget lasts —
-    /// in every order, summed up in an [`EngineSide`]. `None` when one of them breaks a
-    /// property, or past [`ENGINE_SIDE_BOUND`] states. None of them reads or writes a rank,
-    /// and (A2) reads only their other parts: the reduction reuses the summary for the next
-    /// state that differs from `s` in its ranks only ([`SystemState::same_but_ranks`],
-    /// `memo::derived`).
+    /// For (A2) and (A3): every state the engine-side actions reach from `s` — `Deliver`
+    /// (enabled once: the next one needs the chosen rank's output), the arrivals still due,
+    /// `Schedule` when the pipeline has room (whatever the idle bound says: another rank's
+    /// completion may let it past), `Abort` while the budget lasts — in every order, summed up
+    /// in an [`EngineSide`]. `None` when one of them breaks a property, or past
+    /// [`ENGINE_SIDE_BOUND`] states. None of them reads a rank (a P/D `Arrive` writes only the
+    /// arriving request's remote slots), and the summary reads only their other parts: the
+    /// reduction reuses it for the next state that differs from `s` in its ranks only
+    /// ([`SystemState::same_but_ranks`], `memo::derived`).
     fn engine_side(&self, s: &SystemState<P>) -> Option<EngineSide> {
         // What a store's completion reads (`complete`: the delayed-free witness).
         let finished = |x: &SystemState<P>, id: RequestId| {
@@ -2134,7 +2150,6 @@ impl<P: Connectors> SystemModel<P> {
             delivered_failed: s.ghost.recv_failed.clone(),
             finished_moves: vec![false; n],
             preempted_moves: vec![false; n],
-            idle_schedule: false,
         };
         let mut seen: Vec<SystemState<P>> = vec![s.clone()];
         let mut next = 0;
@@ -2152,9 +2167,12 @@ impl<P: Connectors> SystemModel<P> {
                 side.delivered_failed.clone_from(&d.ghost.recv_failed);
                 moves.push((SystemAction::Deliver, d));
             }
+            if z.arrived < self.config.requests {
+                let a = self.next_state(&z, SystemAction::Arrive(RequestId(z.arrived)))?;
+                moves.push((SystemAction::Arrive(RequestId(z.arrived)), a));
+            }
             if z.scheduler().has_requests() && (z.steps.len() as u32) < self.config.async_depth {
                 let u = self.next_state(&z, SystemAction::Schedule)?;
-                side.idle_schedule |= u.ghost.idle != 0;
                 moves.push((SystemAction::Schedule, u));
             }
             if z.aborts_left > 0 {
@@ -2191,10 +2209,7 @@ impl<P: Connectors> SystemModel<P> {
     /// not what the `Deliver` emits (the quorum ghost resets those), its output does not
     /// complete the next step (the `Deliver` releases ids by the aggregator's state), a
     /// completion reads no witness input (request finished, request preempted) that they
-    /// change, and if a `Schedule` is an idle step (it counts one more idle step, which an
-    /// action resetting the counter does not commute with), the action leaves the idle
-    /// counter alone: a `Run` that starts no transfer. (An abort, like a `Run` or a
-    /// completion, only ever resets the counter.)
+    /// change. (The idle counter is the engine's alone: see the module docs.)
     fn commutes_with_engine(
         &self,
         s: &SystemState<P>,
@@ -2203,10 +2218,6 @@ impl<P: Connectors> SystemModel<P> {
         next: &SystemState<P>,
         side: &EngineSide,
     ) -> bool {
-        let starts = next.ranks[rank].in_flight.len() > s.ranks[rank].in_flight.len();
-        if side.idle_schedule && (starts || !matches!(action, SystemAction::Run(_))) {
-            return false;
-        }
         match *action {
             SystemAction::Run(_) => {
                 let second = s.steps.get(1).map(|st| st.step.output.step);

@@ -66,7 +66,13 @@ fn ci_config_explores_exhaustively_and_every_property_holds() {
     // block, LRU, synchronous, one abort, ordered completions, 1 idle step, no faults). 16,697
     // until the model ran on the core's engine step, which keeps a step's aggregated output in
     // place of the ranks' outputs it was folded from (states that differed only there are one).
-    assert_eq!(report.unique_states, 16_266);
+    // 16,266 until the idle bound became the engine's own (issue 23, `system.rs` module docs,
+    // *Bounding the space*): a transfer's completion or start no longer resets the idle
+    // counter; a completion is progress once a delivered output reports it, and the engine may
+    // step past the bound while a rank holds a completion it has no step to report in. So a
+    // completion alone no longer buys an idle step, and states that differed only in the
+    // counter's value (reset by a completion, or not yet) are one.
+    assert_eq!(report.unique_states, 14_186);
 }
 
 #[test]
@@ -77,7 +83,7 @@ fn ci_config_unique_states_do_not_depend_on_threads() {
     };
     let report = run(SystemConfig::ci(), &options);
     assert!(report.passed());
-    assert_eq!(report.unique_states, 16_266);
+    assert_eq!(report.unique_states, 14_186);
 }
 
 /// The runner and executor faults are re-introduced inside kvrelay-core, where the step runs:
@@ -149,8 +155,9 @@ fn strict_absorbs_transfer_failures_and_compat_stops_on_them() {
         let p = report.property(sometimes).expect("expected with failures");
         assert!(p.path.is_some(), "{sometimes}: an example");
     }
-    // Pinned (see ci_config_explores_exhaustively_and_every_property_holds).
-    assert_eq!(report.unique_states, 116_736);
+    // Pinned (see ci_config_explores_exhaustively_and_every_property_holds; 116,736 before
+    // the idle bound became the engine's own).
+    assert_eq!(report.unique_states, 100_833);
 
     let report = run(failing(Mode::Compat), &CheckOptions::default());
     assert!(!report.passed());
