@@ -107,9 +107,11 @@
 //! keeps a failing load out, as under (A2). An `Arrive` only adds a request to the scheduler
 //! (and, for a P/D pair, seeds that request's remote slots, which no transfer reads before it
 //! is scheduled). Measured on `deep` with 2 requests (`--threads 1`): 136,880 → 116,248
-//! unique states, with one abort 1,035,979 → 868,916, P/D both sides 1,609,580 → 1,295,334
-//! (most candidates it still rejects have an idle `Schedule` in front of a rank action that
-//! resets the idle counter).
+//! unique states, with one abort 1,035,979 → 868,916, P/D both sides 1,609,580 → 1,295,334,
+//! while a transfer's completion still reset the idle counter; most candidates (A3) rejected
+//! then had an idle `Schedule` in front of such a completion. Since the idle bound is the
+//! engine's own (*Bounding the space*) those commute, and the same shapes take 69,590 unique
+//! states (195,066 without the reduction), 501,477 with one abort, 461,306 for P/D.
 //!
 //! Among the ranks that qualify, the one with the fewest enabled actions is chosen.
 //!
@@ -804,7 +806,8 @@ pub struct SystemConfig {
     pub store_failures: u32,
     /// Transfers of one rank complete in submission order (`false`: in any order).
     pub ordered_completions: bool,
-    /// Consecutive engine steps without progress (see the module docs).
+    /// Consecutive idle engine steps without progress (see the module docs, *Bounding the
+    /// space*).
     pub idle_steps: u32,
     /// Environment faults.
     pub faults: EnvFaults,
@@ -842,14 +845,13 @@ impl SystemConfig {
     }
 
     /// A larger configuration: 3 ranks, 3 requests, preemption and resumption from offloaded
-    /// chunks (a tight GPU pool), async scheduling depth 2; no abort (with one, the space does
-    /// not finish in 10 minutes on 2 cores, even with partial-order reduction: it holds more
-    /// than 42 M unique states). Exhaustive with symmetry over ranks and partial-order
-    /// reduction in about a minute on 2 cores: `kvrelay check --config deep --symmetry`
-    /// (4.6 M unique states; 11.5 M before the engine step and without the reduction). With the
-    /// P/D connector (both sides: remote loads, sends) and one load failure: `kvrelay check
-    /// --connector pd --pd-role both --config deep --symmetry` (23.9 M unique states, about 5
-    /// minutes, measured likewise).
+    /// chunks (a tight GPU pool), async scheduling depth 2; no abort. Exhaustive with symmetry
+    /// over ranks and partial-order reduction in about 30 seconds on 2 cores: `kvrelay check
+    /// --config deep --symmetry` (2.6 M unique states; 11.5 M before the engine step, the
+    /// engine's own idle bound and the reduction). With one abort (`--aborts 1`): 23.4 M unique
+    /// states, about 5 minutes. With the P/D connector (both sides: remote loads, sends) and
+    /// one load failure: `kvrelay check --connector pd --pd-role both --config deep
+    /// --symmetry` (9.0 M unique states, about a minute and a half, measured likewise).
     pub fn deep() -> Self {
         Self {
             ranks: 3,

@@ -33,14 +33,14 @@ When to use what:
   kvrelay check --config deep --symmetry
                                      the larger preset (3 ranks, 3 requests, async depth 2):
                                      depth-first with symmetry over ranks and, by default with
-                                     deep, partial-order reduction (~110 MB; breadth-first
-                                     needs many GB): 4.6 million unique states, about a
-                                     minute on 2 cores. With --aborts 1 it does not
-                                     finish in 10 minutes (over 42 million unique states).
+                                     deep, partial-order reduction (~90 MB; breadth-first
+                                     needs many GB): 2.6 million unique states, about 30
+                                     seconds on 2 cores. With --aborts 1: 23.4 million
+                                     unique states, about 5 minutes (~360 MB).
   kvrelay check --connector pd --pd-role both --config deep --symmetry
                                      the same with remote loads, sends and one load failure:
-                                     23.9 million unique states, about 5 minutes on 2 cores
-                                     (~360 MB).
+                                     9.0 million unique states, about 1.5 minutes on 2 cores
+                                     (~200 MB).
   --partial-order BOOL               (system model) explore only one rank's actions where they
                                      commute with everything else that can happen first; keeps
                                      every verdict. Default: on with --config deep, off with
@@ -170,7 +170,10 @@ pub struct CheckArgs {
     /// freed under --mode strict; vLLM's assertion as an error under compat) [default: 0].
     #[arg(long, value_name = "N", help_heading = "System model")]
     pub(super) store_failures: Option<u32>,
-    /// Consecutive engine steps without progress that are explored.
+    /// Consecutive idle engine steps (no token scheduled, nothing changed) explored without
+    /// progress (an arrival, an abort, a reset, a step that is not idle, a delivered output
+    /// that carried anything); past it, one more step while a rank has a completed transfer
+    /// and no step to report it in.
     #[arg(long, value_name = "N", help_heading = "System model")]
     pub(super) idle_steps: Option<u32>,
     /// The offloading manager's replacement policy.
