@@ -220,8 +220,9 @@ impl Arc {
                 let mut s = ghosts.head;
                 for _ in 0..count {
                     let next = nodes[s as usize].next;
+                    // Reset once the store is done (`Arena::scrub_free`), unless reused.
                     arena.index.remove(nodes, s);
-                    nodes[s as usize] = Node::FREE;
+                    nodes[s as usize].place = Place::Free;
                     arena.free_slots.push(s);
                     s = next;
                 }

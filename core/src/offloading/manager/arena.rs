@@ -410,14 +410,16 @@ impl Arena {
         self.slot(k).and_then(|s| self.nodes[s as usize].chunk)
     }
 
-    /// A node for a key without one, unlinked and without chunk.
+    /// A node for a key without one, unlinked, holding `chunk` (counted in `stored` if any).
     #[inline]
-    pub(super) fn alloc(&mut self, key: OffloadKey) -> u32 {
+    pub(super) fn alloc(&mut self, key: OffloadKey, chunk: Option<Chunk>) -> u32 {
         let node = Node {
             key,
+            chunk,
             place: Place::Unlinked,
             ..Node::FREE
         };
+        self.stored += u32::from(chunk.is_some());
         let s = match self.free_slots.pop() {
             Some(s) => {
                 self.nodes[s as usize] = node;
@@ -438,6 +440,19 @@ impl Arena {
         self.index.remove(&self.nodes, s);
         self.nodes[s as usize] = Node::FREE;
         self.free_slots.push(s);
+    }
+
+    /// Resets to [`Node::FREE`] the slots freed since `free_slots` was `mark` long that
+    /// [`Self::alloc`] has not reused since (those still listed past `mark`): a policy's
+    /// eviction may free a node by tagging it `Free` only, since the store that evicts
+    /// reuses most such slots at once (`alloc` writes the whole node).
+    #[inline]
+    pub(super) fn scrub_free(&mut self, mark: usize) {
+        if let Some(stale) = self.free_slots.get(mark..) {
+            for &s in stale {
+                self.nodes[s as usize] = Node::FREE;
+            }
+        }
     }
 
     /// Forgets every node, keeping the storage.

@@ -509,6 +509,8 @@ impl CpuOffloadingManager {
             .len()
             .saturating_sub(self.num_free_chunks() as usize);
         let mut evicted = Vec::new();
+        // Slots the eviction frees past this mark are reset after the loop unless reused.
+        let free_mark = self.arena.free_slots.len();
         if need > 0 {
             let victims = if need > self.evictable as usize {
                 None
@@ -553,16 +555,19 @@ impl CpuOffloadingManager {
             let k = keys[i];
             keys_to_store.push(k);
             chunks.push(chunk);
+            let chunk = Some(Chunk { ref_cnt: -1, chunk });
+            let entry = ctx.at(at[i]);
             // The ghost's node, unless the eviction trimmed it (its slot is then free, or
             // another candidate's); an absent key gained no node since the offer was read.
-            let ghost = ctx.at(at[i]).slot;
-            let s = match self.arena.nodes.get(ghost as usize) {
-                Some(n) if n.key == k && n.place != Place::Free => ghost,
-                _ => self.arena.alloc(k),
+            let ghost = entry.slot;
+            let s = match self.arena.nodes.get_mut(ghost as usize) {
+                Some(n) if n.key == k && n.place != Place::Free => {
+                    n.chunk = chunk;
+                    self.arena.stored += 1;
+                    ghost
+                }
+                _ => self.arena.alloc(k, chunk),
             };
-            self.arena.nodes[s as usize].chunk = Some(Chunk { ref_cnt: -1, chunk });
-            self.arena.stored += 1;
-            let entry = ctx.at(at[i]);
             entry.slot = s;
             entry.inserted |= scoped;
             entry.candidate = false;
@@ -570,6 +575,7 @@ impl CpuOffloadingManager {
             self.policy
                 .insert(&mut self.arena.nodes, s, position, &mut ctx.lru_rank);
         }
+        self.arena.scrub_free(free_mark);
         self.write_pending += candidates.len() as u32;
         Some(PrepareStoreOutput {
             keys_to_store,

@@ -92,10 +92,13 @@ fn check_invariants_reports_a_corrupt_manager() {
         }),
         // Only ARC keeps keys without a chunk (its ghosts).
         ("an LRU key without a chunk", |m, _| {
-            m.arena.alloc(OffloadKey {
-                hash: crate::BlockHash(9),
-                group: 0,
-            });
+            m.arena.alloc(
+                OffloadKey {
+                    hash: crate::BlockHash(9),
+                    group: 0,
+                },
+                None,
+            );
         }),
     ];
     for (what, corrupt) in corruptions {
