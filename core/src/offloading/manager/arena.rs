@@ -251,8 +251,20 @@ pub(super) struct KeyIndex {
 /// 0, gets a position beyond it.)
 #[inline]
 pub(super) fn home_of(k: &OffloadKey, len: usize) -> usize {
+    bucket(mix(k), len)
+}
+
+/// The product [`home_of`] takes its top bits from: computed once, it serves every table
+/// (a call that looks a key up and then inserts it hashes it once).
+#[inline]
+pub(super) fn mix(k: &OffloadKey) -> u64 {
     const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
-    let x = (k.hash.0 ^ u64::from(k.group).wrapping_mul(PHI)).wrapping_mul(PHI);
+    (k.hash.0 ^ u64::from(k.group).wrapping_mul(PHI)).wrapping_mul(PHI)
+}
+
+/// [`home_of`] of a key whose [`mix`] is `x`.
+#[inline]
+fn bucket(x: u64, len: usize) -> usize {
     // `len` ≥ 2 or 0, so the shift is at most 63 (0 for an empty table).
     (x >> (64 - len.trailing_zeros())) as usize
 }
@@ -296,11 +308,11 @@ impl KeyIndex {
         self.len = 0;
     }
 
-    /// The slot of the live node holding `k`.
+    /// The slot of the live node holding `k`, whose [`mix`] is `x`.
     #[inline]
-    fn get(&self, nodes: &[Node], k: &OffloadKey) -> Option<u32> {
+    fn get(&self, nodes: &[Node], k: &OffloadKey, x: u64) -> Option<u32> {
         // An empty table (a default index) has no bucket to find.
-        let mut s = *self.heads.get(home_of(k, self.heads.len()))?;
+        let mut s = *self.heads.get(bucket(x, self.heads.len()))?;
         while s != NIL {
             if nodes[s as usize].key == *k {
                 return Some(s);
@@ -310,9 +322,9 @@ impl KeyIndex {
         None
     }
 
-    /// Links the node at `s`, whose key is not in the index.
+    /// Links the node at `s`, whose key is not in the index and has [`mix`] `x`.
     #[inline]
-    fn insert(&mut self, nodes: &[Node], s: u32) {
+    fn insert(&mut self, nodes: &[Node], s: u32, x: u64) {
         if (self.len + 1) * 2 > self.heads.len() {
             self.grow(nodes);
         }
@@ -320,14 +332,14 @@ impl KeyIndex {
             self.next.resize(s as usize + 1, NIL);
             self.prev.resize(s as usize + 1, NIL);
         }
-        self.link(&nodes[s as usize].key, s);
+        self.link(x, s);
         self.len += 1;
     }
 
-    /// Pushes `s` at the front of `key`'s chain.
+    /// Pushes `s` at the front of the chain of its key, whose [`mix`] is `x`.
     #[inline]
-    fn link(&mut self, key: &OffloadKey, s: u32) {
-        let h = home_of(key, self.heads.len());
+    fn link(&mut self, x: u64, s: u32) {
+        let h = bucket(x, self.heads.len());
         let first = self.heads[h];
         self.next[s as usize] = first;
         self.prev[s as usize] = NIL;
@@ -345,7 +357,7 @@ impl KeyIndex {
             let mut s = head;
             while s != NIL {
                 let next = self.next[s as usize];
-                self.link(&nodes[s as usize].key, s);
+                self.link(mix(&nodes[s as usize].key), s);
                 s = next;
             }
         }
@@ -391,7 +403,13 @@ impl Arena {
 
     #[inline]
     pub(super) fn slot(&self, k: &OffloadKey) -> Option<u32> {
-        self.index.get(&self.nodes, k)
+        self.index.get(&self.nodes, k, mix(k))
+    }
+
+    /// [`Self::slot`] of a key whose [`mix`] is `x`.
+    #[inline]
+    pub(super) fn slot_mixed(&self, k: &OffloadKey, x: u64) -> Option<u32> {
+        self.index.get(&self.nodes, k, x)
     }
 
     /// [`Self::slot`], trying `hint` first: a slot whose live node holds `k` is its node (one
@@ -410,9 +428,10 @@ impl Arena {
         self.slot(k).and_then(|s| self.nodes[s as usize].chunk)
     }
 
-    /// A node for a key without one, unlinked, holding `chunk` (counted in `stored` if any).
+    /// A node for a key without one (whose [`mix`] is `x`), unlinked, holding `chunk`
+    /// (counted in `stored` if any).
     #[inline]
-    pub(super) fn alloc(&mut self, key: OffloadKey, chunk: Option<Chunk>) -> u32 {
+    pub(super) fn alloc(&mut self, key: OffloadKey, chunk: Option<Chunk>, x: u64) -> u32 {
         let node = Node {
             key,
             chunk,
@@ -430,7 +449,7 @@ impl Arena {
                 (self.nodes.len() - 1) as u32
             }
         };
-        self.index.insert(&self.nodes, s);
+        self.index.insert(&self.nodes, s, x);
         s
     }
 

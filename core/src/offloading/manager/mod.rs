@@ -63,7 +63,7 @@ mod tests;
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::vec::Vec;
 
-use self::arena::{Arena, Chunk, NIL, Place};
+use self::arena::{Arena, Chunk, NIL, Place, mix};
 use self::policy::Policy;
 use self::scope::RequestAccess;
 use self::scratch::{SPARE_SCOPES, Scratch, ScratchBox};
@@ -416,9 +416,10 @@ impl CpuOffloadingManager {
         let records = scoped || access.positions.is_some_and(|p| !p.is_empty());
         // Whether the request accessed a key for the first time.
         let mut first = false;
-        for (i, k) in keys.iter().enumerate() {
-            let e = at[i];
-            let slot = self.arena.slot(k);
+        for (i, (k, &e)) in keys.iter().zip(at.iter()).enumerate() {
+            // Hashed once: a candidate's node is inserted with it.
+            let x = mix(k);
+            let slot = self.arena.slot_mixed(k, x);
             let stored = slot.and_then(|s| {
                 let n = &mut self.arena.nodes[s as usize];
                 let c = n.chunk?;
@@ -440,7 +441,7 @@ impl CpuOffloadingManager {
                         let entry = ctx.at(e);
                         if !entry.candidate {
                             entry.candidate = true;
-                            candidates.push(i);
+                            candidates.push((i, x));
                             // An absent key may still have a node: an ARC ghost, which reacts
                             // once per request.
                             match slot {
@@ -524,7 +525,7 @@ impl CpuOffloadingManager {
                 )
             };
             let Some(victims) = victims else {
-                for &i in candidates.iter() {
+                for &(i, _) in candidates.iter() {
                     ctx.at(at[i]).candidate = false;
                 }
                 return None;
@@ -543,7 +544,7 @@ impl CpuOffloadingManager {
         let capacity = self.config.capacity_chunks;
         let mut keys_to_store = Vec::with_capacity(candidates.len());
         let mut chunks = Vec::with_capacity(candidates.len());
-        for &i in candidates.iter() {
+        for &(i, x) in candidates.iter() {
             let chunk = if self.next_fresh < capacity {
                 self.next_fresh += 1;
                 ChunkId(self.next_fresh - 1)
@@ -566,7 +567,7 @@ impl CpuOffloadingManager {
                     self.arena.stored += 1;
                     ghost
                 }
-                _ => self.arena.alloc(k, chunk),
+                _ => self.arena.alloc(k, chunk, x),
             };
             entry.slot = s;
             entry.inserted |= scoped;

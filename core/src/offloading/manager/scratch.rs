@@ -24,8 +24,9 @@ pub(super) const SPARE_SCOPES: usize = 16;
 pub(super) struct Scratch {
     /// Each key's index in the request's scope (`RequestAccess::admit`).
     pub(super) at: Vec<u32>,
-    /// Store candidates: indices into the call's keys (`prepare_store`).
-    pub(super) candidates: Vec<usize>,
+    /// Store candidates: indices into the call's keys, with the keys' `arena::mix`
+    /// (`prepare_store`).
+    pub(super) candidates: Vec<(usize, u64)>,
     /// Arena slots of the offered keys that are stored, flagged `offered` for the call
     /// (`prepare_store`: eviction protection).
     pub(super) offered: Vec<u32>,

@@ -92,13 +92,11 @@ fn check_invariants_reports_a_corrupt_manager() {
         }),
         // Only ARC keeps keys without a chunk (its ghosts).
         ("an LRU key without a chunk", |m, _| {
-            m.arena.alloc(
-                OffloadKey {
-                    hash: crate::BlockHash(9),
-                    group: 0,
-                },
-                None,
-            );
+            let key = OffloadKey {
+                hash: crate::BlockHash(9),
+                group: 0,
+            };
+            m.arena.alloc(key, None, super::arena::mix(&key));
         }),
     ];
     for (what, corrupt) in corruptions {
