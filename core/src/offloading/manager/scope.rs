@@ -213,28 +213,49 @@ impl RequestAccess {
     }
 
     /// Marks the entry at `i` accessed: `true` (and it gets the next index of its group's
-    /// first-access order) if this is its first access.
-    #[inline(always)]
+    /// first-access order) if this is its first access (tests; the manager records through
+    /// [`Self::record`]).
+    #[cfg(test)]
     pub(super) fn see(&mut self, i: u32) -> bool {
-        let a = &mut self.keys[i as usize];
+        Self::sight(
+            &mut self.keys[i as usize],
+            i,
+            &mut self.seen_per_group,
+            &mut self.order,
+        )
+    }
+
+    /// Marks the entry `a` (at index `i`) accessed, given the scope's other fields: `true`
+    /// (and it gets the next index of its group's first-access order) if this is its first
+    /// access.
+    #[inline(always)]
+    fn sight(
+        a: &mut KeyAccess,
+        i: u32,
+        seen_per_group: &mut Vec<(u32, u32)>,
+        order: &mut Vec<u32>,
+    ) -> bool {
         if a.seen.is_some() {
             return false;
         }
         let group = a.key.group;
         // Most requests have one group: try the last one first.
-        let g = match self.seen_per_group.last() {
-            Some(&(last, _)) if last == group => self.seen_per_group.len() - 1,
-            _ => match self.seen_per_group.binary_search_by_key(&group, |e| e.0) {
+        let n = seen_per_group.len();
+        let g = if n > 0 && seen_per_group[n - 1].0 == group {
+            n - 1
+        } else {
+            match seen_per_group.binary_search_by_key(&group, |e| e.0) {
                 Ok(g) => g,
                 Err(g) => {
-                    self.seen_per_group.insert(g, (group, 0));
+                    seen_per_group.insert(g, (group, 0));
                     g
                 }
-            },
+            }
         };
-        a.seen = Some(self.seen_per_group[g].1);
-        self.seen_per_group[g].1 += 1;
-        self.order.push(i);
+        let seen = &mut seen_per_group[g].1;
+        a.seen = Some(*seen);
+        *seen += 1;
+        order.push(i);
         true
     }
 
@@ -249,8 +270,8 @@ impl RequestAccess {
         reused: bool,
         ranked: &mut Vec<(OffloadKey, u32)>,
     ) -> bool {
-        let first = self.see(i);
         let a = &mut self.keys[i as usize];
+        let first = Self::sight(a, i, &mut self.seen_per_group, &mut self.order);
         if first && let Some(p) = a.position {
             ranked.push((a.key, p));
         }
