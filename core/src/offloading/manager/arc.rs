@@ -104,7 +104,8 @@ impl Arc {
 
     /// Evicts exactly `n` idle keys not `offered` by the store in progress, frees their chunks and moves
     /// them to the ghost lists (trimmed to `capacity`), returning them in eviction order; `None`
-    /// (nothing changed) if there are fewer. `chosen` is a working buffer.
+    /// (nothing changed) if there are fewer. A trimmed ghost's node is only tagged `Free`
+    /// (see [`Policy::evict`](super::policy::Policy::evict)). `chosen` is a working buffer.
     ///
     /// Each list's victims are taken in its order, so they join their ghost list in that order
     /// whatever the interleaving of the two lists' picks: when a list's victims are its first

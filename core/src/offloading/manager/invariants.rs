@@ -3,7 +3,7 @@
 //! in `lru.rs` and `arc.rs`, which own them).
 
 use super::CpuOffloadingManager;
-use super::arena::Place;
+use super::arena::{Node, Place};
 use crate::{InvariantViolation, ensure_invariant};
 
 impl CpuOffloadingManager {
@@ -38,6 +38,14 @@ impl CpuOffloadingManager {
                 i < nodes.len() && !slot_free[i] && nodes[i].place == Place::Free,
                 "I-40",
                 "free arena slot {s} is in use or listed twice"
+            );
+            // A free slot holds nothing between calls: an eviction that only tags a node
+            // `Free` (ARC's ghost trim) leaves it to `Arena::scrub_free` before the call ends.
+            ensure_invariant!(
+                nodes[i] == Node::FREE,
+                "I-40",
+                "free arena slot {s} still holds {:?}",
+                nodes[i]
             );
             slot_free[i] = true;
         }

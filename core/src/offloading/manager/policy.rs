@@ -99,7 +99,10 @@ impl Policy {
 
     /// Evicts exactly `n` idle keys not `offered` by the store in progress and frees their chunks onto
     /// `free`, returning them in eviction order; `None` (nothing changed) if there are fewer.
-    /// ARC moves the evicted keys to its ghost lists. `slots` is a working buffer.
+    /// ARC moves the evicted keys to its ghost lists; a ghost it trims is removed from the
+    /// index and its slot listed free, but the node is only tagged `Free`: the caller resets
+    /// the slots the store does not reuse with [`Arena::scrub_free`] before the call returns.
+    /// `slots` is a working buffer.
     pub(super) fn evict(
         &mut self,
         arena: &mut Arena,
