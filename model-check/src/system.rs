@@ -77,66 +77,65 @@
 //! - and the pair's ranks read their own external stores (not [`Connectors::shared_external`]).
 //!
 //! Instead of (A) and (B), **(A2)**: the pipeline holds two steps, the oldest is aggregated (so
-//! `Deliver` is enabled), no `Reset` can happen any more, and `r` output the oldest step but
-//! not the second one. Then what can happen before `r` acts, besides other ranks' actions, is
-//! that `Deliver`, at most one `Schedule` after it (the pipeline is then full again, and the
-//! next `Deliver` needs `r`'s output), the arrivals still due (in id order) and aborts while
-//! the budget lasts, in any order. Their effects do not depend on the ranks — they read the scheduler, which
-//! nothing else in β changes, the oldest step's aggregated output, and the aggregator, which
-//! only the second step's aggregation changes, and that needs `r` — so the model computes
-//! every state they reach (`engine_side`, a handful: with one abort and three requests about
-//! twenty) and keeps `r` only if each of its actions commutes with each of them: what a `Run`
-//! reports is not what the `Deliver` emits (the quorum ghost resets those bits), its output
-//! does not complete the second step, a completion reads no witness input (request finished,
-//! request preempted) that they change. The idle counter needs no check: only engine actions
-//! read or write it (see *Bounding the space*). A completion may let a `Schedule` past the
-//! idle bound (its rank then has a report due) but never stops one, and a `Run` never changes
-//! whether its rank has a report due (it needs a step to run, and a step's output collects
-//! the report), so no action of `r` disables a `Schedule`. (C), (E), (F), (G) apply as well.
+//! `Deliver` is enabled), no `Reset` can happen any more, and `r` output the oldest step but not
+//! the second one. Then what can happen before `r` acts, besides other ranks' actions, is that
+//! `Deliver`, at most one `Schedule` after it (the pipeline is then full again, and the next
+//! `Deliver` needs `r`'s output), the arrivals still due (in id order) and aborts while the budget
+//! lasts, in any order. Their effects do not depend on the ranks — they read the scheduler, which
+//! nothing else in β changes, the oldest step's aggregated output, and the aggregator, which only
+//! the second step's aggregation changes, and that needs `r` — so the model computes every state
+//! they reach (`engine_side`, a handful: with one abort and three requests about twenty) and keeps
+//! `r` only if each of its actions commutes with each of them: what a `Run` reports is not what the
+//! `Deliver` emits (the quorum ghost resets those bits), its output does not complete the second
+//! step, a completion reads no witness input (request finished, request preempted) that they
+//! change. The idle counter needs no check: only engine actions read or write it (see *Bounding the
+//! space*). A completion may let a `Schedule` past the idle bound (its rank then has a report due)
+//! but never stops one, and a `Run` never changes whether its rank has a report due (it needs a
+//! step to run, and a step's output collects the report), so no action of `r` disables a
+//! `Schedule`. (C), (E), (F), (G) apply as well.
 //!
-//! Instead of (B), **(A3)**: (A) without a full pipeline — the rank has not output the oldest
-//! step, the pipeline has room, and no `Reset` can happen any more. What can happen before the
-//! rank acts, besides other ranks' actions, is then a `Schedule` while the pipeline has room,
-//! the arrivals still due and aborts while the budget lasts (no `Deliver`: it needs the rank's
-//! output of the oldest step). That is (A2)'s engine side without its `Deliver`, and the same `engine_side`
-//! computes it (its `Deliver` branch needs the oldest step aggregated, which it is not) and
-//! the same checks apply: a `Schedule` only appends a step in flight and the scheduler's state,
-//! a rank's output only fills its slot of the oldest step (and aggregates it when it is the
-//! last one in, which reads no slot of a later step), so the two commute unless the
-//! `Schedule` preempts (or an abort finishes) a request whose witness a completion reads; (C)
-//! keeps a failing load out, as under (A2). An `Arrive` only adds a request to the scheduler
-//! (and, for a P/D pair, seeds that request's remote slots, which no transfer reads before it
-//! is scheduled). Measured on `deep` with 2 requests (`--threads 1`): 136,880 → 116,248
-//! unique states, with one abort 1,035,979 → 868,916, P/D both sides 1,609,580 → 1,295,334,
-//! while a transfer's completion still reset the idle counter; most candidates (A3) rejected
-//! then had an idle `Schedule` in front of such a completion. Since the idle bound is the
-//! engine's own (*Bounding the space*) those commute, and the same shapes take 69,590 unique
-//! states (195,066 without the reduction), 501,477 with one abort, 461,306 for P/D.
+//! Instead of (B), **(A3)**: (A) without a full pipeline — the rank has not output the oldest step,
+//! the pipeline has room, and no `Reset` can happen any more. What can happen before the rank acts,
+//! besides other ranks' actions, is then a `Schedule` while the pipeline has room, the arrivals
+//! still due and aborts while the budget lasts (no `Deliver`: it needs the rank's output of the
+//! oldest step). That is (A2)'s engine side without its `Deliver`, and the same `engine_side`
+//! computes it (its `Deliver` branch needs the oldest step aggregated, which it is not) and the
+//! same checks apply: a `Schedule` only appends a step in flight and the scheduler's state, a
+//! rank's output only fills its slot of the oldest step (and aggregates it when it is the last one
+//! in, which reads no slot of a later step), so the two commute unless the `Schedule` preempts (or
+//! an abort finishes) a request whose witness a completion reads; (C) keeps a failing load out, as
+//! under (A2). An `Arrive` only adds a request to the scheduler (and, for a P/D pair, seeds that
+//! request's remote slots, which no transfer reads before it is scheduled). Measured on `deep` with
+//! 2 requests (`--threads 1`): 136,880 → 116,248 unique states, with one abort 1,035,979 → 868,916,
+//! P/D both sides 1,609,580 → 1,295,334, while a transfer's completion still reset the idle
+//! counter; most candidates (A3) rejected then had an idle `Schedule` in front of such a
+//! completion. Since the idle bound is the engine's own (*Bounding the space*) those commute, and
+//! the same shapes take 69,590 unique states (195,066 without the reduction), 501,477 with one
+//! abort, 461,306 for P/D.
 //!
 //! Among the ranks that qualify, the one with the fewest enabled actions is chosen.
 //!
-//! **Why every verdict is kept.** Call *β* any sequence of actions from `s` that contains no
-//! action of `T`: by (A) and (B) it holds only other ranks' `Run`/`Complete`, `Arrive`,
-//! `Abort` and `Reset` (by (A2): other ranks' actions, that `Deliver`, that `Schedule`,
-//! arrivals and aborts; by (A3): other ranks' actions, `Schedule`s, arrivals and aborts — whose
-//! commutation with `T` (A2) and (A3) check). Each of those commutes with each action `a` of `T`, state for state:
-//! they write disjoint parts (another rank's driver, transfers and ghost memory; the engine's
-//! output slot of another rank; the scheduler), and where both touch the same ghost field the
-//! writes commute (no rank action touches the idle counter, and an action of `T` disables no
-//! `Schedule` of β: see (A2); `flushed`, `store_failed`, `shared_loaded` are only set; `recv_reports` bits are per rank).
-//! What `a` reads is fixed along β: its own rank's state, its step (shared and immutable), and
-//! the ghost fields (C), (E), (F) cover; a `Run` reads no ghost state another part writes (the
+//! **Why every verdict is kept.** Call *β* any sequence of actions from `s` that contains no action
+//! of `T`: by (A) and (B) it holds only other ranks' `Run`/`Complete`, `Arrive`, `Abort` and
+//! `Reset` (by (A2): other ranks' actions, that `Deliver`, that `Schedule`, arrivals and aborts; by
+//! (A3): other ranks' actions, `Schedule`s, arrivals and aborts — whose commutation with `T` (A2)
+//! and (A3) check). Each of those commutes with each action `a` of `T`, state for state: they write
+//! disjoint parts (another rank's driver, transfers and ghost memory; the engine's output slot of
+//! another rank; the scheduler), and where both touch the same ghost field the writes commute (no
+//! rank action touches the idle counter, and an action of `T` disables no `Schedule` of β: see
+//! (A2); `flushed`, `store_failed`, `shared_loaded` are only set; `recv_reports` bits are per
+//! rank). What `a` reads is fixed along β: its own rank's state, its step (shared and immutable),
+//! and the ghost fields (C), (E), (F) cover; a `Run` reads no ghost state another part writes (the
 //! recompute witness is set when the scheduler schedules the request, not in a rank's forward
-//! pass). An `Arrive` seeds remote-prefill slots of the arriving request only, which no
-//! transfer in flight reads or writes. A rank's output of the oldest step aggregates the step
-//! when it is the last one in, whichever rank that is: the same outputs are folded in the same
-//! step order either way. The checks after each action are either local to the acting rank
-//! (data, owned writes, writes under a store, its reports' quorum bits, its protocol guard) or
-//! predicates of the machines' state, which is the same after `a·β` and `β·a`. And no action
-//! of β disables a *key* action of `T`: a `Run` or a completion that succeeds (a failing
-//! completion always comes with its successful twin, which no β disables; the failure itself
-//! may be disabled by a β that spends the last failure). These are the conditions D1 and D2 of
-//! a (weak) stubborn set.
+//! pass). An `Arrive` seeds remote-prefill slots of the arriving request only, which no transfer in
+//! flight reads or writes. A rank's output of the oldest step aggregates the step when it is the
+//! last one in, whichever rank that is: the same outputs are folded in the same step order either
+//! way. The checks after each action are either local to the acting rank (data, owned writes,
+//! writes under a store, its reports' quorum bits, its protocol guard) or predicates of the
+//! machines' state, which is the same after `a·β` and `β·a`. And no action of β disables a *key*
+//! action of `T`: a `Run` or a completion that succeeds (a failing completion always comes with its
+//! successful twin, which no β disables; the failure itself may be disabled by a β that spends the
+//! last failure). These are the conditions D1 and D2 of a (weak) stubborn set.
 //!
 //! Every property of the model asks whether some reachable state satisfies a predicate:
 //! a property's sticky violation flag, a sticky witness flag, "quiescent and no violation", or
@@ -1596,9 +1595,9 @@ impl<P: Connectors> SystemModel<P> {
                 }
                 RankAction::Collect => {}
                 RankAction::Done(output) => {
-                    if s.ranks[rank].uncollected {
-                        s.ranks[rank].make_mut().uncollected = false;
-                    }
+                    // The output collects every completion so far (the rank is already
+                    // written by this `Run`'s polls).
+                    s.ranks[rank].make_mut().uncollected = false;
                     self.finish(s, rank, &output);
                     if let Err(e) = s.engine.make_mut().rank_output(
                         step.output.step,
@@ -2047,8 +2046,8 @@ impl<P: Connectors> SystemModel<P> {
         // (A2) What can happen before the chosen rank acts: `Deliver` of the oldest step, one
         // `Schedule` after it (the pipeline is then full again and the next `Deliver` needs
         // the rank), the arrivals still due, aborts while the budget lasts. Their effects do
-        // not depend on the ranks:
-        // computed once, here (and reused for states that differ in their ranks only).
+        // not depend on the ranks: computed once, here (and reused for states that differ in
+        // their ranks only).
         let mut after: Option<Option<EngineSide>> = None;
         let mut best: Option<Vec<SystemAction>> = None;
         for (i, r) in s.ranks.iter().enumerate() {
