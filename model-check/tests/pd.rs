@@ -157,8 +157,10 @@ fn multi_pd_then_offloading_holds() {
     // 316,807 before the model recorded only the witnesses its properties read (issue 23): this
     // pair expects no flush and no resumption from offloaded chunks, so the states its
     // offloading child reaches with and without those (unread) flags are now one; 281,649
-    // before the idle bound became the engine's own (see tests/system.rs).
-    assert_eq!(report.unique_states, 245_825);
+    // before the idle bound became the engine's own (see tests/system.rs); 245,825 before the
+    // offloading child took a step's finished requests in finish order (issue 32, see
+    // tests/system.rs).
+    assert_eq!(report.unique_states, 248_546);
 }
 
 #[test]

@@ -240,7 +240,8 @@ impl SchedulerConnector for OffloadingConnector {
         for &(id, n) in &output.num_scheduled_tokens {
             self.build_store_job(view, id, n, &mut store_jobs);
         }
-        for &id in output.finished_req_ids.iter() {
+        let finished = self.take_finished_in_order(&output.finished_req_ids);
+        for &id in &finished {
             self.build_store_job(view, id, 0, &mut store_jobs);
         }
         let batch = core::mem::take(&mut self.batch);
@@ -249,7 +250,7 @@ impl SchedulerConnector for OffloadingConnector {
             store_jobs,
             jobs_to_flush: SortedSet::from_vec(batch.jobs_to_flush.into_iter().collect()),
         };
-        for &id in output.finished_req_ids.iter() {
+        for id in finished {
             let Some(st) = self.requests.get_mut(&id) else {
                 continue;
             };
@@ -361,6 +362,9 @@ impl SchedulerConnector for OffloadingConnector {
             self.manager.on_request_finished(request);
             return FinishDecision::default();
         };
+        if !self.finish_order.contains(&request) {
+            self.finish_order.push(request);
+        }
         if let Some(r) = view.request(request) {
             st.update_keys(r.block_hashes(), bpc);
             st.finished = Some(Finished {
@@ -447,6 +451,8 @@ impl SchedulerConnector for OffloadingConnector {
                 self.manager.on_request_finished(id);
             }
         }
+        self.finish_order
+            .retain(|id| self.requests.contains_key(id));
         self.manager.reset();
         for st in self.requests.values_mut() {
             st.next_stored_chunk.iter_mut().for_each(|n| *n = 0);

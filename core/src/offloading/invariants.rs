@@ -85,6 +85,20 @@ impl OffloadingConnector {
                 "the manager keeps an access scope for {rid:?}, already finished or untracked"
             );
         }
+        // I-44, its order: a request waits in `finish_order` from `request_finished` until a
+        // step hands its id over, once, tracked and not yet signalled finished.
+        for (i, rid) in self.finish_order.iter().enumerate() {
+            ensure_invariant!(
+                self.requests.get(rid).is_some_and(|r| !r.finished_signaled),
+                "I-44",
+                "{rid:?} waits to be signalled finished, but is untracked or signalled already"
+            );
+            ensure_invariant!(
+                !self.finish_order[..i].contains(rid),
+                "I-44",
+                "{rid:?} waits twice to be signalled finished"
+            );
+        }
         ensure_invariant!(
             listed == self.jobs.len(),
             "I-39",

@@ -194,6 +194,11 @@ pub struct OffloadingConnector {
     swa_groups: Arc<[usize]>,
     manager: CpuOffloadingManager,
     requests: BTreeMap<RequestId, ReqState>,
+    /// Tracked requests that finished and were not yet handed over in a step's
+    /// `finished_req_ids`, in the order they finished. vLLM iterates `finished_req_ids`, a Python
+    /// set, when it builds their last stores and signals `on_request_finished` (so in hash-seed
+    /// order); kvrelay takes them in finish order (`docs/COMPAT.md`, *Finish order*).
+    finish_order: Vec<RequestId>,
     jobs: BTreeMap<JobId, JobStatus>,
     job_counter: u64,
     stale_job_threshold: u64,
@@ -278,6 +283,7 @@ impl OffloadingConnector {
             swa_groups: swa.into(),
             manager,
             requests: BTreeMap::new(),
+            finish_order: Vec::new(),
             jobs: BTreeMap::new(),
             job_counter: 0,
             stale_job_threshold: 0,

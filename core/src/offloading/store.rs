@@ -16,6 +16,7 @@ use crate::messages::SchedulerOutput;
 use crate::scheduler::ConnectorError;
 use crate::scheduler::GroupKind;
 use crate::scheduler::SchedulerView;
+use crate::sorted_set::SortedSet;
 use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
 
@@ -281,6 +282,27 @@ impl OffloadingConnector {
                 }
             }
         }
+    }
+
+    /// The ids of a step's `finished_req_ids` in the order their requests finished (ids the
+    /// connector never saw finish, in id order, after them), taken out of `finish_order`: the
+    /// order their last stores are built and `on_request_finished` is signalled in. vLLM
+    /// iterates the set there, in Python's hash-seed order; kvrelay fixes finish order, so a
+    /// request that finished later is the more recently used.
+    pub(super) fn take_finished_in_order(&mut self, ids: &SortedSet<RequestId>) -> Vec<RequestId> {
+        let mut ordered: Vec<RequestId> = Vec::with_capacity(ids.len());
+        self.finish_order.retain(|id| {
+            let delivered = ids.contains(id);
+            if delivered {
+                ordered.push(*id);
+            }
+            !delivered
+        });
+        if ordered.len() < ids.len() {
+            let unseen = ids.iter().filter(|id| !ordered.contains(id)).copied();
+            ordered.extend(unseen.collect::<Vec<_>>());
+        }
+        ordered
     }
 
     pub(super) fn remove_from_fence(&mut self, job: JobId, blocks: &[BlockId]) {

@@ -22,10 +22,16 @@ Commands
                               every change. Use it on a FAIL of `run` to get a small reproduction.
   regen SEED INDEX DIR        regenerate the single case INDEX of seed SEED (the case name carries
                               both) into DIR, without the hash-seed check.
+  fill CASE...                rewrite the expectations of hand-written cases with vLLM's answers.
 
 Cases are generated under PYTHONHASHSEED=0 (worker subprocesses), then re-run by the oracle under
-other hash seeds (--hash-seeds, default 1,2; 0 is also replayed to catch state leaking between cases
-of one process) and truncated before the first call whose result differs. A call that makes vLLM
+other hash seeds (--hash-seeds, default 1,2,3,4; 0 is also replayed with --replay-same to catch state
+leaking between cases of one process) and truncated before the first call whose result differs.
+vLLM's scheduler iterates `finished_req_ids` (a Python set) where the offloading connector builds the
+finished requests' last stores and calls on_request_finished, so LRU/ARC recency and chunk ids of two
+requests finishing in one step depend on the hash seed; the oracle here iterates it in finish order,
+kvrelay's documented order (--finished-order set: vLLM's own). --profile stress biases the mix toward
+small host pools, aborts, held ranks and jobs completed by hand in any order. A call that makes vLLM
 assert (sticky `internal_assert:<file>:<line>:<fn>`, which kvrelay has no kind for) is cut from the
 case; the case up to and including it is saved to DIR-asserts/ for inspection. Other sticky errors
 (completion_for_live_request, stale_completion, ...) end the case after the call.
@@ -45,6 +51,20 @@ GEN_HASHSEED = "0"
 AVOIDABLE = {"sampled_not_scheduled": "apply_output with `sampled` naming a request the step did not schedule",
              "swa_window1": "a sliding window of 1 token"}
 AVOID = set(filter(None, os.environ.get("VLLM_OFFLOAD_DIFF_AVOID", "").split(",")))
+# --profile: the mix of inputs (env VLLM_OFFLOAD_DIFF_PROFILE carries it to the worker processes)
+PROFILES = {"default": "the everyday mix",
+            "stress": "small host pools (1-6 chunks mostly), a small GPU pool more often, more aborts, "
+                      "holds and jobs completed by hand, named in any order (out-of-order completions)"}
+PROFILE = os.environ.get("VLLM_OFFLOAD_DIFF_PROFILE", "default")
+STRESS = PROFILE == "stress"
+# --finished-order: how the oracle's scheduler iterates `finished_req_ids` (env
+# VLLM_OFFLOAD_DIFF_FINISHED_ORDER). vLLM's is a Python set, iterated in hash-seed order where the
+# offloading connector builds finished requests' last stores and signals on_request_finished
+# (offloading/scheduler.py:1821, :2177); kvrelay fixes finish order (FORMAT.md, *Where vLLM
+# iterates a set*). `finish` (the default) runs vLLM's code with its set iterating in insertion
+# order, which is finish order; `set` leaves vLLM's own (then the hash-seed re-check cuts cases
+# where two requests finished in one step and the order mattered, and misses some).
+FINISHED_ORDER = os.environ.get("VLLM_OFFLOAD_DIFF_FINISHED_ORDER", "finish")
 
 STICKY = {"completion_for_live_request", "stale_completion", "duplicate_completion", "connector_contract",
           "intent_rejected", "internal_assert"}
@@ -70,8 +90,58 @@ def oracle():
             import vllm_offload_ref as O  # noqa
         import logging
         logging.disable(logging.CRITICAL)
+        if FINISHED_ORDER == "finish":
+            finished_in_finish_order(O.E.SCHED.Scheduler)
         _O = O
     return _O
+
+
+class _InsertionOrderSet(set):
+    """A set that iterates in insertion order (a Python set iterates in hash-seed order)."""
+
+    def __init__(self, items=()):
+        super().__init__()
+        self._order = {}
+        for x in items:
+            self.add(x)
+
+    def add(self, x):
+        set.add(self, x)
+        self._order[x] = None
+
+    def discard(self, x):
+        set.discard(self, x)
+        self._order.pop(x, None)
+
+    def remove(self, x):
+        set.remove(self, x)
+        del self._order[x]
+
+    def update(self, *iterables):
+        for it in iterables:
+            for x in it:
+                self.add(x)
+
+    def clear(self):
+        set.clear(self)
+        self._order.clear()
+
+    def __iter__(self):
+        return iter(list(self._order))
+
+
+def finished_in_finish_order(scheduler_cls):
+    """vLLM's scheduler keeps `finished_req_ids` as a set it adds each request to as it frees it
+    (`_free_request`, scheduler.py:3054) and hands to the connector as
+    `SchedulerOutput.finished_req_ids` (:1738), then replaces by a fresh set (:1876). Every set
+    assigned to the attribute becomes an insertion-ordered one, so the connector iterates the
+    requests in the order they finished: kvrelay's documented order."""
+    def get(self):
+        return self.__dict__["_kvrelay_finished_req_ids"]
+
+    def put(self, v):
+        self.__dict__["_kvrelay_finished_req_ids"] = v if isinstance(v, _InsertionOrderSet) else _InsertionOrderSet(v)
+    scheduler_cls.finished_req_ids = property(get, put)
 
 
 def jcopy(v):
@@ -131,7 +201,8 @@ class Gen:
         bs = 4 if rng.random() < 0.6 else rng.choice([1, 2, 3, 5, 8, 16])
         bpc = rng.randint(1, 4)
         r = rng.random()
-        cap = rng.randint(1, 6) if r < 0.4 else rng.randint(8, 24) if r < 0.75 else rng.randint(48, 200)
+        small, mid = (0.75, 0.95) if STRESS else (0.4, 0.75)
+        cap = rng.randint(1, 6) if r < small else rng.randint(8, 24) if r < mid else rng.randint(48, 200)
         off = {"blocks_per_chunk": bpc, "capacity_chunks": cap}
         if rng.random() < 0.5:
             off["policy"] = "arc"
@@ -162,7 +233,7 @@ class Gen:
         depth = 1 if rng.random() < 0.65 else 2
         if depth > 1:
             cfg["async_depth"] = depth
-        pressure = rng.random() < 0.4
+        pressure = rng.random() < (0.6 if STRESS else 0.4)
         nblocks = rng.randint(6 + 2 * len(groups), 24) if pressure else rng.randint(32, 160)
         cfg["num_gpu_blocks"] = nblocks
         cfg["max_num_batched_tokens"] = rng.choice([8, 16, 32, 64, 128, 256])
@@ -284,6 +355,8 @@ class Gen:
     def count_sched(self, s):
         st = self.stats
         st["steps"] += 1
+        if len(s["finished_req_ids"]) > 1:
+            st["finished_together"] += 1
         st["preemptions"] += len(s["preempted_req_ids"])
         st["resumed"] += len(s["resumed"])
         m = s["meta"]
@@ -357,13 +430,15 @@ class Gen:
         if not inf:
             opts.append(("run_step", 3))
         if live:
-            opts.append(("abort", 0.35))
+            opts.append(("abort", 1.2 if STRESS else 0.35))
         if self.loading_now():
             opts.append(("abort_loading", 0.5))
         opts.append(("abort_dead", 0.05))
-        opts.append(("hold", 0.5))
-        if any(self.pending_jobs(r) for r in range(self.W)):
-            opts.append(("complete", 1.5))
+        opts.append(("hold", 1.0 if STRESS else 0.5))
+        most_pending = max(len(self.pending_jobs(r)) for r in range(self.W))
+        if most_pending:
+            # stress: let transfers pile up on a held rank, then complete them in any order
+            opts.append(("complete", (3.0 if most_pending > 1 else 0.3) if STRESS else 1.5))
         opts.append(("reset", 0.12))
         opts.append(("lookup", 0.5))
         opts.append(("offload_state", 0.35))
@@ -466,6 +541,14 @@ class Gen:
         p = self.pending_jobs(r)
         if rng.random() < 0.4:
             self.do("complete", {"rank": r})
+            return
+        if STRESS and rng.random() < 0.5:
+            # Any of the transfers awaiting completion, in any order: each completes after the
+            # transfers ahead of it in its queue (FORMAT.md, simulated DMA (c)), in both runners.
+            jobs = rng.sample(p, rng.randint(1, len(p)))
+            if len(jobs) > 1 and jobs != sorted(jobs):
+                self.stats["completed_out_of_order"] += 1
+            self.do("complete", {"rank": r, "jobs": jobs})
             return
         # The transfers of one queue run serially (FORMAT.md, simulated DMA (c)): name a prefix
         # of each queue's transfers awaiting completion, queues interleaved at random. kvrelay
@@ -780,7 +863,7 @@ def generate(n, outdir, seed, jobs, hash_seeds, replay_same=False, avoid=""):
     print("hash-seed check (seeds %s) in %.1fs: %d cases truncated" % (seeds, tchk, trunc["cases_truncated"]), flush=True)
 
     mix = summarize_mix(infos, trunc, n, tgen, tchk)
-    mix.update(seed=seed, hash_seeds=seeds, avoid=avoid)
+    mix.update(seed=seed, hash_seeds=seeds, avoid=avoid, profile=PROFILE, finished_order=FINISHED_ORDER)
     json.dump(mix, open(os.path.join(outdir, "MIX.json"), "w"), indent=1, sort_keys=True)
     print_mix(mix)
     return mix
@@ -823,7 +906,7 @@ def print_mix(m):
           "holds", "reset_true", "reset_false", "reset_with_jobs_in_flight", "reset_twice", "aborts_true",
           "abort_while_loading", "ev_stored", "ev_removed", "lookup_hit", "lookup_hit_pending", "drained",
           "ends_with_drain", "finish_stopped", "finish_length_capped", "finish_aborted", "finish_error",
-          "stop_by_sampled", "id_reuse", "config_rejected"]
+          "stop_by_sampled", "id_reuse", "config_rejected", "finished_together", "completed_out_of_order"]
     print("  events (total / cases with it):")
     for i in range(0, len(ev), 4):
         print("    " + "; ".join("%s %d/%d" % (k, t.get(k, 0), c.get(k, 0)) for k in ev[i:i + 4]))
@@ -991,6 +1074,30 @@ def cmd_regen(a):
     worker_gen(a.seed, a.index, a.index + 1, a.dir)
 
 
+def cmd_fill(a):
+    """Rewrite each case's expectations with vLLM's answers (in the chosen finished order), ending
+    it at the first sticky error; the calls are kept."""
+    if os.environ.get("PYTHONHASHSEED") != GEN_HASHSEED:
+        os.execve(sys.executable, [sys.executable] + sys.argv, dict(os.environ, PYTHONHASHSEED=GEN_HASHSEED))
+    for path in a.cases:
+        case = json.load(open(path))
+        filled = refill(case)
+        changed = sum(1 for x, y in zip(case["calls"], filled["calls"]) if x != y)
+        write_case(path, filled)
+        print("filled %s: %d of %d calls changed%s" % (path, changed, len(case["calls"]),
+                                                       "" if len(filled["calls"]) == len(case["calls"])
+                                                       else ", cut at a sticky error"))
+    return 0
+
+
+def set_profile(profile, finished_order):
+    """The input mix and the oracle's finished order, for this process and the workers it spawns."""
+    global PROFILE, STRESS, FINISHED_ORDER
+    PROFILE, STRESS, FINISHED_ORDER = profile, profile == "stress", finished_order
+    os.environ["VLLM_OFFLOAD_DIFF_PROFILE"] = profile
+    os.environ["VLLM_OFFLOAD_DIFF_FINISHED_ORDER"] = finished_order
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "_gen":
         seed, start, end, outdir = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
@@ -1028,7 +1135,16 @@ def main():
     rg.add_argument("seed", type=int)
     rg.add_argument("index", type=int)
     rg.add_argument("dir")
+    f = sub.add_parser("fill", help="rewrite the expectations of CASE... with vLLM's answers")
+    f.add_argument("cases", nargs="+")
+    for p in (g, r, s, rg, f):
+        p.add_argument("--profile", choices=sorted(PROFILES), default="default",
+                       help="input mix: " + "; ".join("%s = %s" % kv for kv in sorted(PROFILES.items())))
+        p.add_argument("--finished-order", choices=["finish", "set"], default="finish",
+                       help="how vLLM's scheduler iterates finished_req_ids: `finish` (default, kvrelay's "
+                            "documented order) or `set` (vLLM's own hash-seed order)")
     a = ap.parse_args()
+    set_profile(a.profile, a.finished_order)
     if a.cmd == "generate":
         generate(a.n, a.dir, a.seed, a.jobs, a.hash_seeds, a.replay_same, a.avoid)
         return 0
@@ -1038,6 +1154,8 @@ def main():
         return cmd_shrink(a)
     if a.cmd == "regen":
         return cmd_regen(a)
+    if a.cmd == "fill":
+        return cmd_fill(a)
 
 
 if __name__ == "__main__":
