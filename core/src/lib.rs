@@ -6,7 +6,7 @@
 //! …) or after the event it reports (`rank_output`, `transfer_done`) — and everything a machine
 //! wants done outside itself comes back as a returned value: a [`ScheduledStep`], a
 //! [`RankAction`], a [`TransferCommand`]. Nothing here performs IO, reads a clock or draws a
-//! random number, so the same code runs in the engine (`kvrelay-runtime`), in the model checker
+//! random number, so the same code runs in the engine (`kvrelay-engine`), in the model checker
 //! (`kvrelay-model-check`) and under property tests (`kvrelay-tests`).
 //!
 //! # Where to start

@@ -6,6 +6,8 @@
 //!   specs, lookup answers, parameters, aggregated outputs, rank and manager configurations).
 //! * [`drive`]: step drivers (a scheduler's schedule / fake sampling / apply, a rank's step
 //!   polled to its end), checking invariants as they go.
+//! * [`fuzz`]: the fuzz entry points (bytes in, no panic out) of the coverage-guided targets in
+//!   `tests/fuzz/`, which `tests/fuzz_inputs.rs` runs with proptest's inputs on every CI run.
 //! * [`runner`]: proptest runner loops for tests that cannot use `proptest!` (state machines
 //!   against a reference model, coverage counters so that they cannot pass vacuously).
 //!
@@ -14,5 +16,6 @@
 
 pub mod build;
 pub mod drive;
+pub mod fuzz;
 pub mod laws;
 pub mod runner;

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use kvrelay_runtime::conformance::{MACHINES, collect_files, run_file};
+use kvrelay_conformance::{MACHINES, collect_files, run_file};
 
 fn cases_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("conformance/cases")

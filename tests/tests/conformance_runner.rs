@@ -1,7 +1,7 @@
 //! The conformance runner itself: bad cases are FAIL lines with clear messages, never panics,
 //! and a wrong expectation is reported in the format of FORMAT.md.
 
-use kvrelay_runtime::conformance::AnyCase;
+use kvrelay_conformance::AnyCase;
 
 fn outcome(text: &str) -> Result<(), String> {
     match AnyCase::parse(text, "<inline>") {

@@ -1288,7 +1288,7 @@ def run_kvrelay(kvrelay, path):
 
 def cmd_run(a):
     if not os.path.exists(a.kvrelay):
-        sys.exit("kvrelay binary %s missing: cargo build --release -p kvrelay-runtime" % a.kvrelay)
+        sys.exit("kvrelay binary %s missing: cargo build --release -p kvrelay-cli" % a.kvrelay)
     generate(a.n, a.dir, a.seed, a.jobs, a.hash_seeds, a.mix)
     t0 = time.time()
     out = run_kvrelay(a.kvrelay, a.dir)

@@ -1,6 +1,6 @@
-//! Fuzz target: `kvrelay_runtime::fuzz::case_json` (see that module for what it checks).
+//! Fuzz target: `kvrelay_tests::fuzz::case_json` (see that module for what it checks).
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    kvrelay_runtime::fuzz::case_json(data);
+    kvrelay_tests::fuzz::case_json(data);
 });

@@ -1,6 +1,6 @@
-//! Fuzz target: `kvrelay_runtime::fuzz::core_calls` (see that module for what it checks).
+//! Fuzz target: `kvrelay_tests::fuzz::core_calls` (see that module for what it checks).
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    kvrelay_runtime::fuzz::core_calls(data);
+    kvrelay_tests::fuzz::core_calls(data);
 });

@@ -1,6 +1,6 @@
-//! Fuzz target: `kvrelay_runtime::fuzz::frame` (see that module for what it checks).
+//! Fuzz target: `kvrelay_tests::fuzz::frame` (see that module for what it checks).
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    kvrelay_runtime::fuzz::frame(data);
+    kvrelay_tests::fuzz::frame(data);
 });

@@ -1,0 +1,276 @@
+//! The flags of `kvrelay run` and the command itself: config file, flags over it, the progress
+//! bar, the report.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use kvrelay_core::PolicyKind;
+
+use kvrelay_engine::{Backend, Progress, RunConfig, Workers, workload};
+
+/// The long help's epilogue of `kvrelay run --help`.
+pub(crate) const HELP: &str = "\
+With no flag, runs the embedded workload: 160 chat conversations of 1 to 4 turns over 4 shared
+system prompts, each turn re-sending the conversation so far, Poisson arrivals, on 2 ranks
+with a GPU block budget small enough that requests are preempted and offloaded blocks are
+loaded back. Every byte a forward pass reads and every loaded block is checked against what
+its tokens' KV must be; a mismatch stops the run with exit status 1.
+
+Requests arrive on a virtual clock (--step-ms per engine step), so a run is the same workload
+on any machine.
+
+Traces: --trace FILE.jsonl replays a request trace in the format of the public Mooncake traces,
+one JSON object a line: {\"timestamp\": ms, \"input_length\": N, \"output_length\": N,
+\"hash_ids\": [..]}, one hash id per prompt block of --hash-block-tokens tokens (Mooncake's own
+traces use 512). --write-trace FILE writes the generated workload in that format.
+
+Exit status: 0 when every request finished and every check held, 1 when the run stopped on an
+error (a wrong byte, a rank or engine error, a broken invariant), 2 on bad flags or files.";
+
+/// `kvrelay run` flags. Each overrides the config file (`--config`), which overrides the
+/// defaults.
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct RunArgs {
+    /// A TOML file with any of the settings below (snake_case keys; `[workload]` for the
+    /// generated workload).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Replay this Mooncake-format trace instead of the generated workload.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub trace: Option<PathBuf>,
+    /// Write the requests of this run (the generated workload) as a trace, then run them.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub write_trace: Option<PathBuf>,
+    /// Seed of the generated workload and the sampled tokens [default: 0].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Ranks (tensor-parallel workers) [default: 2].
+    #[arg(long)]
+    pub ranks: Option<u32>,
+    /// Where ranks run: in-process (tasks, the default) or process (`kvrelay worker`
+    /// processes over Unix sockets).
+    #[arg(long, value_parser = ["in-process", "process"])]
+    pub workers: Option<String>,
+    /// Where the KV lives: host (host memory, the default), cuda (a device arena per rank
+    /// on CUDA device 0 and a pinned host pool; fails without a CUDA driver or device) or
+    /// auto (cuda when present, else host, said on stderr).
+    #[arg(long, value_parser = ["host", "cuda", "auto"])]
+    pub backend: Option<String>,
+    /// Conversations of the generated workload [default: 160].
+    #[arg(long)]
+    pub conversations: Option<u32>,
+    /// GPU blocks per rank, the null block included [default: 320].
+    #[arg(long)]
+    pub gpu_blocks: Option<u32>,
+    /// CPU offload blocks per rank [default: 4096].
+    #[arg(long)]
+    pub cpu_blocks: Option<u32>,
+    /// Layers [default: 4].
+    #[arg(long)]
+    pub layers: Option<u32>,
+    /// Bytes of one block of one layer on one rank, a multiple of 8 × 16 [default: 2048].
+    #[arg(long)]
+    pub block_bytes: Option<u64>,
+    /// Tokens per trace hash block (Mooncake traces: 512) [default: 64].
+    #[arg(long)]
+    pub hash_block_tokens: Option<u32>,
+    /// CPU eviction policy [default: lru].
+    #[arg(long, value_parser = ["lru", "arc"])]
+    pub policy: Option<String>,
+    /// Semantics: compat (vLLM 0.33.0's) or strict (kvrelay's departures where vLLM loses
+    /// something) [default: compat].
+    #[arg(long, value_parser = ["compat", "strict"])]
+    pub mode: Option<String>,
+    /// Steps scheduled ahead: 1 (synchronous) or 2 (async scheduling) [default: 1].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=2))]
+    pub async_depth: Option<u32>,
+    /// Virtual milliseconds per engine step [default: 25].
+    #[arg(long)]
+    pub step_ms: Option<f64>,
+    /// Check every machine's invariants after every step.
+    #[arg(long)]
+    pub check: bool,
+    /// Write a Chrome / Perfetto trace of the engine's and every rank's steps and transfers
+    /// (open in ui.perfetto.dev).
+    #[arg(long, value_name = "FILE.json")]
+    pub trace_out: Option<PathBuf>,
+    /// Print the report as JSON on stdout (no progress bar).
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl RunArgs {
+    /// The run's configuration: defaults, then `--config`, then the flags.
+    pub(crate) fn config(&self) -> Result<RunConfig, String> {
+        let mut c = match &self.config {
+            Some(p) => {
+                let text =
+                    std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+                toml::from_str::<RunConfig>(&text).map_err(|e| format!("{}: {e}", p.display()))?
+            }
+            None => RunConfig::default(),
+        };
+        macro_rules! set {
+            ($($f:ident),*) => { $( if let Some(v) = self.$f.clone() { c.$f = v; } )* };
+        }
+        set!(
+            seed,
+            ranks,
+            gpu_blocks,
+            cpu_blocks,
+            layers,
+            block_bytes,
+            hash_block_tokens,
+            step_ms,
+            async_depth
+        );
+        if let Some(t) = &self.trace {
+            c.trace = Some(t.clone());
+        }
+        if let Some(n) = self.conversations {
+            c.workload.conversations = n;
+        }
+        if let Some(w) = &self.workers {
+            c.workers = if w == "process" {
+                Workers::Process
+            } else {
+                Workers::InProcess
+            };
+        }
+        if let Some(b) = &self.backend {
+            c.backend = match b.as_str() {
+                "cuda" => Backend::Cuda,
+                "auto" => Backend::Auto,
+                _ => Backend::Host,
+            };
+        }
+        if let Some(p) = &self.policy {
+            c.policy = if p == "arc" {
+                PolicyKind::Arc
+            } else {
+                PolicyKind::Lru
+            };
+        }
+        if let Some(m) = &self.mode {
+            c.mode = if m == "strict" {
+                kvrelay_core::Mode::Strict
+            } else {
+                kvrelay_core::Mode::Compat
+            };
+        }
+        c.check |= self.check;
+        if let Some(p) = &self.trace_out {
+            c.trace_out = Some(p.clone());
+        }
+        Ok(c)
+    }
+}
+
+struct Bar(ProgressBar);
+
+impl Progress for Bar {
+    fn step(&mut self, finished: u64, total: u64, steps: u64, preemptions: u64, loaded: u64) {
+        self.0.set_length(total);
+        self.0.set_position(finished);
+        if steps.is_multiple_of(16) {
+            self.0.set_message(format!(
+                "step {steps}, {preemptions} preemptions, {loaded} loads done"
+            ));
+        }
+    }
+}
+
+/// `kvrelay run`: see [`HELP`].
+pub(crate) fn run(args: &RunArgs) -> ExitCode {
+    let config = match args.config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvrelay run: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let records = match kvrelay_engine::requests(&config) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvrelay run: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(p) = &args.write_trace
+        && let Err(e) = workload::write_trace(p, &records)
+    {
+        eprintln!("kvrelay run: {e}");
+        return ExitCode::from(2);
+    }
+    let bar = if args.json || !std::io::stderr().is_terminal() {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(records.len() as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} requests  {msg}  [{elapsed}]")
+            .expect("a valid template"),
+    );
+    let mut progress = Bar(bar.clone());
+    let outcome = kvrelay_engine::run(&config, &records, &mut progress);
+    bar.finish_and_clear();
+    match outcome {
+        Ok(report) => {
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("a report serializes")
+                );
+            } else {
+                println!("{report}");
+            }
+            if report.finished == report.requests {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!(
+                    "kvrelay run: {} of {} requests unfinished",
+                    report.requests - report.finished,
+                    report.requests
+                );
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            eprintln!("kvrelay run: stopped: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Protects the help text: the defaults it states are RunConfig's.
+    #[test]
+    fn the_stated_defaults_are_the_real_ones() {
+        let c = RunConfig::default();
+        let stated = [
+            ("seed", c.seed.to_string(), "0"),
+            ("ranks", c.ranks.to_string(), "2"),
+            ("conversations", c.workload.conversations.to_string(), "160"),
+            ("gpu_blocks", c.gpu_blocks.to_string(), "320"),
+            ("cpu_blocks", c.cpu_blocks.to_string(), "4096"),
+            ("layers", c.layers.to_string(), "4"),
+            ("block_bytes", c.block_bytes.to_string(), "2048"),
+            ("hash_block_tokens", c.hash_block_tokens.to_string(), "64"),
+            ("async_depth", c.async_depth.to_string(), "1"),
+            ("step_ms", c.step_ms.to_string(), "25"),
+        ];
+        for (name, real, help) in stated {
+            assert_eq!(real, help, "{name}");
+        }
+        assert_eq!(c.policy, PolicyKind::Lru);
+        assert_eq!(c.backend, Backend::Host);
+        assert_eq!(c.block_size, 16);
+        assert_eq!(RunArgs::default().config().unwrap(), c);
+    }
+}

@@ -1,0 +1,262 @@
+//! `kvrelay run`: the engine runtime serves a workload end to end with real bytes, and its
+//! verification can fail.
+
+use std::process::Command;
+
+use kvrelay_engine::workload::{WorkloadConfig, read_trace, write_trace};
+use kvrelay_engine::{RunConfig, RunError, requests, run};
+
+fn small() -> RunConfig {
+    RunConfig {
+        workload: WorkloadConfig {
+            conversations: 24,
+            ..WorkloadConfig::default()
+        },
+        check: true,
+        ..RunConfig::default()
+    }
+}
+
+// Protects the main job: every request finishes, requests are preempted and offloaded blocks are
+// loaded back, every load is verified, and every machine's invariants hold after every step.
+#[test]
+fn the_default_shape_offloads_preempts_and_verifies_everything() {
+    let c = small();
+    let records = requests(&c).unwrap();
+    let r = run(&c, &records, &mut ()).unwrap();
+    assert_eq!(r.finished, r.requests);
+    assert_eq!(r.requests, records.len() as u64);
+    assert!(r.preemptions > 0, "{r:#?}");
+    assert!(r.blocks_offloaded > 0 && r.blocks_loaded > 0, "{r:#?}");
+    assert!(
+        r.cpu_loaded_tokens > 0 && r.gpu_prefix_hit_tokens > 0,
+        "{r:#?}"
+    );
+    assert_eq!(r.loaded_blocks_verified, r.blocks_loaded);
+    assert!(r.read_slots_verified > 0);
+    assert!(r.invariants_checked);
+    assert_eq!(
+        r.invariant_checks,
+        3 * r.steps,
+        "the engine and both ranks check every step"
+    );
+}
+
+// Protects the verification itself: a host slot corrupted on purpose (a test-only fault) is
+// reported as wrong bytes naming the block, and the run stops with an error.
+#[test]
+fn a_corrupted_host_slot_is_caught_when_its_load_completes() {
+    let c = RunConfig {
+        corrupt_first_load: true,
+        ..small()
+    };
+    let records = requests(&c).unwrap();
+    match run(&c, &records, &mut ()) {
+        Err(RunError::Corrupt { what, .. }) => assert_eq!(what, "loaded"),
+        other => panic!("expected a corruption error, got {other:?}"),
+    }
+}
+
+// Protects async scheduling with real bytes: every step after the first is scheduled while the
+// ranks run the previous one, the ranks receive the sampled tokens before they compute them, and
+// every check still holds.
+#[test]
+fn async_scheduling_depth_2_verifies_too() {
+    let c = RunConfig {
+        async_depth: 2,
+        ..small()
+    };
+    let records = requests(&c).unwrap();
+    let r = run(&c, &records, &mut ()).unwrap();
+    assert_eq!(r.finished, r.requests);
+    assert!(r.scheduled_ahead > r.steps / 2, "{r:#?}");
+    assert_eq!(r.loaded_blocks_verified, r.blocks_loaded);
+    assert_eq!(r.invariant_checks, 3 * r.steps);
+    let bad = RunConfig {
+        async_depth: 3,
+        ..small()
+    };
+    assert!(matches!(
+        run(&bad, &records, &mut ()),
+        Err(RunError::Config(_))
+    ));
+}
+
+// Protects several ranks and other shapes: 1 and 3 ranks, block-major is not needed, ARC.
+#[test]
+fn other_rank_counts_and_the_arc_policy_verify_too() {
+    for ranks in [1, 3] {
+        let c = RunConfig {
+            ranks,
+            policy: kvrelay_core::PolicyKind::Arc,
+            ..small()
+        };
+        let records = requests(&c).unwrap();
+        let r = run(&c, &records, &mut ()).unwrap();
+        assert_eq!(r.finished, r.requests, "{ranks} ranks");
+        assert_eq!(r.loaded_blocks_verified, r.blocks_loaded);
+    }
+}
+
+// Protects "never hangs": a rank that stops without reporting (a crash, injected) stops the run
+// with an error naming it, on both transports.
+#[test]
+fn a_rank_that_vanishes_stops_the_run_instead_of_hanging_it() {
+    for workers in [
+        kvrelay_engine::Workers::InProcess,
+        kvrelay_engine::Workers::Process,
+    ] {
+        let c = RunConfig {
+            workers,
+            worker_exe: Some(env!("CARGO_BIN_EXE_kvrelay").into()),
+            vanish_after_steps: Some(5),
+            ..small()
+        };
+        let records = requests(&c).unwrap();
+        match run(&c, &records, &mut ()) {
+            Err(RunError::RankGone { rank: 0 }) | Err(RunError::Worker { rank: 0, .. }) => {}
+            other => panic!("{workers:?}: expected rank 0 gone, got {other:?}"),
+        }
+    }
+}
+
+// Protects bad configurations: a typed error, not a panic.
+#[test]
+fn bad_configurations_are_errors() {
+    let c = RunConfig {
+        block_bytes: 100,
+        ..small()
+    };
+    let records = requests(&small()).unwrap();
+    assert!(matches!(
+        run(&c, &records, &mut ()),
+        Err(RunError::Config(_))
+    ));
+    let c = RunConfig {
+        ranks: 0,
+        ..small()
+    };
+    assert!(matches!(
+        run(&c, &records, &mut ()),
+        Err(RunError::Config(_))
+    ));
+}
+
+fn kvrelay(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kvrelay"))
+        .args(args)
+        .output()
+        .expect("run kvrelay")
+}
+
+// Protects the command line: the report as JSON, a written trace replayed, exit status 2 on
+// bad files.
+#[test]
+fn the_command_line_reports_json_and_replays_its_own_trace() {
+    let dir = std::env::temp_dir().join(format!("kvrelay-run-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("w.jsonl");
+    let t = trace.to_str().unwrap();
+    let out = kvrelay(&["run", "--conversations", "8", "--json", "--write-trace", t]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["finished"], v["requests"]);
+    let written = read_trace(&trace, 64).unwrap();
+    assert_eq!(v["requests"], written.len() as u64);
+
+    let perfetto = dir.join("trace.json");
+    let out = kvrelay(&[
+        "run",
+        "--trace",
+        t,
+        "--json",
+        "--trace-out",
+        perfetto.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let w: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(w["requests"], v["requests"]);
+    assert_eq!(w["prompt_tokens"], v["prompt_tokens"]);
+    let events: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&perfetto).unwrap()).unwrap();
+    let spans = events["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .count() as u64;
+    // The engine's steps and each of the 2 ranks' steps, plus transfers.
+    assert!(spans >= 3 * w["steps"].as_u64().unwrap(), "{spans} spans");
+
+    std::fs::write(&trace, "not json\n").unwrap();
+    let out = kvrelay(&["run", "--trace", t]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(":1:"));
+
+    let cfg = dir.join("c.toml");
+    std::fs::write(&cfg, "ranks = 1\n[workload]\nconversations = 4\n").unwrap();
+    let out = kvrelay(&["run", "--config", cfg.to_str().unwrap(), "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["ranks"], 1);
+    std::fs::write(&cfg, "rank = 1\n").unwrap();
+    let out = kvrelay(&["run", "--config", cfg.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "an unknown key is refused");
+
+    write_trace(&trace, &written[..1]).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+// Protects the process transport: 2 worker processes over Unix sockets serve the workload
+// with every check; a corruption inside a worker stops the run with the worker's error; a
+// worker that cannot start is a typed error, not a hang.
+#[test]
+fn worker_processes_serve_verify_and_fail_cleanly() {
+    let c = RunConfig {
+        workers: kvrelay_engine::Workers::Process,
+        worker_exe: Some(env!("CARGO_BIN_EXE_kvrelay").into()),
+        ..small()
+    };
+    let records = requests(&c).unwrap();
+    let r = run(&c, &records, &mut ()).unwrap();
+    assert_eq!(r.finished, r.requests);
+    assert!(r.blocks_loaded > 0);
+    assert_eq!(r.loaded_blocks_verified, r.blocks_loaded);
+    assert_eq!(
+        r.invariant_checks,
+        3 * r.steps,
+        "the engine and both ranks check every step"
+    );
+
+    let bad = RunConfig {
+        corrupt_first_load: true,
+        ..c.clone()
+    };
+    match run(&bad, &records, &mut ()) {
+        Err(RunError::Remote { rank: 0, message }) => {
+            assert!(message.contains("holds wrong KV"), "{message}")
+        }
+        other => panic!("expected the worker's corruption error, got {other:?}"),
+    }
+
+    let missing = RunConfig {
+        worker_exe: Some("/nonexistent/kvrelay".into()),
+        ..c.clone()
+    };
+    match run(&missing, &records, &mut ()) {
+        Err(RunError::Worker { rank: 0, why }) => assert!(why.contains("cannot start"), "{why}"),
+        other => panic!("expected a worker start error, got {other:?}"),
+    }
+}

@@ -1,0 +1,571 @@
+//! [`Engine`]: the core's [`EngineCore`] with W ranks attached — one engine step at a time.
+//!
+//! # When to call what
+//!
+//! * [`Engine::start`] once: builds the scheduler, the offloading connector and the ranks
+//!   (tasks, or worker processes).
+//! * [`Engine::add`], [`Engine::abort`], [`Engine::reset_cache`] between steps, as inputs
+//!   arrive.
+//! * [`Engine::step`] while [`Engine::has_work`]: schedules, sends the step to every rank,
+//!   collects each rank's output once, samples the tokens and applies the step. Its
+//!   [`StepOutcome`] carries the requests' new tokens and finishes, and says whether the step
+//!   was idle; then [`Engine::wait_idle`] waits for a transfer completion (or a short timeout)
+//!   instead of spinning.
+//! * [`Engine::shutdown`] at the end: stops the ranks and returns their figures.
+//!
+//! The engine loop of `kvrelay run` ([`crate::run`]) and the embedding API
+//! ([`crate::api::EngineHandle`]) both drive this type.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvrelay_core::{
+    EngineCore, GroupKind, KvLayout, LayoutError, LayoutOrder, ManagerConfig, OffloadingConfig,
+    OffloadingConnector, OffloadingConnectorMeta, Rank, RequestId, RequestOutput, RequestSpec,
+    ScheduledStep, SchedulerConfig, StepId, Token,
+};
+use tokio::sync::{Notify, mpsc};
+use tokio::task::JoinHandle;
+
+use crate::rank::{RankReport, RankSetup, RankStats, StepMsg};
+use crate::report::perfetto::{Recorder, now_us};
+use crate::report::samples::Samples;
+use crate::transport::{Clock, InProcess, Processes, TokioClock, Transport};
+use crate::{RunConfig, RunError, Workers, workload};
+
+/// How often the engine looks for a rank task that ended while it waits for outputs.
+const RANK_CHECK: Duration = Duration::from_secs(1);
+
+/// How long an idle engine step waits for a transfer to complete.
+const IDLE_WAIT: Duration = Duration::from_millis(5);
+
+/// What the engine side counts.
+#[derive(Debug, Default)]
+pub struct Figures {
+    /// The backend the ranks run on (`host` or `cuda`, resolved).
+    pub backend: crate::Backend,
+    pub finished: u64,
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+    pub steps: u64,
+    pub idle_steps: u64,
+    pub preemptions: u64,
+    pub tokens_computed: u64,
+    /// Steps scheduled while the ranks ran the previous one (async scheduling).
+    pub scheduled_ahead: u64,
+    /// Loads reported complete (`finished_recving`, summed over ranks).
+    pub loads_reported: u64,
+    /// Rank reports refused before they reached the core: a second report of a rank for a
+    /// step, or one for a step that is not running (a duplicated or stale frame).
+    pub reports_rejected: u64,
+    /// Per request, its computed tokens when first scheduled (prefix hit + loaded).
+    pub reused: HashMap<RequestId, u32>,
+    /// Engine-side time per step (schedule, rank outputs, apply), in µs.
+    pub core_us: Samples<f64>,
+    pub invariant_checks: u64,
+    /// Engine steps, for `--trace-out`.
+    pub trace: Recorder,
+}
+
+/// One engine step's result.
+#[derive(Debug)]
+pub struct StepOutcome {
+    /// The step.
+    pub step: StepId,
+    /// Per request scheduled: the tokens it accepted, and its finish.
+    pub outputs: Vec<RequestOutput>,
+    /// Nothing was scheduled, asked of the ranks or reported back.
+    pub idle: bool,
+    /// Request ids nothing refers to any more (every rank saw them finish): free for reuse.
+    pub released: Vec<RequestId>,
+}
+
+/// The engine and its ranks. See the module docs.
+#[derive(Debug)]
+pub struct Engine {
+    config: RunConfig,
+    clock: Arc<dyn Clock>,
+    core: EngineCore<OffloadingConnector>,
+    to_ranks: Vec<mpsc::Sender<StepMsg>>,
+    reports: mpsc::Receiver<RankReport>,
+    handles: Vec<JoinHandle<RankStats>>,
+    wake: Arc<Notify>,
+    /// Tokens the ranks have not been sent yet.
+    tokens: Vec<(RequestId, Vec<Token>)>,
+    /// Requests released since the last step.
+    forget: Vec<RequestId>,
+    /// The step the ranks are running.
+    at_ranks: Option<StepId>,
+    /// A step scheduled ahead (async scheduling), not yet sent.
+    ahead: Option<ScheduledStep<OffloadingConnectorMeta>>,
+    /// Free GPU blocks of the fresh engine (what [`Engine::leaks`] expects back).
+    free_blocks: u32,
+    pub figures: Figures,
+}
+
+fn layouts(c: &RunConfig) -> Result<(KvLayout, KvLayout), RunError> {
+    let bad = |e: LayoutError| RunError::Config(e.to_string());
+    if c.block_size == 0 || !c.block_bytes.is_multiple_of(8 * u64::from(c.block_size)) {
+        return Err(RunError::Config(format!(
+            "block_bytes ({}) must be a positive multiple of 8 × block_size ({})",
+            c.block_bytes, c.block_size
+        )));
+    }
+    let gpu = KvLayout::new(
+        vec![0; c.layers as usize],
+        c.gpu_blocks,
+        c.block_bytes,
+        LayoutOrder::LayerMajor,
+    )
+    .map_err(bad)?;
+    let host = gpu
+        .with_blocks(c.cpu_blocks, LayoutOrder::LayerMajor)
+        .map_err(bad)?;
+    Ok((gpu, host))
+}
+
+/// The token sampled for `request` at `position` (seeded, no model).
+fn sample(seed: u64, request: RequestId, position: u32) -> Token {
+    let mut r = workload::Rng::new(seed ^ (u64::from(request.0) << 32) ^ u64::from(position));
+    (r.next_u64() % 50_000) as Token
+}
+
+impl Engine {
+    /// Builds the engine for requests of at most `max_model_len` tokens and starts its ranks
+    /// over the transport `c.workers` names, on tokio's clock.
+    pub async fn start(c: &RunConfig, max_model_len: u32) -> Result<Self, RunError> {
+        let clock = Arc::new(TokioClock::default());
+        match c.workers {
+            Workers::InProcess => Self::start_with(c, max_model_len, &InProcess, clock).await,
+            Workers::Process => {
+                let transport = Processes {
+                    exe: c.worker_exe.clone(),
+                };
+                Self::start_with(c, max_model_len, &transport, clock).await
+            }
+        }
+    }
+
+    /// [`Engine::start`] with the ranks reached over `transport` and every wait and
+    /// measurement on `clock` (see [`crate::transport`]).
+    pub async fn start_with(
+        c: &RunConfig,
+        max_model_len: u32,
+        transport: &dyn Transport,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, RunError> {
+        if c.ranks == 0 || c.ranks > 64 {
+            return Err(RunError::Config("ranks: 1 to 64".into()));
+        }
+        if !(1..=2).contains(&c.async_depth) {
+            return Err(RunError::Config("async_depth: 1 or 2".into()));
+        }
+        if c.blocks_per_chunk == 0 || !c.cpu_blocks.is_multiple_of(c.blocks_per_chunk) {
+            return Err(RunError::Config(
+                "cpu_blocks must be a positive multiple of blocks_per_chunk".into(),
+            ));
+        }
+        let (gpu, host) = layouts(c)?;
+        let backend = c.backend.resolve().map_err(RunError::Backend)?;
+        let sc = SchedulerConfig {
+            block_size: c.block_size,
+            num_gpu_blocks: c.gpu_blocks,
+            groups: vec![GroupKind::FullAttention],
+            max_num_batched_tokens: c.max_num_batched_tokens,
+            max_num_seqs: c.max_num_seqs,
+            max_model_len: max_model_len.max(1),
+            enable_prefix_caching: true,
+            enable_chunked_prefill: true,
+            async_depth: c.async_depth,
+            mode: c.mode,
+            ..SchedulerConfig::default()
+        };
+        let off = OffloadingConfig::new(
+            c.blocks_per_chunk,
+            c.ranks,
+            ManagerConfig {
+                capacity_chunks: c.cpu_blocks / c.blocks_per_chunk,
+                policy: c.policy,
+                store_threshold: 0,
+            },
+        );
+        let connector =
+            OffloadingConnector::new(off, &sc).map_err(|e| RunError::Config(e.to_string()))?;
+        let core = EngineCore::new(sc.clone(), connector, c.ranks)?;
+        let free_blocks = core.scheduler().view().num_free_blocks();
+
+        let wake = Arc::new(Notify::new());
+        let (report_tx, reports) = mpsc::channel::<RankReport>(c.ranks as usize);
+        let mut to_ranks = Vec::new();
+        let mut handles = Vec::new();
+        for r in 0..c.ranks {
+            let setup = RankSetup {
+                rank: r,
+                backend,
+                gpu: gpu.clone(),
+                host: host.clone(),
+                block_size: c.block_size,
+                blocks_per_chunk: c.blocks_per_chunk,
+                groups: sc.groups.clone(),
+                mode: sc.mode,
+                check: c.check,
+                corrupt_first_load: c.corrupt_first_load && r == 0,
+                vanish_after_steps: c.vanish_after_steps.filter(|_| r == 0),
+                trace: c.trace_out.is_some(),
+            };
+            let conn = transport
+                .connect(setup, wake.clone(), report_tx.clone())
+                .await?;
+            to_ranks.push(conn.steps);
+            handles.push(conn.task);
+        }
+        Ok(Self {
+            config: c.clone(),
+            clock,
+            core,
+            to_ranks,
+            reports,
+            handles,
+            wake,
+            tokens: Vec::new(),
+            forget: Vec::new(),
+            at_ranks: None,
+            ahead: None,
+            free_blocks,
+            figures: Figures {
+                backend,
+                trace: Recorder::new(c.trace_out.is_some()),
+                ..Figures::default()
+            },
+        })
+    }
+
+    /// Whether a step would do anything (requests, or a step in flight).
+    pub fn has_work(&self) -> bool {
+        self.core.has_work()
+    }
+
+    /// A request arrives.
+    pub fn add(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<Token>,
+        max_tokens: u32,
+    ) -> Result<(), RunError> {
+        self.core.add_request(RequestSpec {
+            id,
+            prompt: prompt.clone(),
+            max_tokens,
+            stop_token: None,
+            kv_transfer_params: None,
+        })?;
+        self.figures.prompt_tokens += prompt.len() as u64;
+        self.tokens.push((id, prompt));
+        Ok(())
+    }
+
+    /// Aborts a request; `false` if it was not live.
+    pub fn abort(&mut self, id: RequestId) -> Result<bool, RunError> {
+        Ok(self.core.abort(id)?)
+    }
+
+    /// Resets the connector's cache (vLLM's `reset_prefix_cache` reaching the connector).
+    pub fn reset_cache(&mut self) -> Result<Option<bool>, RunError> {
+        Ok(self.core.reset_connector_cache()?)
+    }
+
+    /// One engine step (see the module docs): the oldest step in flight is run by the ranks
+    /// and applied. With async scheduling (`async_depth` 2), the next step is scheduled while
+    /// the ranks run this one — with placeholders for the tokens this one samples — and sent to
+    /// them, with those tokens, once this one is applied.
+    pub async fn step(&mut self) -> Result<StepOutcome, RunError> {
+        let t0 = self.clock.now();
+        let started = if self.figures.trace.is_on() {
+            now_us()
+        } else {
+            0
+        };
+        let mut core_time = Duration::ZERO;
+        let step = match self.at_ranks {
+            Some(step) => step,
+            None => {
+                let s = match self.ahead.take() {
+                    Some(s) => s,
+                    None => self.schedule()?,
+                };
+                core_time += self.clock.now().saturating_sub(t0);
+                self.send(s).await?
+            }
+        };
+        // Ahead only for requests: an empty step ahead of an empty step would never end.
+        if self.config.async_depth >= 2
+            && self.ahead.is_none()
+            && self.core.scheduler().has_requests()
+        {
+            let t = self.clock.now();
+            self.ahead = Some(self.schedule()?);
+            self.figures.scheduled_ahead += 1;
+            core_time += self.clock.now().saturating_sub(t);
+        }
+        let f = &mut self.figures;
+        // One timer for the whole step (not one per report): a rank task that ended without
+        // reporting (it panicked) must not leave the engine waiting forever.
+        let mut check = self.clock.sleep(RANK_CHECK);
+        let mut reported = vec![false; self.to_ranks.len()];
+        let mut left = reported.len();
+        while left > 0 {
+            let rep = loop {
+                tokio::select! {
+                    biased;
+                    r = self.reports.recv() => break r,
+                    () = &mut check => {
+                        if let Some(r) = self.handles.iter().position(JoinHandle::is_finished) {
+                            return Err(RunError::RankGone { rank: r as u32 });
+                        }
+                        check = self.clock.sleep(RANK_CHECK);
+                    }
+                }
+            };
+            let Some(rep) = rep else {
+                return Err(RunError::RankGone { rank: 0 });
+            };
+            // An error is never dropped, whatever step it names.
+            let output = rep.output?;
+            // A duplicated or stale frame is refused here, before the core would count it.
+            let fresh = rep.step == step
+                && reported
+                    .get_mut(rep.rank as usize)
+                    .is_some_and(|seen| !std::mem::replace(seen, true));
+            if !fresh {
+                f.reports_rejected += 1;
+                tracing::warn!(
+                    rank = rep.rank,
+                    step = rep.step.0,
+                    running = step.0,
+                    "rank report refused: duplicate or stale"
+                );
+                continue;
+            }
+            left -= 1;
+            if let Some(l) = output.finished_recving.as_ref() {
+                f.loads_reported += l.len() as u64;
+            }
+            let t = self.clock.now();
+            self.core
+                .rank_output(rep.step, Rank(rep.rank), Some(output))?;
+            core_time += self.clock.now().saturating_sub(t);
+        }
+        self.at_ranks = None;
+        let t = self.clock.now();
+        let seed = self.config.seed;
+        let sampled: Vec<(RequestId, Vec<Token>)> = self
+            .core
+            .scheduler()
+            .sampling(step)
+            .map(|(id, pos)| (id, vec![sample(seed, id, pos)]))
+            .collect();
+        let applied = self.core.apply(sampled)?;
+        let released = self.core.take_released();
+        core_time += self.clock.now().saturating_sub(t);
+        if self.config.check {
+            self.core.check_invariants()?;
+            f.invariant_checks += 1;
+        }
+        f.core_us.push(core_time.as_secs_f64() * 1e6);
+        for o in &applied.result.outputs {
+            if !o.new_tokens.is_empty() {
+                f.generated_tokens += o.new_tokens.len() as u64;
+                self.tokens.push((o.id, o.new_tokens.clone()));
+            }
+            if o.finish.is_some() {
+                f.finished += 1;
+            }
+        }
+        self.forget.extend(released.iter().copied());
+        f.steps += 1;
+        if applied.idle {
+            f.idle_steps += 1;
+        }
+        f.trace.span(|| format!("step {}", step.0), started, 0, 0);
+        if let Some(s) = self.ahead.take() {
+            // The step scheduled ahead goes to the ranks with the tokens just sampled.
+            self.send(s).await?;
+        }
+        tracing::debug!(step = step.0, idle = applied.idle, "engine step");
+        Ok(StepOutcome {
+            step,
+            outputs: applied.result.outputs,
+            idle: applied.idle,
+            released,
+        })
+    }
+
+    /// Schedules one step.
+    fn schedule(&mut self) -> Result<ScheduledStep<OffloadingConnectorMeta>, RunError> {
+        let f = &mut self.figures;
+        let scheduled = self.core.schedule()?;
+        let out = &scheduled.step.output;
+        f.preemptions += out.preempted_req_ids.len() as u64;
+        f.tokens_computed += u64::from(out.total_num_scheduled_tokens);
+        for n in &out.scheduled_new_reqs {
+            f.reused.entry(n.id).or_insert(n.num_computed_tokens);
+        }
+        Ok(scheduled.step)
+    }
+
+    /// Sends `step` to every rank, with the tokens and releases since the last one.
+    async fn send(
+        &mut self,
+        step: ScheduledStep<OffloadingConnectorMeta>,
+    ) -> Result<StepId, RunError> {
+        let id = step.output.step;
+        let msg_step = Arc::new(step);
+        let msg_tokens = Arc::new(std::mem::take(&mut self.tokens));
+        let msg_forget = Arc::new(std::mem::take(&mut self.forget));
+        for (r, tx) in self.to_ranks.iter().enumerate() {
+            let m = StepMsg {
+                step: msg_step.clone(),
+                tokens: msg_tokens.clone(),
+                forget: msg_forget.clone(),
+            };
+            if tx.send(m).await.is_err() {
+                return Err(rank_gone(&mut self.reports, r as u32));
+            }
+        }
+        self.at_ranks = Some(id);
+        Ok(id)
+    }
+
+    /// After an idle step: waits for a transfer of an in-process rank to complete, at most a
+    /// few milliseconds (worker processes are polled by stepping again).
+    pub async fn wait_idle(&self) {
+        tokio::select! {
+            () = self.wake.notified() => {}
+            () = self.clock.sleep(IDLE_WAIT) => {}
+        }
+    }
+
+    /// What is not back to empty, each as a sentence (empty when nothing is): to call once
+    /// every request finished and nothing is in flight, when a run must leave no request, job,
+    /// pinned chunk, fenced block or GPU block behind.
+    pub fn leaks(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let sched = self.core.scheduler();
+        if sched.has_requests() {
+            out.push("the scheduler still holds requests".to_owned());
+        }
+        if let Some(s) = self.core.steps_in_flight().next() {
+            out.push(format!("step {} still in flight", s.0));
+        }
+        let free = sched.view().num_free_blocks();
+        if free != self.free_blocks {
+            out.push(format!(
+                "{} GPU blocks not returned ({free} free of {})",
+                self.free_blocks.saturating_sub(free),
+                self.free_blocks
+            ));
+        }
+        let conn = sched.connector();
+        let jobs: Vec<u64> = conn.jobs_in_flight().map(|j| j.0).collect();
+        if !jobs.is_empty() {
+            out.push(format!("offloading jobs still in flight: {jobs:?}"));
+        }
+        let fenced: Vec<u64> = conn.fenced_blocks().map(|b| b.0).collect();
+        if !fenced.is_empty() {
+            out.push(format!("blocks still fenced: {fenced:?}"));
+        }
+        let m = conn.manager();
+        let pinned = m.num_pinned();
+        if pinned > 0 || m.num_write_pending() > 0 {
+            out.push(format!(
+                "{pinned} CPU chunks still pinned, {} stores pending",
+                m.num_write_pending()
+            ));
+        }
+        out
+    }
+
+    /// Stops the ranks and waits for them (and for worker processes to exit).
+    pub async fn stop(self) {
+        let _ = self.shutdown().await;
+    }
+
+    /// Stops the ranks; returns their figures (default figures for a rank that failed).
+    pub async fn shutdown(self) -> (Figures, Vec<RankStats>) {
+        let Engine {
+            to_ranks,
+            handles,
+            figures,
+            ..
+        } = self;
+        drop(to_ranks);
+        let mut ranks = Vec::new();
+        for h in handles {
+            ranks.push(h.await.unwrap_or_default());
+        }
+        (figures, ranks)
+    }
+}
+
+/// The error of a rank whose step channel closed: its own report if it sent one.
+fn rank_gone(reports: &mut mpsc::Receiver<RankReport>, rank: u32) -> RunError {
+    while let Ok(rep) = reports.try_recv() {
+        if let Err(e) = rep.output {
+            return e;
+        }
+    }
+    RunError::RankGone { rank }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::BoxFuture;
+    use std::sync::Mutex;
+
+    /// A clock whose sleeps end at once (after a yield) and advance it by their length.
+    #[derive(Debug, Default)]
+    struct Skipping {
+        slept: Mutex<Vec<Duration>>,
+    }
+
+    impl Clock for Skipping {
+        fn now(&self) -> Duration {
+            self.slept.lock().unwrap().iter().sum()
+        }
+
+        fn sleep(&self, d: Duration) -> BoxFuture<'static, ()> {
+            self.slept.lock().unwrap().push(d);
+            Box::pin(tokio::task::yield_now())
+        }
+    }
+
+    // Protects the clock seam (what a simulation relies on): the engine's wait for a vanished
+    // rank is a sleep of the injected clock, so a clock that skips time ends it at once.
+    #[tokio::test]
+    async fn the_engine_waits_on_its_clock() {
+        // Two ranks: rank 1 keeps the report channel open while rank 0 is gone.
+        let c = RunConfig {
+            ranks: 2,
+            vanish_after_steps: Some(2),
+            ..RunConfig::default()
+        };
+        let clock = Arc::new(Skipping::default());
+        let mut e = Engine::start_with(&c, 256, &InProcess, clock.clone())
+            .await
+            .unwrap();
+        e.add(RequestId(1), (0..64).collect(), 32).unwrap();
+        let wall = std::time::Instant::now();
+        let error = loop {
+            match e.step().await {
+                Ok(_) => continue,
+                Err(error) => break error,
+            }
+        };
+        assert!(matches!(error, RunError::RankGone { rank: 0 }), "{error}");
+        assert!(clock.slept.lock().unwrap().contains(&RANK_CHECK));
+        assert!(wall.elapsed() < RANK_CHECK / 2, "{:?}", wall.elapsed());
+        e.stop().await;
+    }
+}

@@ -1,0 +1,138 @@
+//! Why a run stopped: [`RunError`], one variant per cause, each naming the rank, request or
+//! file involved.
+
+use kvrelay_core::{EngineError, InvariantViolation, PlanError, RankError, RequestId};
+
+use crate::transfer::TransferError;
+use crate::transport::wire;
+use crate::workload::TraceError;
+
+/// Why a run stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunError {
+    /// The configuration is unusable.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// The trace could not be read or written.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// The engine step refused or stopped.
+    #[error("engine: {0}")]
+    Engine(#[from] EngineError),
+    /// A rank's driver or worker connector stopped.
+    #[error("rank {rank}: {error}")]
+    Rank {
+        /// The rank.
+        rank: u32,
+        /// Why.
+        error: RankError,
+    },
+    /// A transfer could not be planned.
+    #[error("rank {rank}: {error}")]
+    Plan {
+        /// The rank.
+        rank: u32,
+        /// Why.
+        error: PlanError,
+    },
+    /// The transfer engine refused a transfer.
+    #[error("rank {rank}: transfer engine: {error}")]
+    Transfer {
+        /// The rank.
+        rank: u32,
+        /// Why.
+        error: TransferError,
+    },
+    /// A KV block does not hold what it must.
+    #[error(
+        "rank {rank}: {what} block {block:?} of request {request:?} holds wrong KV in layer \
+         {layer}, token slot {slot}"
+    )]
+    Corrupt {
+        /// `loaded` (checked when its load completed) or `read` (checked before a forward read
+        /// it).
+        what: &'static str,
+        /// The rank.
+        rank: u32,
+        /// The request.
+        request: RequestId,
+        /// The GPU block.
+        block: kvrelay_core::BlockId,
+        /// The layer.
+        layer: u32,
+        /// The token slot in the block.
+        slot: u32,
+    },
+    /// A rank was asked for a token it was never sent.
+    #[error("rank {rank}: token {position} of request {request:?} unknown")]
+    UnknownTokens {
+        /// The rank.
+        rank: u32,
+        /// The request.
+        request: RequestId,
+        /// The token position.
+        position: u32,
+    },
+    /// A worker process could not be started, or its connection failed.
+    #[error("rank {rank}: worker process: {why}")]
+    Worker {
+        /// The rank.
+        rank: u32,
+        /// Why.
+        why: String,
+    },
+    /// A frame could not be decoded or has the wrong version.
+    #[error(transparent)]
+    Wire(#[from] wire::WireError),
+    /// A worker process stopped with an error.
+    #[error("rank {rank}: {message}")]
+    Remote {
+        /// The rank.
+        rank: u32,
+        /// The worker's own error.
+        message: String,
+    },
+    /// An output file could not be written.
+    #[error("{path}: {why}")]
+    Output {
+        /// The file.
+        path: String,
+        /// Why.
+        why: String,
+    },
+    /// `--backend cuda` where CUDA cannot be used.
+    #[error("backend cuda: {0}")]
+    Backend(String),
+    /// A rank task ended while the engine still needed it.
+    #[error("rank {rank} stopped")]
+    RankGone {
+        /// The rank.
+        rank: u32,
+    },
+    /// The engine task is gone (shut down, or stopped on an earlier error): a call through an
+    /// [`api::EngineHandle`] cannot be served.
+    #[error("the engine stopped")]
+    EngineStopped,
+    /// The arena has no such block (a block id beyond the configured GPU blocks).
+    #[error("rank {rank}: block {block:?} of layer {layer} is outside the KV arena")]
+    OutOfArena {
+        /// The rank.
+        rank: u32,
+        /// The block.
+        block: kvrelay_core::BlockId,
+        /// The layer.
+        layer: u32,
+    },
+    /// An invariant of a machine does not hold (`--check`).
+    #[error("invariant {0}")]
+    Invariant(#[from] InvariantViolation),
+    /// The engine has work but made no progress for too long.
+    #[error("stalled: {steps} idle steps in a row with {requests} request(s) unfinished")]
+    Stalled {
+        /// Idle steps in a row.
+        steps: u64,
+        /// Requests unfinished.
+        requests: u64,
+    },
+}

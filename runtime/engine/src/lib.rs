@@ -1,0 +1,60 @@
+//! kvrelay-engine: the engine an inference server embeds — an engine loop over the core's engine
+//! step, W ranks moving real KV bytes between a "GPU" arena and a CPU offload pool, every load and
+//! every read verified (`kvrelay run` is this crate on a workload).
+//!
+//! # The loop
+//!
+//! ```text
+//! engine task                                 rank task r (one per rank)          copy thread r
+//! add arrived requests (virtual clock)
+//! EngineCore::schedule ── StepMsg ──────────▶ RankDriver::begin, poll:
+//!                                               Start → copy_plan ─── CopyJob ──▶ memcpy runs
+//!                                               Forward → write words, check reads
+//!                                               Wait → until ◀────────── CopyDone (load checked)
+//! EngineCore::rank_output ◀── RankReport ───── Done(output)
+//! EngineCore::apply(sampled tokens)
+//! ```
+//!
+//! Requests arrive on a virtual clock: each engine step advances it by `step_ms`, and an empty
+//! engine jumps to the next arrival, so a run is the same workload on any machine. An engine
+//! step that was idle (nothing scheduled, nothing reported) waits for a transfer to complete (or
+//! a short timeout) before stepping again instead of spinning.
+//!
+//! # Rooms
+//!
+//! | room | what |
+//! | --- | --- |
+//! | [`config`] | [`RunConfig`]: what a run is, its defaults the embedded workload |
+//! | [`run`] | [`run()`]: a workload to its end on its virtual clock; [`requests`] |
+//! | [`api`] | the embedding API: submit a request and stream its tokens, abort, reset |
+//! | [`engine`] | [`Engine`]: the core's engine step with W ranks attached, one step at a time |
+//! | [`rank`] | the rank task: a `RankDriver` over the offloading worker, the arena, the transfer engine |
+//! | `content` | what every KV byte must be, and the per-request token book ranks derive it from |
+//! | [`transfer`] | the seam between a rank and its memory (`KvArena`, `TransferEngine`), the backends `host` and `cuda` |
+//! | [`transport`] | the seam between the engine and its ranks (in-process, worker processes over `wire`) and the clock it waits on |
+//! | [`workload`] | the requests: Mooncake-format traces, the generated default |
+//! | [`report`] | the figures of a run (readable and `--json`), its Perfetto timeline |
+//! | [`error`] | [`RunError`] |
+//!
+//! A simulation (`kvrelay-sim`) replaces the three seams — [`transport::Transport`],
+//! [`transport::Clock`], [`transfer::TransferEngine`] — to inject faults; nothing in this crate
+//! switches a fault on.
+
+pub mod api;
+pub mod config;
+pub mod content;
+pub mod engine;
+pub mod error;
+pub mod rank;
+pub mod report;
+pub mod run;
+pub mod transfer;
+pub mod transport;
+pub mod workload;
+
+pub use self::config::{RunConfig, Workers};
+pub use self::engine::{Engine, StepOutcome};
+pub use self::error::RunError;
+pub use self::report::Report;
+pub use self::run::{Progress, requests, run, runtime};
+pub use self::transfer::{Backend, TransferError};

@@ -1,0 +1,697 @@
+//! One rank: a task that owns a [`RankDriver`] over the offloading worker, the rank's KV arena
+//! and its transfer engine, and runs the steps the engine sends it.
+//!
+//! # What it does with each [`RankAction`]
+//!
+//! * `Start(transfer)` — plans the copies ([`copy_plan`]) and hands them to the transfer engine.
+//!   A store's host slots take the content record of its GPU blocks now (the blocks cannot
+//!   change until the store completes: I-4).
+//! * `Forward(pass)` — writes every computed token's word into its slot, then checks every slot
+//!   the layer's attention reads (prefix-cache hits and loaded blocks included) against the
+//!   reading request's own tokens ([`crate::content`]).
+//! * `Wait` — returns to the task loop, which feeds completions until the driver moves on.
+//! * `Collect` — feeds every completion that arrived by now, without waiting.
+//! * `Done(output)` — sends the output to the engine.
+//!
+//! A completed load is checked byte for byte against what its host slots must hold before the
+//! driver hears of it. Any mismatch, and any error of the driver or of the worker connector
+//! (polled after every hook by the driver), stops the rank with a typed error the engine
+//! reports.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvrelay_core::{
+    BlockId, GroupKind, JobId, KvLayout, Mode, OffloadingConnectorMeta, OffloadingWorker,
+    OffloadingWorkerConfig, RankAction, RankConfig, RankDriver, RequestId, ScheduledStep, StepId,
+    Token, Transfer, TransferDirection, TransferDone, WorkerCall, WorkerOutput, copy_plan,
+};
+use tokio::sync::{Notify, mpsc};
+
+use crate::RunError;
+use crate::content::{POISON, TokenBook, UNWRITTEN, word};
+use crate::report::perfetto::{Recorder, now_us};
+use crate::report::samples::Samples;
+use crate::transfer::cuda::{CudaArena, CudaEngine, Device};
+use crate::transfer::host::{HostArena, HostEngine};
+use crate::transfer::{
+    Backend, COPY_QUEUE_BOUND, CopyDone, CopyJob, KvArena, Slot, TransferEngine, TransferError,
+};
+
+/// What the engine sends a rank.
+#[derive(Debug)]
+pub struct StepMsg {
+    pub step: Arc<ScheduledStep<OffloadingConnectorMeta>>,
+    /// Tokens appended since the previous step: new requests' prompts, tokens sampled since.
+    pub tokens: Arc<Vec<(RequestId, Vec<Token>)>>,
+    /// Requests the engine released: their tokens are forgotten.
+    pub forget: Arc<Vec<RequestId>>,
+}
+
+/// What a rank sends the engine.
+#[derive(Debug)]
+pub struct RankReport {
+    pub rank: u32,
+    pub step: StepId,
+    pub output: Result<WorkerOutput, RunError>,
+}
+
+/// What a rank did, for the report.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RankStats {
+    pub blocks_stored: u64,
+    pub blocks_loaded: u64,
+    pub bytes_stored: u64,
+    pub bytes_loaded: u64,
+    pub store_time: Duration,
+    pub load_time: Duration,
+    /// Copies performed (after coalescing).
+    pub copies: u64,
+    /// Blocks of completed loads checked against their host slots.
+    pub loaded_blocks_verified: u64,
+    /// Token slots (per layer) checked before a forward read them.
+    pub slots_read_verified: u64,
+    /// Stores waited for in `handle_preemptions` before their blocks were rewritten.
+    pub flushed_stores: u64,
+    /// Transfers that failed part-way (injected by the simulation), stores and loads.
+    pub failed_transfers: u64,
+    /// Tokens loaded, per request (rank 0 reports them). Ordered, so that its encoding does
+    /// not depend on hash order (a fuzz finding: a decoded report re-encoded differently).
+    pub loaded_tokens: BTreeMap<RequestId, u32>,
+    /// Per step, the time in the rank driver and the worker connector's hooks (no forward, no
+    /// copies), in µs.
+    pub hook_us: Samples<f32>,
+    /// Steps after which the driver's invariants were checked.
+    pub invariant_checks: u64,
+    /// Steps and transfers, for `--trace-out`.
+    pub trace: Recorder,
+}
+
+/// The rank's fixed shape.
+#[derive(Clone, Debug)]
+pub struct RankShape {
+    pub gpu: KvLayout,
+    pub host: KvLayout,
+    pub block_size: u32,
+}
+
+/// Everything a rank is built from: the same for an in-process rank and a worker process
+/// (which receives it in its first frame).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RankSetup {
+    pub rank: u32,
+    /// `host` or `cuda` (resolved by the engine, never `auto`).
+    pub backend: Backend,
+    pub gpu: KvLayout,
+    pub host: KvLayout,
+    pub block_size: u32,
+    pub blocks_per_chunk: u32,
+    pub groups: Vec<GroupKind>,
+    /// The offloading worker's mode: what a failed transfer does (the engine's mode).
+    pub mode: Mode,
+    pub check: bool,
+    pub corrupt_first_load: bool,
+    /// Test-only fault: stop silently after this many steps (a crashed rank).
+    pub vanish_after_steps: Option<u64>,
+    /// Record steps and transfers for `--trace-out`.
+    pub trace: bool,
+}
+
+impl RankSetup {
+    /// The rank task with its arena and transfer engine; `wake` is notified after every
+    /// completed transfer.
+    pub fn build(&self, wake: Arc<Notify>) -> Result<RankTask, RunError> {
+        let failed = |error: TransferError| RunError::Transfer {
+            rank: self.rank,
+            error,
+        };
+        let (arena_bytes, host_bytes) = (
+            self.gpu.total_bytes() as usize,
+            self.host.total_bytes() as usize,
+        );
+        let slot_bytes = (self.gpu.block_bytes() / u64::from(self.block_size)) as usize;
+        let (done_tx, done_rx) = mpsc::channel(COPY_QUEUE_BOUND);
+        let (arena, engine): (Box<dyn KvArena>, Box<dyn TransferEngine>) = match self.backend {
+            Backend::Cuda => {
+                let dev = Device::open(arena_bytes).map_err(failed)?;
+                let engine = CudaEngine::spawn(self.rank, dev.clone(), host_bytes, done_tx, wake)
+                    .map_err(failed)?;
+                let arena = CudaArena::new(dev, slot_bytes).map_err(failed)?;
+                (Box::new(arena), Box::new(engine))
+            }
+            Backend::Host | Backend::Auto => {
+                let arena = HostArena::new(arena_bytes, slot_bytes);
+                let engine = HostEngine::spawn(self.rank, &arena, host_bytes, done_tx, wake)
+                    .map_err(failed)?;
+                (Box::new(arena), Box::new(engine))
+            }
+        };
+        Ok(self.build_on(arena, engine, done_rx))
+    }
+
+    /// The rank task over a given arena and transfer engine whose completions arrive on `done`
+    /// (the simulation's engine; [`RankSetup::build`] makes the backend's).
+    pub fn build_on(
+        &self,
+        arena: Box<dyn KvArena>,
+        engine: Box<dyn TransferEngine>,
+        done_rx: mpsc::Receiver<CopyDone>,
+    ) -> RankTask {
+        let worker = OffloadingWorker::new(OffloadingWorkerConfig {
+            blocks_per_chunk: self.blocks_per_chunk,
+            is_store_writer: true,
+            bytes_per_block: self.gpu.block_bytes() * u64::from(self.gpu.layers()),
+            mode: self.mode,
+        });
+        let rc = RankConfig {
+            layers: self.gpu.layers(),
+            block_size: self.block_size,
+            groups: self.groups.clone(),
+        };
+        let shape = RankShape {
+            gpu: self.gpu.clone(),
+            host: self.host.clone(),
+            block_size: self.block_size,
+        };
+        let mut task = RankTask::new(
+            self.rank,
+            RankDriver::new(rc, worker),
+            shape,
+            arena,
+            engine,
+            done_rx,
+            self.corrupt_first_load,
+            self.check,
+        );
+        task.stats.trace = Recorder::new(self.trace);
+        task.vanish_after_steps = self.vanish_after_steps;
+        task
+    }
+}
+
+/// Slots a forward collects before it checks them.
+const CHECK_BATCH: usize = 4096;
+
+/// A checked slot, as an error names it.
+#[derive(Clone, Copy, Debug)]
+struct SlotName {
+    request: RequestId,
+    block: BlockId,
+    layer: u32,
+    slot: u32,
+}
+
+pub struct RankTask {
+    rank: u32,
+    driver: RankDriver<OffloadingWorker>,
+    shape: RankShape,
+    slot_bytes: usize,
+    arena: Box<dyn KvArena>,
+    /// Per GPU block and token slot, the prefix hash it holds (`UNWRITTEN`: none).
+    gpu_shadow: Vec<u64>,
+    /// Per host slot and token slot, the prefix hash it holds.
+    host_shadow: Vec<u64>,
+    loads: HashMap<JobId, Transfer>,
+    /// The host slots of each store in flight.
+    stores: HashMap<JobId, Vec<u64>>,
+    book: TokenBook,
+    engine: Box<dyn TransferEngine>,
+    done: mpsc::Receiver<CopyDone>,
+    /// Reused buffers: the slots a forward writes or a check reads, and what each one is.
+    slots: Vec<Slot>,
+    whose: Vec<SlotName>,
+    flush_counted: bool,
+    /// Test-only fault: corrupt the host side of the next load.
+    corrupt_next_load: bool,
+    /// Check the driver's invariants after every step.
+    check: bool,
+    /// Test-only fault: stop silently after this many steps.
+    vanish_after_steps: Option<u64>,
+    /// When the running step began, and when each transfer in flight started (tracing only).
+    step_started: u64,
+    transfer_started: HashMap<JobId, u64>,
+    /// Time in the driver's calls during the running step.
+    hook_time: Duration,
+    stats: RankStats,
+}
+
+impl std::fmt::Debug for RankTask {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankTask")
+            .field("rank", &self.rank)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RankTask {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        rank: u32,
+        driver: RankDriver<OffloadingWorker>,
+        shape: RankShape,
+        arena: Box<dyn KvArena>,
+        engine: Box<dyn TransferEngine>,
+        done: mpsc::Receiver<CopyDone>,
+        corrupt_first_load: bool,
+        check: bool,
+    ) -> Self {
+        let bs = shape.block_size as usize;
+        let slot_bytes = (shape.gpu.block_bytes() as usize) / bs;
+        Self {
+            rank,
+            driver,
+            slot_bytes,
+            arena,
+            gpu_shadow: vec![UNWRITTEN; shape.gpu.blocks() as usize * bs],
+            host_shadow: vec![UNWRITTEN; shape.host.blocks() as usize * bs],
+            shape,
+            loads: HashMap::new(),
+            stores: HashMap::new(),
+            book: TokenBook::default(),
+            engine,
+            done,
+            slots: Vec::new(),
+            whose: Vec::new(),
+            flush_counted: false,
+            corrupt_next_load: corrupt_first_load,
+            check,
+            vanish_after_steps: None,
+            step_started: 0,
+            transfer_started: HashMap::new(),
+            hook_time: Duration::ZERO,
+            stats: RankStats::default(),
+        }
+    }
+
+    /// Runs steps until the engine hangs up or an error stops the rank; returns what it did.
+    pub async fn run(
+        mut self,
+        mut steps: mpsc::Receiver<StepMsg>,
+        reports: mpsc::Sender<RankReport>,
+    ) -> RankStats {
+        let mut current: Option<StepId> = None;
+        loop {
+            let progressed = tokio::select! {
+                biased;
+                d = self.done.recv() => match d {
+                    Some(d) => self.complete(d).map(|()| current.is_some()),
+                    // The copy thread is gone: said to the engine, never a silent exit.
+                    None => Err(RunError::Transfer { rank: self.rank, error: TransferError::Stopped }),
+                },
+                m = steps.recv(), if current.is_none() => match m {
+                    Some(m) => {
+                        current = Some(m.step.output.step);
+                        self.begin(&m).map(|()| true)
+                    }
+                    None => break,
+                },
+            };
+            let result = match progressed {
+                Ok(true) => self.drive(),
+                Ok(false) => Ok(None),
+                Err(e) => Err(e),
+            };
+            let output = match result {
+                Ok(Some(out)) => Ok(out),
+                Ok(None) => continue,
+                Err(e) => Err(e),
+            };
+            if self
+                .vanish_after_steps
+                .is_some_and(|n| self.driver.steps_done() >= n)
+            {
+                return self.stats;
+            }
+            let failed = output.is_err();
+            let step = current.take().unwrap_or(StepId(u64::MAX));
+            let report = RankReport {
+                rank: self.rank,
+                step,
+                output,
+            };
+            if reports.send(report).await.is_err() || failed {
+                break;
+            }
+        }
+        // Completions still arriving are drained so the copy thread can finish.
+        self.done.close();
+        while self.done.recv().await.is_some() {}
+        self.stats
+    }
+
+    fn begin(&mut self, m: &StepMsg) -> Result<(), RunError> {
+        for r in m.forget.iter() {
+            self.book.forget(*r);
+        }
+        for (r, t) in m.tokens.iter() {
+            self.book.extend(*r, t);
+        }
+        self.flush_counted = false;
+        if self.stats.trace.is_on() {
+            self.step_started = now_us();
+        }
+        let t = Instant::now();
+        let begun = self.driver.begin(&m.step);
+        self.hook_time += t.elapsed();
+        begun.map_err(|error| RunError::Rank {
+            rank: self.rank,
+            error,
+        })
+    }
+
+    /// Polls the driver until it waits, or the step is done.
+    fn drive(&mut self) -> Result<Option<WorkerOutput>, RunError> {
+        loop {
+            let t = Instant::now();
+            let polled = self.driver.poll();
+            self.hook_time += t.elapsed();
+            let action = polled.map_err(|error| RunError::Rank {
+                rank: self.rank,
+                error,
+            })?;
+            match action {
+                RankAction::Start(t) => self.start(t)?,
+                RankAction::Forward(pass) => self.forward(&pass)?,
+                RankAction::Wait { jobs, during } => {
+                    if during == WorkerCall::HandlePreemptions && !self.flush_counted {
+                        self.flush_counted = true;
+                        self.stats.flushed_stores += jobs.len() as u64;
+                    }
+                    return Ok(None);
+                }
+                RankAction::Collect => {
+                    while let Ok(d) = self.done.try_recv() {
+                        self.complete(d)?;
+                    }
+                }
+                RankAction::Done(out) => {
+                    let hooks = std::mem::take(&mut self.hook_time);
+                    self.stats.hook_us.push(hooks.as_secs_f32() * 1e6);
+                    if self.check {
+                        self.driver.check_invariants()?;
+                        self.stats.invariant_checks += 1;
+                    }
+                    let step = self.driver.steps_done().saturating_sub(1);
+                    let (start, pid) = (self.step_started, self.rank + 1);
+                    self.stats
+                        .trace
+                        .span(|| format!("step {step}"), start, pid, 0);
+                    return Ok(Some(out));
+                }
+                RankAction::Idle => return Ok(None),
+            }
+        }
+    }
+
+    fn start(&mut self, t: Transfer) -> Result<(), RunError> {
+        let runs =
+            copy_plan(&t, &self.shape.gpu, &self.shape.host).map_err(|error| RunError::Plan {
+                rank: self.rank,
+                error,
+            })?;
+        let bs = self.shape.block_size as usize;
+        if self.stats.trace.is_on() {
+            self.transfer_started.insert(t.job, now_us());
+        }
+        tracing::trace!(rank = self.rank, job = t.job.0, direction = ?t.direction, blocks = t.gpu_blocks.len(), copies = runs.len(), "transfer started");
+        let corrupt = match t.direction {
+            TransferDirection::Store => {
+                for (b, &slot) in t.gpu_blocks.iter().zip(&t.external) {
+                    let (g, h) = (b.0 as usize * bs, slot as usize * bs);
+                    let (src, dst) = (g..g + bs, h..h + bs);
+                    self.host_shadow[dst].copy_from_slice(&self.gpu_shadow[src]);
+                }
+                self.stores.insert(t.job, t.external.clone());
+                false
+            }
+            TransferDirection::Load => {
+                self.loads.insert(t.job, t.clone());
+                std::mem::take(&mut self.corrupt_next_load)
+            }
+        };
+        self.engine
+            .start(CopyJob {
+                job: t.job,
+                direction: t.direction,
+                runs,
+                corrupt,
+            })
+            .map_err(|error| RunError::Transfer {
+                rank: self.rank,
+                error,
+            })
+    }
+
+    /// A transfer completed: a load is checked, then the driver hears of it.
+    fn complete(&mut self, d: CopyDone) -> Result<(), RunError> {
+        tracing::trace!(
+            rank = self.rank,
+            job = d.job.0,
+            bytes = d.bytes,
+            "transfer done"
+        );
+        d.result.clone().map_err(|error| RunError::Transfer {
+            rank: self.rank,
+            error,
+        })?;
+        if d.failed {
+            return self.failed(&d);
+        }
+        self.stats.copies += d.copies;
+        if let Some(start) = self.transfer_started.remove(&d.job) {
+            let (what, tid) = match d.direction {
+                TransferDirection::Store => ("store", 1),
+                TransferDirection::Load => ("load", 2),
+            };
+            let name = || format!("{what} job {} ({} bytes)", d.job.0, d.bytes);
+            self.stats.trace.span(name, start, self.rank + 1, tid);
+        }
+        match d.direction {
+            TransferDirection::Store => {
+                self.stats.bytes_stored += d.bytes;
+                self.stats.store_time += d.elapsed;
+                self.stats.blocks_stored +=
+                    self.stores.remove(&d.job).map_or(0, |s| s.len() as u64);
+            }
+            TransferDirection::Load => {
+                self.stats.bytes_loaded += d.bytes;
+                self.stats.load_time += d.elapsed;
+                if let Some(t) = self.loads.remove(&d.job) {
+                    self.stats.blocks_loaded += t.gpu_blocks.len() as u64;
+                    if self.rank == 0 {
+                        let tokens = t.gpu_blocks.len() as u32 * self.shape.block_size;
+                        *self.stats.loaded_tokens.entry(t.request).or_default() += tokens;
+                    }
+                    self.check_load(&t)?;
+                }
+            }
+        }
+        self.tell_driver(TransferDone {
+            job: d.job,
+            ok: true,
+        })
+    }
+
+    /// The driver hears of a completed (or failed) transfer.
+    fn tell_driver(&mut self, done: TransferDone) -> Result<(), RunError> {
+        let t = Instant::now();
+        let heard = self.driver.transfer_done(done);
+        self.hook_time += t.elapsed();
+        heard.map_err(|error| RunError::Rank {
+            rank: self.rank,
+            error,
+        })
+    }
+
+    /// A transfer failed part-way: its destination is marked [`POISON`] (a load's GPU blocks, a
+    /// store's host slots), so that any later check expecting content there reports it — the
+    /// core must never let a request read them — and the driver hears `ok: false`.
+    fn failed(&mut self, d: &CopyDone) -> Result<(), RunError> {
+        self.stats.failed_transfers += 1;
+        self.transfer_started.remove(&d.job);
+        let bs = self.shape.block_size as usize;
+        match d.direction {
+            TransferDirection::Store => {
+                if let Some(slots) = self.stores.remove(&d.job) {
+                    for slot in slots {
+                        let h = slot as usize * bs;
+                        self.host_shadow[h..h + bs].fill(POISON);
+                    }
+                }
+            }
+            TransferDirection::Load => {
+                if let Some(t) = self.loads.remove(&d.job) {
+                    for b in &t.gpu_blocks {
+                        let g = b.0 as usize * bs;
+                        self.gpu_shadow[g..g + bs].fill(POISON);
+                    }
+                }
+            }
+        }
+        self.tell_driver(TransferDone {
+            job: d.job,
+            ok: false,
+        })
+    }
+
+    /// Takes each loaded block's content record from its host slot and checks the block's
+    /// bytes against it; a block counts as verified once at least one of its slots was checked
+    /// (a slot never written has no record to check against).
+    fn check_load(&mut self, t: &Transfer) -> Result<(), RunError> {
+        let bs = self.shape.block_size as usize;
+        let (mut slots, mut whose) = (
+            std::mem::take(&mut self.slots),
+            std::mem::take(&mut self.whose),
+        );
+        slots.clear();
+        whose.clear();
+        for ((&b, &slot), &group) in t.gpu_blocks.iter().zip(&t.external).zip(&t.groups) {
+            let (g, h) = (b.0 as usize * bs, slot as usize * bs);
+            self.gpu_shadow[g..g + bs].copy_from_slice(&self.host_shadow[h..h + bs]);
+            for layer in self.shape.gpu.layers_of(group) {
+                for (i, &prefix) in self.gpu_shadow[g..g + bs].iter().enumerate() {
+                    if prefix == UNWRITTEN {
+                        continue;
+                    }
+                    slots.push(Slot {
+                        at: self.slot(layer, b, i as u32)?,
+                        word: word(prefix, layer, group, self.rank),
+                    });
+                    whose.push(SlotName {
+                        request: t.request,
+                        block: b,
+                        layer,
+                        slot: i as u32,
+                    });
+                }
+            }
+        }
+        let bad = self.arena.first_mismatch(&slots);
+        let checked: std::collections::BTreeSet<BlockId> = whose.iter().map(|w| w.block).collect();
+        let named = self.mismatch("loaded", bad, |i| whose.get(i).copied());
+        (self.slots, self.whose) = (slots, whose);
+        named?;
+        self.stats.loaded_blocks_verified += checked.len() as u64;
+        Ok(())
+    }
+
+    /// `Ok` when no slot mismatched; else the error naming the slot (`name(i)` of the first
+    /// mismatch `i`).
+    fn mismatch(
+        &self,
+        what: &'static str,
+        found: Result<Option<usize>, TransferError>,
+        name: impl Fn(usize) -> Option<SlotName>,
+    ) -> Result<(), RunError> {
+        let found = found.map_err(|error| RunError::Transfer {
+            rank: self.rank,
+            error,
+        })?;
+        match found.and_then(name) {
+            None => Ok(()),
+            Some(n) => Err(RunError::Corrupt {
+                what,
+                rank: self.rank,
+                request: n.request,
+                block: n.block,
+                layer: n.layer,
+                slot: n.slot,
+            }),
+        }
+    }
+
+    /// The byte offset of token slot `index` of `block` in `layer`.
+    fn slot(&self, layer: u32, block: BlockId, index: u32) -> Result<usize, RunError> {
+        match self.shape.gpu.offset(layer, block.0) {
+            Some(base) => Ok(base as usize + index as usize * self.slot_bytes),
+            None => Err(RunError::OutOfArena {
+                rank: self.rank,
+                block,
+                layer,
+            }),
+        }
+    }
+
+    fn forward(&mut self, pass: &kvrelay_core::ForwardPass) -> Result<(), RunError> {
+        let layer = pass.layer;
+        let Some(group) = self.shape.gpu.group_of(layer) else {
+            return Ok(());
+        };
+        let bs = self.shape.block_size;
+        let mut slots = std::mem::take(&mut self.slots);
+        slots.clear();
+        let (sb, rank) = (self.slot_bytes, self.rank);
+        for a in pass.writes.iter().filter(|a| a.group as u32 == group) {
+            let base = self.slot(layer, a.block, 0)?;
+            let prefixes = prefixes(&self.book, rank, a.request, &a.tokens)?;
+            let shadow = a.block.0 as usize * bs as usize;
+            for (p, &prefix) in a.tokens.clone().zip(prefixes) {
+                let i = (p % bs) as usize;
+                slots.push(Slot {
+                    at: base + i * sb,
+                    word: word(prefix, layer, group, rank),
+                });
+                self.gpu_shadow[shadow + i] = prefix;
+            }
+        }
+        // Reads are checked in batches that stay in cache.
+        let mut bad = self.arena.fill(&slots).map(|()| None);
+        slots.clear();
+        let mut read = 0usize;
+        let mut check = |slots: &mut Vec<Slot>, arena: &mut Box<dyn KvArena>| {
+            if let Ok(None) = bad {
+                bad = arena.first_mismatch(slots).map(|m| m.map(|i| read + i));
+            }
+            read += slots.len();
+            slots.clear();
+        };
+        let reads = || pass.reads.iter().filter(|a| a.group as u32 == group);
+        for a in reads() {
+            let base = self.slot(layer, a.block, 0)?;
+            let prefixes = prefixes(&self.book, rank, a.request, &a.tokens)?;
+            for (p, &prefix) in a.tokens.clone().zip(prefixes) {
+                slots.push(Slot {
+                    at: base + (p % bs) as usize * sb,
+                    word: word(prefix, layer, group, rank),
+                });
+                if slots.len() == CHECK_BATCH {
+                    check(&mut slots, &mut self.arena);
+                }
+            }
+        }
+        check(&mut slots, &mut self.arena);
+        let read = read as u64;
+        self.slots = slots;
+        // The i-th slot read, named only when one mismatched.
+        let name = |i: usize| {
+            let mut all = reads().flat_map(|a| a.tokens.clone().map(move |p| (a, p)));
+            all.nth(i).map(|(a, p)| SlotName {
+                request: a.request,
+                block: a.block,
+                layer,
+                slot: p % bs,
+            })
+        };
+        self.mismatch("read", bad, name)?;
+        self.stats.slots_read_verified += read;
+        Ok(())
+    }
+}
+
+/// The prefix hashes of `request`'s tokens at `positions`, or the error naming the first
+/// unknown one.
+fn prefixes<'b>(
+    book: &'b TokenBook,
+    rank: u32,
+    request: RequestId,
+    positions: &Range<u32>,
+) -> Result<&'b [u64], RunError> {
+    book.prefixes(request, positions.clone())
+        .ok_or_else(|| RunError::UnknownTokens {
+            rank,
+            request,
+            position: book.known(request).max(positions.start),
+        })
+}

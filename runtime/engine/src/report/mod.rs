@@ -1,0 +1,252 @@
+//! The figures of a run: [`Report`], printed for people (`Display`) or as JSON (`--json`).
+
+pub mod perfetto;
+pub mod samples;
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::RunConfig;
+use crate::engine::Figures;
+use crate::rank::RankStats;
+use crate::workload::TraceRecord;
+
+/// What a run did. Every figure is counted by the run itself; none is estimated.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Report {
+    /// The seed of the workload and the sampled tokens.
+    pub seed: u64,
+    /// Ranks.
+    pub ranks: u32,
+    /// Where the KV lived: `host` or `cuda`.
+    pub backend: crate::Backend,
+    /// Requests submitted.
+    pub requests: u64,
+    /// Requests finished.
+    pub finished: u64,
+    /// Prompt tokens submitted.
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Engine steps, and those that were idle.
+    pub steps: u64,
+    /// Idle engine steps (nothing scheduled or reported: waiting for a transfer).
+    pub idle_steps: u64,
+    /// Steps scheduled while the ranks ran the previous one (`--async-depth 2`).
+    pub scheduled_ahead: u64,
+    /// Requests preempted (their blocks freed, recomputed or loaded later).
+    pub preemptions: u64,
+    /// Prompt tokens a request did not compute when first scheduled: GPU prefix hits plus
+    /// tokens loaded from the CPU pool.
+    pub reused_tokens: u64,
+    /// Of those, tokens found in the GPU prefix cache.
+    pub gpu_prefix_hit_tokens: u64,
+    /// Tokens loaded from the CPU pool.
+    pub cpu_loaded_tokens: u64,
+    /// Tokens the forward passes computed (prefill, recomputation after preemption, decode).
+    pub tokens_computed: u64,
+    /// Blocks stored to the CPU pool, over all ranks.
+    pub blocks_offloaded: u64,
+    /// Blocks loaded from the CPU pool, over all ranks.
+    pub blocks_loaded: u64,
+    /// Store throughput of the copy threads, GB/s (bytes / time copying).
+    pub store_gb_per_s: f64,
+    /// Load throughput of the copy threads, GB/s.
+    pub load_gb_per_s: f64,
+    /// Copies performed for all transfers (runs of contiguous blocks coalesced).
+    pub copies: u64,
+    /// Stores waited for in `handle_preemptions` before their blocks were reused.
+    pub flushed_stores: u64,
+    /// Loaded blocks checked byte for byte when their load completed.
+    pub loaded_blocks_verified: u64,
+    /// Token slots (per layer) checked before a forward read them.
+    pub read_slots_verified: u64,
+    /// Engine-side time per step (schedule, rank outputs, apply): median, µs.
+    pub core_step_us_median: f64,
+    /// The same, 99th percentile.
+    pub core_step_us_p99: f64,
+    /// Rank-side connector overhead per step and rank: time in the rank driver and the worker
+    /// connector's hooks (no forward pass, no copies): median, µs.
+    pub rank_hooks_us_median: f64,
+    /// The same, 99th percentile.
+    pub rank_hooks_us_p99: f64,
+    /// Whether every machine's invariants were checked after every step (`--check`); they held
+    /// if the run finished.
+    pub invariants_checked: bool,
+    /// Invariant checks performed (engine and ranks).
+    pub invariant_checks: u64,
+    /// Wall-clock seconds.
+    pub wall_s: f64,
+}
+
+/// The ranks' figures summed (per-request loaded tokens are read from rank 0 alone).
+fn sum_ranks(ranks: &[RankStats]) -> RankStats {
+    let mut s = RankStats::default();
+    for r in ranks {
+        s.blocks_stored += r.blocks_stored;
+        s.blocks_loaded += r.blocks_loaded;
+        s.bytes_stored += r.bytes_stored;
+        s.bytes_loaded += r.bytes_loaded;
+        s.store_time += r.store_time;
+        s.load_time += r.load_time;
+        s.copies += r.copies;
+        s.loaded_blocks_verified += r.loaded_blocks_verified;
+        s.slots_read_verified += r.slots_read_verified;
+        s.flushed_stores += r.flushed_stores;
+        s.invariant_checks += r.invariant_checks;
+        s.hook_us.absorb(&r.hook_us);
+    }
+    s
+}
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * q).round() as usize;
+    sorted[i]
+}
+
+fn gb_per_s(bytes: u64, t: Duration) -> f64 {
+    if t.is_zero() {
+        0.0
+    } else {
+        bytes as f64 / t.as_secs_f64() / 1e9
+    }
+}
+
+pub(crate) fn build(
+    c: &RunConfig,
+    records: &[TraceRecord],
+    f: &Figures,
+    ranks: &[RankStats],
+    wall: Duration,
+) -> Report {
+    let s = sum_ranks(ranks);
+    let mut us = f.core_us.values().to_vec();
+    us.sort_by(f64::total_cmp);
+    let mut hooks: Vec<f64> = s.hook_us.values().iter().map(|&x| f64::from(x)).collect();
+    hooks.sort_by(f64::total_cmp);
+    let reused: u64 = f.reused.values().map(|&n| u64::from(n)).sum();
+    // Rank 0 counts the tokens loaded per request; a request's GPU hit is what it reused
+    // beyond them.
+    let loaded0 = ranks.first().map(|r| &r.loaded_tokens);
+    let mut gpu_hits = 0u64;
+    let mut cpu_loaded = 0u64;
+    for (id, &n) in &f.reused {
+        let l = loaded0.and_then(|m| m.get(id)).copied().unwrap_or(0);
+        cpu_loaded += u64::from(l.min(n));
+        gpu_hits += u64::from(n.saturating_sub(l));
+    }
+    Report {
+        seed: c.seed,
+        ranks: c.ranks,
+        backend: f.backend,
+        requests: records.len() as u64,
+        finished: f.finished,
+        prompt_tokens: f.prompt_tokens,
+        generated_tokens: f.generated_tokens,
+        steps: f.steps,
+        idle_steps: f.idle_steps,
+        scheduled_ahead: f.scheduled_ahead,
+        preemptions: f.preemptions,
+        reused_tokens: reused,
+        gpu_prefix_hit_tokens: gpu_hits,
+        cpu_loaded_tokens: cpu_loaded,
+        tokens_computed: f.tokens_computed,
+        blocks_offloaded: s.blocks_stored,
+        blocks_loaded: s.blocks_loaded,
+        store_gb_per_s: gb_per_s(s.bytes_stored, s.store_time),
+        load_gb_per_s: gb_per_s(s.bytes_loaded, s.load_time),
+        copies: s.copies,
+        flushed_stores: s.flushed_stores,
+        loaded_blocks_verified: s.loaded_blocks_verified,
+        read_slots_verified: s.slots_read_verified,
+        core_step_us_median: quantile(&us, 0.5),
+        core_step_us_p99: quantile(&us, 0.99),
+        rank_hooks_us_median: quantile(&hooks, 0.5),
+        rank_hooks_us_p99: quantile(&hooks, 0.99),
+        invariants_checked: c.check,
+        invariant_checks: f.invariant_checks + s.invariant_checks,
+        wall_s: wall.as_secs_f64(),
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let pct = |a: u64, b: u64| {
+            if b == 0 {
+                0.0
+            } else {
+                100.0 * a as f64 / b as f64
+            }
+        };
+        writeln!(
+            f,
+            "requests        {} submitted, {} finished ({} ranks, {} backend, seed {}, {:.1} s)",
+            self.requests,
+            self.finished,
+            self.ranks,
+            self.backend.name(),
+            self.seed,
+            self.wall_s
+        )?;
+        writeln!(
+            f,
+            "tokens          {} prompt, {} generated, {} computed by forward passes",
+            self.prompt_tokens, self.generated_tokens, self.tokens_computed
+        )?;
+        writeln!(
+            f,
+            "prefix reuse    {} tokens ({:.1} % of prompts): {} GPU prefix hits, {} loaded from CPU",
+            self.reused_tokens,
+            pct(self.reused_tokens, self.prompt_tokens),
+            self.gpu_prefix_hit_tokens,
+            self.cpu_loaded_tokens
+        )?;
+        writeln!(
+            f,
+            "steps           {} ({} idle, {} scheduled ahead), {} preemptions, {} stores flushed before reuse",
+            self.steps,
+            self.idle_steps,
+            self.scheduled_ahead,
+            self.preemptions,
+            self.flushed_stores
+        )?;
+        writeln!(
+            f,
+            "offload         {} blocks stored ({:.2} GB/s), {} blocks loaded ({:.2} GB/s), {} copies",
+            self.blocks_offloaded,
+            self.store_gb_per_s,
+            self.blocks_loaded,
+            self.load_gb_per_s,
+            self.copies
+        )?;
+        writeln!(
+            f,
+            "verified        {} loaded blocks at completion, {} token slots before reads",
+            self.loaded_blocks_verified, self.read_slots_verified
+        )?;
+        writeln!(
+            f,
+            "engine step     {:.1} µs median, {:.1} µs p99 (schedule + rank outputs + apply)",
+            self.core_step_us_median, self.core_step_us_p99
+        )?;
+        writeln!(
+            f,
+            "rank hooks      {:.1} µs median, {:.1} µs p99 per step and rank (rank driver + worker connector)",
+            self.rank_hooks_us_median, self.rank_hooks_us_p99
+        )?;
+        if self.invariants_checked {
+            write!(
+                f,
+                "invariants      held at every step ({} checks)",
+                self.invariant_checks
+            )
+        } else {
+            write!(f, "invariants      not checked (pass --check)")
+        }
+    }
+}

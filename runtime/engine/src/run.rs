@@ -1,0 +1,132 @@
+//! Running a workload to its end: [`run`] replays its requests on their virtual clock through a
+//! fresh [`Engine`] and returns the [`Report`]; [`requests`] reads or generates them.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use kvrelay_core::RequestId;
+
+use crate::report::{self, Report, perfetto};
+use crate::workload::{self, TraceRecord};
+use crate::{Engine, RunConfig, RunError};
+
+/// Idle engine steps in a row after which a run is declared stalled.
+const MAX_IDLE_STEPS: u64 = 100_000;
+
+/// What the run is told as it goes (e.g. a progress bar).
+pub trait Progress: Send {
+    /// Called after every engine step.
+    fn step(&mut self, finished: u64, total: u64, steps: u64, preemptions: u64, loaded: u64);
+}
+
+impl Progress for () {
+    fn step(&mut self, _: u64, _: u64, _: u64, _: u64, _: u64) {}
+}
+
+/// The requests of a run: the trace, or the generated workload.
+pub fn requests(config: &RunConfig) -> Result<Vec<TraceRecord>, RunError> {
+    Ok(match &config.trace {
+        Some(p) => workload::read_trace(p, config.hash_block_tokens)?,
+        None => workload::generate(&config.workload, config.hash_block_tokens, config.seed),
+    })
+}
+
+/// The tokio runtime a run uses: one thread for the engine and its in-process rank tasks
+/// (a step's messages then hop between tasks, not threads; copies run on the ranks' copy
+/// threads, worker processes on their own).
+pub fn runtime() -> Result<tokio::runtime::Runtime, RunError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| RunError::Config(format!("tokio runtime: {e}")))
+}
+
+/// Runs `records` on a fresh [`Engine`] with W ranks; returns the report, or the error that
+/// stopped the run.
+pub fn run(
+    config: &RunConfig,
+    records: &[TraceRecord],
+    progress: &mut dyn Progress,
+) -> Result<Report, RunError> {
+    let rt = runtime()?;
+    rt.block_on(async {
+        let longest = records
+            .iter()
+            .map(|r| r.input_length + r.output_length)
+            .max()
+            .unwrap_or(1);
+        let mut engine = Engine::start(config, longest).await?;
+        let started = Instant::now();
+        let outcome = replay(config, records, &mut engine, progress).await;
+        let (figures, ranks) = engine.shutdown().await;
+        outcome?;
+        if let Some(path) = &config.trace_out {
+            let mut recorders = vec![&figures.trace];
+            recorders.extend(ranks.iter().map(|r| &r.trace));
+            perfetto::write(path, &recorders, config.ranks).map_err(|e| RunError::Output {
+                path: path.display().to_string(),
+                why: e.to_string(),
+            })?;
+        }
+        Ok(report::build(
+            config,
+            records,
+            &figures,
+            &ranks,
+            started.elapsed(),
+        ))
+    })
+}
+
+/// Submits each record when the virtual clock reaches its timestamp, and steps the engine
+/// until every request finished.
+async fn replay(
+    c: &RunConfig,
+    records: &[TraceRecord],
+    engine: &mut Engine,
+    progress: &mut dyn Progress,
+) -> Result<(), RunError> {
+    let total = records.len() as u64;
+    let mut pending: VecDeque<(usize, &TraceRecord)> = records.iter().enumerate().collect();
+    let mut now = 0.0f64;
+    let mut idle_in_a_row = 0u64;
+    loop {
+        while let Some(&(i, r)) = pending.front()
+            && r.timestamp as f64 <= now
+        {
+            pending.pop_front();
+            let prompt = workload::prompt_tokens(r, c.hash_block_tokens, i as u64);
+            engine.add(RequestId(i as u32), prompt, r.output_length)?;
+        }
+        if !engine.has_work() {
+            match pending.front() {
+                Some((_, r)) => {
+                    now = r.timestamp as f64;
+                    continue;
+                }
+                None => return Ok(()),
+            }
+        }
+        let outcome = engine.step().await?;
+        now += c.step_ms;
+        let f = &engine.figures;
+        progress.step(f.finished, total, f.steps, f.preemptions, f.loads_reported);
+        if !outcome.idle {
+            idle_in_a_row = 0;
+            continue;
+        }
+        idle_in_a_row += 1;
+        if idle_in_a_row > MAX_IDLE_STEPS {
+            return Err(RunError::Stalled {
+                steps: idle_in_a_row,
+                requests: total - f.finished,
+            });
+        }
+        if !pending
+            .front()
+            .is_some_and(|(_, r)| r.timestamp as f64 <= now)
+        {
+            engine.wait_idle().await;
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! The host transfer engine: a rank's "GPU" KV arena and its CPU offload pool are both host
+//! memory, and a transfer is the [`copy_plan`](kvrelay_core::copy_plan) of its blocks performed
+//! with `memcpy` on a copy thread of the rank.
+//!
+//! # Ordering
+//!
+//! One copy thread per rank runs the transfers in the order they were started and reports each
+//! completion in that order, as vLLM's CPU offloading worker runs its transfers serially. The
+//! rank's forward pass and the copy thread share the arena behind a `RwLock`: a store reads the
+//! arena, a load and the forward's writes write it. The lock makes the sharing memory-safe; it
+//! is the core's fences (I-4: no block rewritten while a store reads it, no block read before
+//! its load completed) that make it *correct*, and the content checks of the rank show when
+//! they do not hold.
+
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, RwLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use kvrelay_core::{CopyRun, TransferDirection};
+use tokio::sync::{Notify, mpsc};
+
+use crate::content::{fill, holds};
+use crate::transfer::{
+    COPY_QUEUE_BOUND, CopyDone, CopyJob, KvArena, Slot, TransferEngine, TransferError,
+};
+
+/// A rank's "GPU" KV arena in host memory, shared by its forward pass and its copy thread.
+#[derive(Clone, Debug)]
+pub struct HostArena {
+    bytes: Arc<RwLock<Vec<u8>>>,
+    slot_bytes: usize,
+}
+
+impl HostArena {
+    /// A zeroed arena of `total` bytes whose token slots have `slot_bytes` bytes.
+    pub fn new(total: usize, slot_bytes: usize) -> Self {
+        Self {
+            bytes: Arc::new(RwLock::new(vec![0u8; total])),
+            slot_bytes,
+        }
+    }
+
+    /// The arena's bytes, shared with a transfer engine.
+    pub fn shared(&self) -> Arc<RwLock<Vec<u8>>> {
+        self.bytes.clone()
+    }
+}
+
+impl KvArena for HostArena {
+    fn fill(&mut self, slots: &[Slot]) -> Result<(), TransferError> {
+        let mut arena = self.bytes.write().unwrap_or_else(|p| p.into_inner());
+        for s in slots {
+            fill(&mut arena[s.at..s.at + self.slot_bytes], s.word);
+        }
+        Ok(())
+    }
+
+    fn first_mismatch(&mut self, slots: &[Slot]) -> Result<Option<usize>, TransferError> {
+        let arena = self.bytes.read().unwrap_or_else(|p| p.into_inner());
+        Ok(slots
+            .iter()
+            .position(|s| !holds(&arena[s.at..s.at + self.slot_bytes], s.word)))
+    }
+}
+
+/// The host engine of one rank.
+#[derive(Debug)]
+pub struct HostEngine {
+    tx: Option<SyncSender<CopyJob>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl HostEngine {
+    /// Starts the copy thread of a rank whose arena is `gpu` and whose host pool has
+    /// `host_bytes` bytes. Completions go to `done`; `wake` is notified after each.
+    pub fn spawn(
+        rank: u32,
+        gpu: &HostArena,
+        host_bytes: usize,
+        done: mpsc::Sender<CopyDone>,
+        wake: Arc<Notify>,
+    ) -> Result<Self, TransferError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(COPY_QUEUE_BOUND);
+        let gpu = gpu.bytes.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("kvrelay-copy-{rank}"))
+            .spawn(move || copy_loop(&rx, &gpu, vec![0u8; host_bytes], &done, &wake))
+            .map_err(|e| TransferError::Thread(e.to_string()))?;
+        Ok(Self {
+            tx: Some(tx),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl TransferEngine for HostEngine {
+    fn start(&mut self, job: CopyJob) -> Result<(), TransferError> {
+        let tx = self.tx.as_ref().ok_or(TransferError::Stopped)?;
+        tx.try_send(job).map_err(|e| match e {
+            TrySendError::Full(_) => TransferError::QueueFull,
+            TrySendError::Disconnected(_) => TransferError::Stopped,
+        })
+    }
+}
+
+impl Drop for HostEngine {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn copy_loop(
+    rx: &Receiver<CopyJob>,
+    gpu: &RwLock<Vec<u8>>,
+    mut host: Vec<u8>,
+    done: &mpsc::Sender<CopyDone>,
+    wake: &Notify,
+) {
+    while let Ok(job) = rx.recv() {
+        if job.corrupt
+            && let Some(r) = job.runs.first()
+        {
+            host[r.host as usize] ^= 0x5a;
+        }
+        let (bytes, elapsed) = match job.direction {
+            TransferDirection::Store => {
+                let arena = gpu.read().unwrap_or_else(|p| p.into_inner());
+                let started = Instant::now();
+                (store(&job.runs, &arena, &mut host), started.elapsed())
+            }
+            TransferDirection::Load => {
+                let mut arena = gpu.write().unwrap_or_else(|p| p.into_inner());
+                let started = Instant::now();
+                (load(&job.runs, &host, &mut arena), started.elapsed())
+            }
+        };
+        let out = CopyDone {
+            job: job.job,
+            direction: job.direction,
+            bytes,
+            copies: job.runs.len() as u64,
+            elapsed,
+            result: Ok(()),
+            failed: false,
+        };
+        if done.blocking_send(out).is_err() {
+            return;
+        }
+        wake.notify_one();
+    }
+}
+
+/// Copies `runs` from `gpu` into `host`; returns the bytes copied.
+pub fn store(runs: &[CopyRun], gpu: &[u8], host: &mut [u8]) -> u64 {
+    let mut n = 0;
+    for r in runs {
+        let (g, h, len) = (r.gpu as usize, r.host as usize, r.len as usize);
+        host[h..h + len].copy_from_slice(&gpu[g..g + len]);
+        n += r.len;
+    }
+    n
+}
+
+/// Copies `runs` from `host` into `gpu`; returns the bytes copied.
+pub fn load(runs: &[CopyRun], host: &[u8], gpu: &mut [u8]) -> u64 {
+    let mut n = 0;
+    for r in runs {
+        let (g, h, len) = (r.gpu as usize, r.host as usize, r.len as usize);
+        gpu[g..g + len].copy_from_slice(&host[h..h + len]);
+        n += r.len;
+    }
+    n
+}

@@ -1,0 +1,488 @@
+//! kvrelay-sim: deterministic simulation of the engine with injected faults (TigerBeetle's VOPR,
+//! FoundationDB's simulation): the real [`Engine`], rank tasks, rank drivers, offloading connector
+//! and content checks, with the engine's three seams (`kvrelay_engine::transport`'s `Transport`
+//! and `Clock`, `kvrelay_engine::transfer`'s `TransferEngine`) replaced, and every choice drawn
+//! from one seed.
+//!
+//! # What is simulated
+//!
+//! * **Time**: a current-thread tokio runtime with a paused clock. Every wait (the engine's idle
+//!   wait and rank check, a transfer's duration, a frame's delay) is virtual: a run of minutes of
+//!   simulated time takes milliseconds, and the interleaving depends on the seed only.
+//! * **Transfers** (`world::SimEngine`): one queue per rank, completed in the order started (as
+//!   vLLM's worker runs them). A transfer's bytes move when it *completes*, not when it starts, so
+//!   a block rewritten under an in-flight store, or read before its load completed, shows as
+//!   wrong bytes. Faults: a transfer fails part-way (its destination is garbage; the rank tells
+//!   the core `ok: false`), or is slow.
+//! * **Frames** (`world::SimTransport`): ranks are tasks of this process, but every step frame and
+//!   every report goes through a relay that may delay it (a slow rank; reports of different ranks
+//!   reordered) or duplicate it (the engine must refuse the copy). One rank may be lost: it stops
+//!   answering after a drawn step (the engine must say which rank, and stop without hanging).
+//! * **Inputs**: requests (shared prefixes, preemption under a small GPU pool), aborts at any
+//!   step, cache resets with jobs in flight.
+//!
+//! After every step every machine's `check_invariants()` runs (`check`), and every load and every
+//! forward read is verified byte for byte (always on in the rank). After the fault phase, a
+//! quiescence phase with every fault off must finish every request and leave nothing behind
+//! ([`Engine::leaks`]). A run that ends otherwise — an unexpected error, a hang, a leak — fails
+//! with the seed that replays it: `KVRELAY_SEED=<seed> kvrelay sim`.
+//!
+//! Which seeds: seed 0 is fault-free, seed 1 has every fault kind, every other seed draws its own
+//! mix ([`FaultMix::for_seed`]).
+
+//! # Rooms
+//!
+//! * this file — the fault mix, one seed's run ([`simulate`]) and what it reports;
+//! * `world` — the simulated seams: the transport with its faulty relays, the transfer engine;
+//! * `sweep` — many seeds ([`sweep()`]), and one long soak run ([`soak()`]).
+//!
+//! `kvrelay sim` (the command line, in `kvrelay-cli`) runs these.
+
+mod sweep;
+mod world;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use kvrelay_core::{Mode, RankError, RequestId, Token, WorkerError};
+use serde::Serialize;
+
+pub use self::sweep::{SoakReport, SweepReport, soak, sweep};
+use self::world::SimTransport;
+use kvrelay_engine::content::mix;
+use kvrelay_engine::engine::{Engine, Figures};
+use kvrelay_engine::rank::RankStats;
+use kvrelay_engine::{RunConfig, RunError};
+
+/// Steps of the fault phase at most (arrivals come within it).
+const FAULT_STEPS: u64 = 400;
+/// Steps the quiescence phase may take before the run counts as hung.
+const QUIESCE_STEPS: u64 = 3_000;
+/// Virtual time a shutdown may take before the run counts as hung.
+const SHUTDOWN_LIMIT: Duration = Duration::from_secs(60);
+
+/// The seeded generator of every choice of a run.
+#[derive(Clone, Debug)]
+pub(crate) struct SimRng(u64);
+
+impl SimRng {
+    pub(crate) fn new(seed: u64) -> Self {
+        Self(mix(seed ^ 0x6a09_e667_f3bc_c908))
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        mix(self.0)
+    }
+
+    /// Uniform in `lo..=hi`.
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo + 1)
+    }
+
+    /// `true` with probability `p`.
+    fn chance(&mut self, p: f64) -> bool {
+        p > 0.0 && ((self.next_u64() >> 11) as f64 / (1u64 << 53) as f64) < p
+    }
+
+    /// An independent generator for a part of the run (a rank's transfers, a relay).
+    fn fork(&mut self, salt: u64) -> Self {
+        Self(mix(self.next_u64() ^ salt))
+    }
+}
+
+/// The faults of one run: each a probability per opportunity (a transfer, a frame, a step).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct FaultMix {
+    /// A transfer fails part-way.
+    pub transfer_fail: f64,
+    /// A transfer is slow (5–40 ms instead of tens of µs).
+    pub transfer_slow: f64,
+    /// A rank's report is delayed (0.1–20 ms): a slow rank, reports reordered across ranks.
+    pub report_delay: f64,
+    /// A report is sent twice (the copy at once or later: a duplicate or a stale frame).
+    pub report_duplicate: f64,
+    /// A step frame reaches a rank late (0.1–10 ms).
+    pub step_delay: f64,
+    /// Per engine step: a live request is aborted.
+    pub abort: f64,
+    /// Per engine step: the connector's cache is reset (jobs may be in flight).
+    pub reset: f64,
+    /// One rank stops answering after a drawn step.
+    pub rank_lost: bool,
+}
+
+impl FaultMix {
+    /// No fault.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Every fault kind, at rates that still let most requests finish.
+    pub fn every() -> Self {
+        Self {
+            transfer_fail: 0.05,
+            transfer_slow: 0.05,
+            report_delay: 0.2,
+            report_duplicate: 0.1,
+            step_delay: 0.2,
+            abort: 0.03,
+            reset: 0.01,
+            rank_lost: true,
+        }
+    }
+
+    /// Seed 0: none; seed 1: every kind; others: each kind off, low or high, drawn from the
+    /// seed (a rank is lost in about one seed in eight).
+    pub fn for_seed(seed: u64) -> Self {
+        match seed {
+            0 => return Self::none(),
+            1 => return Self::every(),
+            _ => {}
+        }
+        let mut r = SimRng::new(seed ^ 0xfa17);
+        let mut rate = |low: f64, high: f64| match r.range(0, 2) {
+            0 => 0.0,
+            1 => low,
+            _ => high,
+        };
+        Self {
+            transfer_fail: rate(0.01, 0.1),
+            transfer_slow: rate(0.02, 0.2),
+            report_delay: rate(0.05, 0.5),
+            report_duplicate: rate(0.02, 0.2),
+            step_delay: rate(0.05, 0.5),
+            abort: rate(0.01, 0.05),
+            reset: rate(0.003, 0.02),
+            rank_lost: r.range(0, 7) == 0,
+        }
+    }
+
+    /// The kinds this mix injects, by name.
+    pub fn kinds(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        for (on, name) in [
+            (self.transfer_fail > 0.0, "transfer_fail"),
+            (self.transfer_slow > 0.0, "transfer_slow"),
+            (self.report_delay > 0.0, "report_delay"),
+            (self.report_duplicate > 0.0, "report_duplicate"),
+            (self.step_delay > 0.0, "step_delay"),
+            (self.abort > 0.0, "abort"),
+            (self.reset > 0.0, "reset"),
+            (self.rank_lost, "rank_lost"),
+        ] {
+            if on {
+                v.push(name);
+            }
+        }
+        v
+    }
+}
+
+/// What a simulated run did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct SimReport {
+    /// The seed.
+    pub seed: u64,
+    /// `compat` or `strict`.
+    pub mode: &'static str,
+    /// Ranks.
+    pub ranks: u32,
+    /// Async scheduling depth.
+    pub async_depth: u32,
+    /// The faults injected.
+    pub faults: FaultMix,
+    /// Engine steps.
+    pub steps: u64,
+    /// Requests submitted.
+    pub requests: u64,
+    /// Requests that finished (aborted ones included).
+    pub finished: u64,
+    /// Aborts issued (of live requests).
+    pub aborts: u64,
+    /// Cache resets issued.
+    pub resets: u64,
+    /// Transfers failed by the simulation (all ranks).
+    pub transfers_failed: u64,
+    /// Duplicate or stale reports the engine refused.
+    pub reports_rejected: u64,
+    /// Every machine's invariants were checked after every step (engine and ranks).
+    pub invariant_checks: u64,
+    /// Loaded blocks and read token slots verified byte for byte.
+    pub blocks_verified: u64,
+    /// How the run ended: `quiescent` (every request finished, nothing left behind), or the
+    /// expected stop (`rank N lost`, `transfer failed under compat`).
+    pub ending: String,
+    /// A digest of everything the run produced (steps, tokens, finishes): equal for equal
+    /// seeds.
+    pub digest: u64,
+}
+
+/// Why a simulated run failed. Its display names the seed and the command that replays it.
+#[derive(Clone, Debug, PartialEq, Serialize, thiserror::Error)]
+#[error("seed {seed}: {why} (replay: KVRELAY_SEED={seed} kvrelay sim)")]
+pub struct SimFailure {
+    /// The seed.
+    pub seed: u64,
+    /// What went wrong.
+    pub why: String,
+}
+
+/// Test-only switches of a run (to show that the simulation's checks can fail).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SimOptions {
+    /// The first load reads a corrupted host slot: the run must fail with a byte mismatch.
+    pub corrupt_first_load: bool,
+}
+
+/// Runs seed `seed` to its end: the run's report, or why it failed.
+pub fn simulate(seed: u64) -> Result<SimReport, SimFailure> {
+    simulate_with(seed, SimOptions::default())
+}
+
+/// [`simulate`] with test-only switches.
+pub fn simulate_with(seed: u64, options: SimOptions) -> Result<SimReport, SimFailure> {
+    on_paused_clock(seed, run_seed(seed, options))
+}
+
+/// Runs `run` (seed `seed`'s) to its end on a current-thread runtime whose clock is paused, so
+/// that every wait is virtual and the interleaving depends on the seed only.
+fn on_paused_clock<T>(
+    seed: u64,
+    run: impl Future<Output = Result<T, String>>,
+) -> Result<T, SimFailure> {
+    let fail = |why: String| SimFailure { seed, why };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .map_err(|e| fail(format!("tokio runtime: {e}")))?;
+    rt.block_on(run).map_err(fail)
+}
+
+/// Between two steps, with the fault phase on: aborts a random live request with probability
+/// `faults.abort`, then resets the connector's cache with probability `faults.reset`; counts
+/// what it did.
+fn disturb(
+    engine: &mut Engine,
+    r: &mut SimRng,
+    faults: &FaultMix,
+    live: &[RequestId],
+    aborts: &mut u64,
+    resets: &mut u64,
+) -> Result<(), String> {
+    if !live.is_empty() && r.chance(faults.abort) {
+        let id = live[r.range(0, live.len() as u64 - 1) as usize];
+        if engine.abort(id).map_err(|e| format!("abort: {e}"))? {
+            *aborts += 1;
+        }
+    }
+    if r.chance(faults.reset) {
+        engine.reset_cache().map_err(|e| format!("reset: {e}"))?;
+        *resets += 1;
+    }
+    Ok(())
+}
+
+/// Stops the engine's ranks, within [`SHUTDOWN_LIMIT`] of virtual time (else the run hung).
+async fn shut_down(engine: Engine) -> Result<(Figures, Vec<RankStats>), String> {
+    tokio::time::timeout(SHUTDOWN_LIMIT, engine.shutdown())
+        .await
+        .map_err(|_| "the ranks did not stop within a minute (virtual) of shutdown".to_owned())
+}
+
+/// The run's shape, drawn from the seed.
+fn config_for(seed: u64, r: &mut SimRng, faults: &FaultMix) -> RunConfig {
+    let block_size = 4;
+    RunConfig {
+        seed,
+        ranks: r.range(1, 3) as u32,
+        layers: r.range(1, 2) as u32,
+        block_size,
+        block_bytes: 8 * u64::from(block_size) * r.range(1, 2),
+        gpu_blocks: r.range(28, 48) as u32,
+        cpu_blocks: r.range(16, 64) as u32,
+        blocks_per_chunk: 1,
+        policy: if r.chance(0.5) {
+            kvrelay_core::PolicyKind::Lru
+        } else {
+            kvrelay_core::PolicyKind::Arc
+        },
+        // Failures are absorbed under strict; compat stops on the first (a quarter of the
+        // seeds that fail transfers check that it does, cleanly).
+        mode: if faults.transfer_fail > 0.0 && r.chance(0.25) {
+            Mode::Compat
+        } else {
+            Mode::Strict
+        },
+        max_num_seqs: r.range(3, 8) as u32,
+        max_num_batched_tokens: r.range(24, 96) as u32,
+        async_depth: r.range(1, 2) as u32,
+        check: true,
+        ..RunConfig::default()
+    }
+}
+
+/// One request of the generated input: when it arrives, its prompt, its output length.
+struct Arrival {
+    step: u64,
+    prompt: Vec<Token>,
+    max_tokens: u32,
+}
+
+/// Requests sharing a few prefixes (prefix-cache and offload hits), arriving over the first
+/// steps.
+fn arrivals(r: &mut SimRng) -> Vec<Arrival> {
+    let prefixes: Vec<Vec<Token>> = (0..r.range(1, 3))
+        .map(|p| {
+            (0..r.range(4, 24))
+                .map(|i| (p * 1000 + i) as Token)
+                .collect()
+        })
+        .collect();
+    let n = r.range(4, 40);
+    let mut out: Vec<Arrival> = (0..n)
+        .map(|i| {
+            let mut prompt = prefixes[r.range(0, prefixes.len() as u64 - 1) as usize].clone();
+            prompt.extend((0..r.range(1, 48)).map(|j| (100_000 + i * 100 + j) as Token));
+            Arrival {
+                step: r.range(0, 200),
+                prompt,
+                max_tokens: r.range(1, 24) as u32,
+            }
+        })
+        .collect();
+    out.sort_by_key(|a| a.step);
+    out
+}
+
+/// The run of one seed (see the module docs).
+async fn run_seed(seed: u64, options: SimOptions) -> Result<SimReport, String> {
+    let mut r = SimRng::new(seed);
+    let faults = FaultMix::for_seed(seed);
+    let mut config = config_for(seed, &mut r, &faults);
+    config.corrupt_first_load = options.corrupt_first_load;
+    let mut input: VecDeque<Arrival> = arrivals(&mut r).into();
+    let calm = Arc::new(AtomicBool::new(false));
+    let lost = faults.rank_lost.then(|| {
+        (
+            r.range(0, u64::from(config.ranks) - 1) as u32,
+            r.range(3, 80),
+        )
+    });
+    let transport = SimTransport {
+        faults,
+        calm: calm.clone(),
+        lost,
+        seed: r.next_u64(),
+    };
+    let mut engine = transport.start(&config).await?;
+    let mut report = SimReport {
+        seed,
+        mode: match config.mode {
+            Mode::Compat => "compat",
+            Mode::Strict => "strict",
+        },
+        ranks: config.ranks,
+        async_depth: config.async_depth,
+        faults,
+        ..SimReport::default()
+    };
+    let mut live: Vec<RequestId> = Vec::new();
+    let mut next_id = 0u32;
+    let mut digest = seed;
+    let mut stopped: Option<RunError> = None;
+    let mut step = 0u64;
+    loop {
+        let quiet = step >= FAULT_STEPS || input.is_empty();
+        calm.store(quiet, Ordering::Relaxed);
+        while input.front().is_some_and(|a| a.step <= step) {
+            let a = input.pop_front().expect("looked at");
+            let id = RequestId(next_id);
+            next_id += 1;
+            engine
+                .add(id, a.prompt, a.max_tokens)
+                .map_err(|e| format!("add: {e}"))?;
+            live.push(id);
+            report.requests += 1;
+        }
+        if !quiet {
+            let (aborts, resets) = (&mut report.aborts, &mut report.resets);
+            disturb(&mut engine, &mut r, &faults, &live, aborts, resets)?;
+        }
+        if input.is_empty() && !engine.has_work() {
+            break;
+        }
+        if step >= FAULT_STEPS + QUIESCE_STEPS {
+            return Err(format!(
+                "no quiescence after {step} steps: {} requests live",
+                live.len()
+            ));
+        }
+        let outcome = match engine.step().await {
+            Ok(o) => o,
+            Err(e) => {
+                stopped = Some(e);
+                break;
+            }
+        };
+        step += 1;
+        digest = mix(digest ^ outcome.step.0 ^ u64::from(outcome.idle));
+        for o in &outcome.outputs {
+            for &t in &o.new_tokens {
+                digest = mix(digest ^ (u64::from(o.id.0) << 32) ^ u64::from(t));
+            }
+            if let Some(f) = &o.finish {
+                digest = mix(digest ^ u64::from(o.id.0) ^ (format!("{f:?}").len() as u64));
+                live.retain(|&id| id != o.id);
+                report.finished += 1;
+            }
+        }
+        if outcome.idle {
+            engine.wait_idle().await;
+        }
+    }
+    report.steps = step;
+    report.ending = match &stopped {
+        None => {
+            let leaks = engine.leaks();
+            if !leaks.is_empty() {
+                return Err(format!("left behind at quiescence: {}", leaks.join("; ")));
+            }
+            "quiescent".to_owned()
+        }
+        Some(e) => expected_stop(e, lost, config.mode)?,
+    };
+    let (figures, ranks) = shut_down(engine).await?;
+    report.reports_rejected = figures.reports_rejected;
+    report.invariant_checks =
+        figures.invariant_checks + ranks.iter().map(|r| r.invariant_checks).sum::<u64>();
+    report.transfers_failed = ranks.iter().map(|r| r.failed_transfers).sum();
+    report.blocks_verified = ranks
+        .iter()
+        .map(|r| r.loaded_blocks_verified + r.slots_read_verified)
+        .sum();
+    report.digest = digest;
+    Ok(report)
+}
+
+/// The ending of a run the engine stopped, if the stop is the expected one: the lost rank named
+/// (it may also be seen as the rank whose step channel closed), or a failed transfer under
+/// compat (vLLM asserts).
+fn expected_stop(e: &RunError, lost: Option<(u32, u64)>, mode: Mode) -> Result<String, String> {
+    match e {
+        RunError::RankGone { rank } if lost.is_some_and(|(r, _)| r == *rank) => {
+            Ok(format!("rank {rank} lost"))
+        }
+        RunError::Rank {
+            rank,
+            error: RankError::Worker(WorkerError::TransferFailed(job)),
+        } if mode == Mode::Compat => Ok(format!(
+            "rank {rank}: transfer of job {} failed under compat",
+            job.0
+        )),
+        other => Err(format!("the engine stopped: {other}")),
+    }
+}

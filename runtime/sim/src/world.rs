@@ -1,0 +1,305 @@
+//! The simulated seams: ranks in this process whose frames go through faulty relays
+//! ([`SimTransport`]), and a transfer engine whose transfers take drawn virtual time, move their
+//! bytes when they complete, and may fail part-way ([`SimEngine`]).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use kvrelay_core::TransferDirection;
+use tokio::sync::{Notify, mpsc};
+
+use super::{FaultMix, SimRng};
+use kvrelay_engine::engine::Engine;
+use kvrelay_engine::rank::{RankReport, RankSetup, StepMsg};
+use kvrelay_engine::transfer::host::{HostArena, load, store};
+use kvrelay_engine::transfer::{
+    COPY_QUEUE_BOUND, CopyDone, CopyJob, TransferEngine, TransferError,
+};
+use kvrelay_engine::transport::{BoxFuture, RankConn, Transport};
+use kvrelay_engine::transport::{Clock, TokioClock};
+use kvrelay_engine::{RunConfig, RunError};
+
+/// In-process ranks whose transfer engine is a [`SimEngine`] and whose frames go through relays
+/// that delay and duplicate them.
+#[derive(Debug)]
+pub(super) struct SimTransport {
+    pub(super) faults: FaultMix,
+    /// Faults off (the quiescence phase).
+    pub(super) calm: Arc<AtomicBool>,
+    /// The rank that stops answering, and after how many steps.
+    pub(super) lost: Option<(u32, u64)>,
+    pub(super) seed: u64,
+}
+
+impl SimTransport {
+    /// An engine of `config` over this transport, on tokio's (paused) clock.
+    pub(super) async fn start(&self, config: &RunConfig) -> Result<Engine, String> {
+        let clock: Arc<dyn Clock> = Arc::new(TokioClock::default());
+        Engine::start_with(config, 256, self, clock)
+            .await
+            .map_err(|e| format!("engine start: {e}"))
+    }
+}
+
+impl Transport for SimTransport {
+    fn connect(
+        &self,
+        mut setup: RankSetup,
+        wake: Arc<Notify>,
+        reports: mpsc::Sender<RankReport>,
+    ) -> BoxFuture<'_, Result<RankConn, RunError>> {
+        Box::pin(async move {
+            let mut r = SimRng::new(self.seed ^ u64::from(setup.rank).wrapping_mul(0x9e37));
+            if let Some((rank, after)) = self.lost
+                && rank == setup.rank
+            {
+                setup.vanish_after_steps = Some(after);
+            }
+            let slot_bytes = (setup.gpu.block_bytes() / u64::from(setup.block_size)) as usize;
+            let arena = HostArena::new(setup.gpu.total_bytes() as usize, slot_bytes);
+            let (done_tx, done_rx) = mpsc::channel(COPY_QUEUE_BOUND);
+            let engine = SimEngine::spawn(
+                arena.shared(),
+                setup.host.total_bytes() as usize,
+                done_tx,
+                wake,
+                r.fork(1),
+                self.faults,
+                self.calm.clone(),
+            );
+            let task = setup.build_on(Box::new(arena), Box::new(engine), done_rx);
+            let (steps, from_engine) = mpsc::channel::<StepMsg>(1);
+            let (to_rank, rank_steps) = mpsc::channel::<StepMsg>(1);
+            let (rank_reports, from_rank) = mpsc::channel::<RankReport>(1);
+            tokio::spawn(relay_steps(
+                from_engine,
+                to_rank,
+                r.fork(2),
+                self.faults,
+                self.calm.clone(),
+            ));
+            tokio::spawn(relay_reports(
+                from_rank,
+                reports,
+                r.fork(3),
+                self.faults,
+                self.calm.clone(),
+            ));
+            let task = tokio::spawn(task.run(rank_steps, rank_reports));
+            Ok(RankConn { steps, task })
+        })
+    }
+}
+
+/// Engine → rank: each step frame, late with probability `step_delay`.
+async fn relay_steps(
+    mut from: mpsc::Receiver<StepMsg>,
+    to: mpsc::Sender<StepMsg>,
+    mut r: SimRng,
+    f: FaultMix,
+    calm: Arc<AtomicBool>,
+) {
+    while let Some(m) = from.recv().await {
+        if !calm.load(Ordering::Relaxed) && r.chance(f.step_delay) {
+            tokio::time::sleep(Duration::from_micros(r.range(100, 10_000))).await;
+        }
+        if to.send(m).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Rank → engine: each report, late with probability `report_delay`, sent twice with probability
+/// `report_duplicate` (the copy at once, or after a delay: then it is stale).
+async fn relay_reports(
+    mut from: mpsc::Receiver<RankReport>,
+    to: mpsc::Sender<RankReport>,
+    mut r: SimRng,
+    f: FaultMix,
+    calm: Arc<AtomicBool>,
+) {
+    while let Some(rep) = from.recv().await {
+        let faulty = !calm.load(Ordering::Relaxed);
+        if faulty && r.chance(f.report_delay) {
+            tokio::time::sleep(Duration::from_micros(r.range(100, 20_000))).await;
+        }
+        let copy = match &rep.output {
+            Ok(out) if faulty && r.chance(f.report_duplicate) => Some(RankReport {
+                rank: rep.rank,
+                step: rep.step,
+                output: Ok(out.clone()),
+            }),
+            _ => None,
+        };
+        if to.send(rep).await.is_err() {
+            return;
+        }
+        if let Some(copy) = copy {
+            let later = Duration::from_micros(r.range(0, 1) * r.range(100, 30_000));
+            let to = to.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(later).await;
+                let _ = to.send(copy).await;
+            });
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The simulated transfer engine.
+
+/// A rank's transfers, performed by a task of the simulation in the order started; each takes a
+/// drawn (virtual) time, and its bytes move when it completes.
+pub(crate) struct SimEngine {
+    queue: Arc<Mutex<VecDeque<CopyJob>>>,
+    more: Arc<Notify>,
+    stopped: Arc<AtomicBool>,
+}
+
+impl SimEngine {
+    fn spawn(
+        gpu: Arc<RwLock<Vec<u8>>>,
+        host_bytes: usize,
+        done: mpsc::Sender<CopyDone>,
+        wake: Arc<Notify>,
+        r: SimRng,
+        f: FaultMix,
+        calm: Arc<AtomicBool>,
+    ) -> Self {
+        let queue = Arc::new(Mutex::new(VecDeque::new()));
+        let more = Arc::new(Notify::new());
+        let stopped = Arc::new(AtomicBool::new(false));
+        let worker = Completer {
+            queue: queue.clone(),
+            more: more.clone(),
+            stopped: stopped.clone(),
+            gpu,
+            host: vec![0u8; host_bytes],
+            done,
+            wake,
+            r,
+            f,
+            calm,
+        };
+        tokio::spawn(worker.run());
+        Self {
+            queue,
+            more,
+            stopped,
+        }
+    }
+}
+
+impl TransferEngine for SimEngine {
+    fn start(&mut self, job: CopyJob) -> Result<(), TransferError> {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if q.len() >= COPY_QUEUE_BOUND {
+            return Err(TransferError::QueueFull);
+        }
+        q.push_back(job);
+        self.more.notify_one();
+        Ok(())
+    }
+}
+
+impl Drop for SimEngine {
+    fn drop(&mut self) {
+        self.stopped.store(true, Ordering::Relaxed);
+        self.more.notify_one();
+    }
+}
+
+/// The task behind a [`SimEngine`].
+struct Completer {
+    queue: Arc<Mutex<VecDeque<CopyJob>>>,
+    more: Arc<Notify>,
+    stopped: Arc<AtomicBool>,
+    gpu: Arc<RwLock<Vec<u8>>>,
+    host: Vec<u8>,
+    done: mpsc::Sender<CopyDone>,
+    wake: Arc<Notify>,
+    r: SimRng,
+    f: FaultMix,
+    calm: Arc<AtomicBool>,
+}
+
+impl Completer {
+    async fn run(mut self) {
+        loop {
+            let next = self
+                .queue
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop_front();
+            let Some(job) = next else {
+                if self.stopped.load(Ordering::Relaxed) {
+                    return;
+                }
+                tokio::select! {
+                    () = self.more.notified() => continue,
+                    () = self.done.closed() => return,
+                }
+            };
+            let faulty = !self.calm.load(Ordering::Relaxed);
+            let micros = if faulty && self.r.chance(self.f.transfer_slow) {
+                self.r.range(5_000, 40_000)
+            } else {
+                self.r.range(10, 200)
+            };
+            tokio::time::sleep(Duration::from_micros(micros)).await;
+            let failed = faulty && self.r.chance(self.f.transfer_fail);
+            let out = self.perform(&job, failed);
+            if self.done.send(out).await.is_err() {
+                return;
+            }
+            self.wake.notify_one();
+        }
+    }
+
+    /// Moves the job's bytes now; a failed job moves its first half and leaves garbage in the
+    /// rest of its destination.
+    fn perform(&mut self, job: &CopyJob, failed: bool) -> CopyDone {
+        if job.corrupt
+            && let Some(r) = job.runs.first()
+        {
+            self.host[r.host as usize] ^= 0x5a;
+        }
+        let keep = if failed {
+            job.runs.len() / 2
+        } else {
+            job.runs.len()
+        };
+        let (done, garbage) = job.runs.split_at(keep);
+        let bytes = match job.direction {
+            TransferDirection::Store => {
+                let gpu = self.gpu.read().unwrap_or_else(|p| p.into_inner());
+                let n = store(done, &gpu, &mut self.host);
+                for g in garbage {
+                    let h = g.host as usize;
+                    self.host[h..h + g.len as usize].fill(0xa5);
+                }
+                n
+            }
+            TransferDirection::Load => {
+                let mut gpu = self.gpu.write().unwrap_or_else(|p| p.into_inner());
+                let n = load(done, &self.host, &mut gpu);
+                for g in garbage {
+                    let at = g.gpu as usize;
+                    gpu[at..at + g.len as usize].fill(0xa5);
+                }
+                n
+            }
+        };
+        CopyDone {
+            job: job.job,
+            direction: job.direction,
+            bytes,
+            copies: keep as u64,
+            elapsed: Duration::ZERO,
+            result: Ok(()),
+            failed,
+        }
+    }
+}
