@@ -7,7 +7,7 @@ use std::process::Command;
 
 use kvrelay_engine::transfer::cuda;
 use kvrelay_engine::workload::WorkloadConfig;
-use kvrelay_engine::{Backend, RunConfig, RunError, Workers, requests, run};
+use kvrelay_engine::{Backend, RunConfig, RunError, Workers, requests, run, run_with};
 
 /// The name of CUDA device 0, or `None` after printing why the test skips.
 fn gpu_or_skip() -> Option<String> {
@@ -81,18 +81,21 @@ fn on_a_gpu_every_load_and_read_is_verified() {
     }
 }
 
-// Protects the verification on the GPU: it can fail there too.
+// Protects the verification on the GPU: it can fail there too (a load whose copies read each
+// other's pinned host slots, through the transfer-engine seam: `kvrelay_sim::faults`).
 #[test]
 fn on_a_gpu_a_corrupted_pinned_slot_is_caught() {
     if gpu_or_skip().is_none() {
         return;
     }
-    let c = RunConfig {
-        corrupt_first_load: true,
-        ..small(Backend::Cuda)
-    };
+    let c = small(Backend::Cuda);
     let records = requests(&c).unwrap();
-    match run(&c, &records, &mut ()) {
+    match run_with(
+        &c,
+        &records,
+        &mut (),
+        &kvrelay_sim::faults::CorruptingInProcess,
+    ) {
         Err(RunError::Corrupt { what, .. }) => assert_eq!(what, "loaded"),
         other => panic!("expected a corruption error, got {other:?}"),
     }

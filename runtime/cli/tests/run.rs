@@ -3,8 +3,10 @@
 
 use std::process::Command;
 
+use kvrelay_engine::transport::{InProcess, Processes, Transport};
 use kvrelay_engine::workload::{WorkloadConfig, read_trace, write_trace};
-use kvrelay_engine::{RunConfig, RunError, requests, run};
+use kvrelay_engine::{RunConfig, RunError, requests, run, run_with};
+use kvrelay_sim::faults::LoseRank;
 
 fn small() -> RunConfig {
     RunConfig {
@@ -40,21 +42,6 @@ fn the_default_shape_offloads_preempts_and_verifies_everything() {
         3 * r.steps,
         "the engine and both ranks check every step"
     );
-}
-
-// Protects the verification itself: a host slot corrupted on purpose (a test-only fault) is
-// reported as wrong bytes naming the block, and the run stops with an error.
-#[test]
-fn a_corrupted_host_slot_is_caught_when_its_load_completes() {
-    let c = RunConfig {
-        corrupt_first_load: true,
-        ..small()
-    };
-    let records = requests(&c).unwrap();
-    match run(&c, &records, &mut ()) {
-        Err(RunError::Corrupt { what, .. }) => assert_eq!(what, "loaded"),
-        other => panic!("expected a corruption error, got {other:?}"),
-    }
 }
 
 // Protects async scheduling with real bytes: every step after the first is scheduled while the
@@ -98,24 +85,30 @@ fn other_rank_counts_and_the_arc_policy_verify_too() {
     }
 }
 
-// Protects "never hangs": a rank that stops without reporting (a crash, injected) stops the run
-// with an error naming it, on both transports.
+// Protects "never hangs": a rank that stops without reporting (a crash, injected through the
+// transport seam: `kvrelay_sim::faults::LoseRank`) stops the run with an error naming it, on both
+// transports.
 #[test]
 fn a_rank_that_vanishes_stops_the_run_instead_of_hanging_it() {
-    for workers in [
-        kvrelay_engine::Workers::InProcess,
-        kvrelay_engine::Workers::Process,
-    ] {
-        let c = RunConfig {
-            workers,
-            worker_exe: Some(env!("CARGO_BIN_EXE_kvrelay").into()),
-            vanish_after_steps: Some(5),
-            ..small()
-        };
+    let exe = Some(std::path::PathBuf::from(env!("CARGO_BIN_EXE_kvrelay")));
+    let transports: [Box<dyn Transport>; 2] = [
+        Box::new(LoseRank {
+            inner: InProcess,
+            rank: 0,
+            after_steps: 5,
+        }),
+        Box::new(LoseRank {
+            inner: Processes { exe },
+            rank: 0,
+            after_steps: 5,
+        }),
+    ];
+    for transport in transports {
+        let c = small();
         let records = requests(&c).unwrap();
-        match run(&c, &records, &mut ()) {
+        match run_with(&c, &records, &mut (), &*transport) {
             Err(RunError::RankGone { rank: 0 }) | Err(RunError::Worker { rank: 0, .. }) => {}
-            other => panic!("{workers:?}: expected rank 0 gone, got {other:?}"),
+            other => panic!("{transport:?}: expected rank 0 gone, got {other:?}"),
         }
     }
 }
@@ -220,8 +213,8 @@ fn the_command_line_reports_json_and_replays_its_own_trace() {
 }
 
 // Protects the process transport: 2 worker processes over Unix sockets serve the workload
-// with every check; a corruption inside a worker stops the run with the worker's error; a
-// worker that cannot start is a typed error, not a hang.
+// with every check, and a worker that cannot start is a typed error, not a hang (a corruption
+// inside a worker: `runtime/sim/tests/faults.rs`).
 #[test]
 fn worker_processes_serve_verify_and_fail_cleanly() {
     let c = RunConfig {
@@ -239,17 +232,6 @@ fn worker_processes_serve_verify_and_fail_cleanly() {
         3 * r.steps,
         "the engine and both ranks check every step"
     );
-
-    let bad = RunConfig {
-        corrupt_first_load: true,
-        ..c.clone()
-    };
-    match run(&bad, &records, &mut ()) {
-        Err(RunError::Remote { rank: 0, message }) => {
-            assert!(message.contains("holds wrong KV"), "{message}")
-        }
-        other => panic!("expected the worker's corruption error, got {other:?}"),
-    }
 
     let missing = RunConfig {
         worker_exe: Some("/nonexistent/kvrelay".into()),

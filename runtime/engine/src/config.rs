@@ -74,13 +74,6 @@ pub struct RunConfig {
     pub check: bool,
     /// Write a Chrome / Perfetto trace of steps and transfers here.
     pub trace_out: Option<PathBuf>,
-    /// Test-only fault: the first load reads a corrupted host slot.
-    #[serde(skip)]
-    pub corrupt_first_load: bool,
-    /// Test-only fault: rank 0 stops silently (no output, as a crashed rank) after this many
-    /// steps.
-    #[serde(skip)]
-    pub vanish_after_steps: Option<u64>,
 }
 
 impl Default for RunConfig {
@@ -108,8 +101,6 @@ impl Default for RunConfig {
             trace: None,
             check: false,
             trace_out: None,
-            corrupt_first_load: false,
-            vanish_after_steps: None,
         }
     }
 }

@@ -31,11 +31,11 @@ use tokio::task::JoinHandle;
 use crate::rank::{RankReport, RankSetup, RankStats, StepMsg};
 use crate::report::perfetto::{Recorder, now_us};
 use crate::report::samples::Samples;
-use crate::transport::{Clock, InProcess, Processes, TokioClock, Transport};
-use crate::{RunConfig, RunError, Workers, workload};
+use crate::transport::{self, Clock, TokioClock, Transport};
+use crate::{RunConfig, RunError, workload};
 
 /// How often the engine looks for a rank task that ended while it waits for outputs.
-const RANK_CHECK: Duration = Duration::from_secs(1);
+pub const RANK_CHECK: Duration = Duration::from_secs(1);
 
 /// How long an idle engine step waits for a transfer to complete.
 const IDLE_WAIT: Duration = Duration::from_millis(5);
@@ -136,15 +136,7 @@ impl Engine {
     /// over the transport `c.workers` names, on tokio's clock.
     pub async fn start(c: &RunConfig, max_model_len: u32) -> Result<Self, RunError> {
         let clock = Arc::new(TokioClock::default());
-        match c.workers {
-            Workers::InProcess => Self::start_with(c, max_model_len, &InProcess, clock).await,
-            Workers::Process => {
-                let transport = Processes {
-                    exe: c.worker_exe.clone(),
-                };
-                Self::start_with(c, max_model_len, &transport, clock).await
-            }
-        }
+        Self::start_with(c, max_model_len, &*transport::for_config(c), clock).await
     }
 
     /// [`Engine::start`] with the ranks reached over `transport` and every wait and
@@ -210,8 +202,6 @@ impl Engine {
                 groups: sc.groups.clone(),
                 mode: sc.mode,
                 check: c.check,
-                corrupt_first_load: c.corrupt_first_load && r == 0,
-                vanish_after_steps: c.vanish_after_steps.filter(|_| r == 0),
                 trace: c.trace_out.is_some(),
             };
             let conn = transport
@@ -516,56 +506,4 @@ fn rank_gone(reports: &mut mpsc::Receiver<RankReport>, rank: u32) -> RunError {
         }
     }
     RunError::RankGone { rank }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::transport::BoxFuture;
-    use std::sync::Mutex;
-
-    /// A clock whose sleeps end at once (after a yield) and advance it by their length.
-    #[derive(Debug, Default)]
-    struct Skipping {
-        slept: Mutex<Vec<Duration>>,
-    }
-
-    impl Clock for Skipping {
-        fn now(&self) -> Duration {
-            self.slept.lock().unwrap().iter().sum()
-        }
-
-        fn sleep(&self, d: Duration) -> BoxFuture<'static, ()> {
-            self.slept.lock().unwrap().push(d);
-            Box::pin(tokio::task::yield_now())
-        }
-    }
-
-    // Protects the clock seam (what a simulation relies on): the engine's wait for a vanished
-    // rank is a sleep of the injected clock, so a clock that skips time ends it at once.
-    #[tokio::test]
-    async fn the_engine_waits_on_its_clock() {
-        // Two ranks: rank 1 keeps the report channel open while rank 0 is gone.
-        let c = RunConfig {
-            ranks: 2,
-            vanish_after_steps: Some(2),
-            ..RunConfig::default()
-        };
-        let clock = Arc::new(Skipping::default());
-        let mut e = Engine::start_with(&c, 256, &InProcess, clock.clone())
-            .await
-            .unwrap();
-        e.add(RequestId(1), (0..64).collect(), 32).unwrap();
-        let wall = std::time::Instant::now();
-        let error = loop {
-            match e.step().await {
-                Ok(_) => continue,
-                Err(error) => break error,
-            }
-        };
-        assert!(matches!(error, RunError::RankGone { rank: 0 }), "{error}");
-        assert!(clock.slept.lock().unwrap().contains(&RANK_CHECK));
-        assert!(wall.elapsed() < RANK_CHECK / 2, "{:?}", wall.elapsed());
-        e.stop().await;
-    }
 }

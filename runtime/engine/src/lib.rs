@@ -56,5 +56,5 @@ pub use self::config::{RunConfig, Workers};
 pub use self::engine::{Engine, StepOutcome};
 pub use self::error::RunError;
 pub use self::report::Report;
-pub use self::run::{Progress, requests, run, runtime};
+pub use self::run::{Progress, requests, run, run_with, runtime};
 pub use self::transfer::{Backend, TransferError};

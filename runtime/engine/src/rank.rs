@@ -112,9 +112,6 @@ pub struct RankSetup {
     /// The offloading worker's mode: what a failed transfer does (the engine's mode).
     pub mode: Mode,
     pub check: bool,
-    pub corrupt_first_load: bool,
-    /// Test-only fault: stop silently after this many steps (a crashed rank).
-    pub vanish_after_steps: Option<u64>,
     /// Record steps and transfers for `--trace-out`.
     pub trace: bool,
 }
@@ -123,6 +120,17 @@ impl RankSetup {
     /// The rank task with its arena and transfer engine; `wake` is notified after every
     /// completed transfer.
     pub fn build(&self, wake: Arc<Notify>) -> Result<RankTask, RunError> {
+        self.build_with(wake, std::convert::identity)
+    }
+
+    /// [`RankSetup::build`] with the backend's transfer engine passed through `wrap` first: the
+    /// transfer-engine seam, where a test or a simulation puts an engine of its own around the
+    /// backend's (to delay, fail or corrupt transfers).
+    pub fn build_with(
+        &self,
+        wake: Arc<Notify>,
+        wrap: impl FnOnce(Box<dyn TransferEngine>) -> Box<dyn TransferEngine>,
+    ) -> Result<RankTask, RunError> {
         let failed = |error: TransferError| RunError::Transfer {
             rank: self.rank,
             error,
@@ -148,7 +156,7 @@ impl RankSetup {
                 (Box::new(arena), Box::new(engine))
             }
         };
-        Ok(self.build_on(arena, engine, done_rx))
+        Ok(self.build_on(arena, wrap(engine), done_rx))
     }
 
     /// The rank task over a given arena and transfer engine whose completions arrive on `done`
@@ -182,11 +190,9 @@ impl RankSetup {
             arena,
             engine,
             done_rx,
-            self.corrupt_first_load,
             self.check,
         );
         task.stats.trace = Recorder::new(self.trace);
-        task.vanish_after_steps = self.vanish_after_steps;
         task
     }
 }
@@ -223,12 +229,8 @@ pub struct RankTask {
     slots: Vec<Slot>,
     whose: Vec<SlotName>,
     flush_counted: bool,
-    /// Test-only fault: corrupt the host side of the next load.
-    corrupt_next_load: bool,
     /// Check the driver's invariants after every step.
     check: bool,
-    /// Test-only fault: stop silently after this many steps.
-    vanish_after_steps: Option<u64>,
     /// When the running step began, and when each transfer in flight started (tracing only).
     step_started: u64,
     transfer_started: HashMap<JobId, u64>,
@@ -254,7 +256,6 @@ impl RankTask {
         arena: Box<dyn KvArena>,
         engine: Box<dyn TransferEngine>,
         done: mpsc::Receiver<CopyDone>,
-        corrupt_first_load: bool,
         check: bool,
     ) -> Self {
         let bs = shape.block_size as usize;
@@ -275,9 +276,7 @@ impl RankTask {
             slots: Vec::new(),
             whose: Vec::new(),
             flush_counted: false,
-            corrupt_next_load: corrupt_first_load,
             check,
-            vanish_after_steps: None,
             step_started: 0,
             transfer_started: HashMap::new(),
             hook_time: Duration::ZERO,
@@ -318,12 +317,6 @@ impl RankTask {
                 Ok(None) => continue,
                 Err(e) => Err(e),
             };
-            if self
-                .vanish_after_steps
-                .is_some_and(|n| self.driver.steps_done() >= n)
-            {
-                return self.stats;
-            }
             let failed = output.is_err();
             let step = current.take().unwrap_or(StepId(u64::MAX));
             let report = RankReport {
@@ -416,7 +409,7 @@ impl RankTask {
             self.transfer_started.insert(t.job, now_us());
         }
         tracing::trace!(rank = self.rank, job = t.job.0, direction = ?t.direction, blocks = t.gpu_blocks.len(), copies = runs.len(), "transfer started");
-        let corrupt = match t.direction {
+        match t.direction {
             TransferDirection::Store => {
                 for (b, &slot) in t.gpu_blocks.iter().zip(&t.external) {
                     let (g, h) = (b.0 as usize * bs, slot as usize * bs);
@@ -424,19 +417,16 @@ impl RankTask {
                     self.host_shadow[dst].copy_from_slice(&self.gpu_shadow[src]);
                 }
                 self.stores.insert(t.job, t.external.clone());
-                false
             }
             TransferDirection::Load => {
                 self.loads.insert(t.job, t.clone());
-                std::mem::take(&mut self.corrupt_next_load)
             }
-        };
+        }
         self.engine
             .start(CopyJob {
                 job: t.job,
                 direction: t.direction,
                 runs,
-                corrupt,
             })
             .map_err(|error| RunError::Transfer {
                 rank: self.rank,

@@ -6,7 +6,10 @@ use std::time::Instant;
 
 use kvrelay_core::RequestId;
 
+use std::sync::Arc;
+
 use crate::report::{self, Report, perfetto};
+use crate::transport::{self, TokioClock, Transport};
 use crate::workload::{self, TraceRecord};
 use crate::{Engine, RunConfig, RunError};
 
@@ -48,6 +51,18 @@ pub fn run(
     records: &[TraceRecord],
     progress: &mut dyn Progress,
 ) -> Result<Report, RunError> {
+    run_with(config, records, progress, &*transport::for_config(config))
+}
+
+/// [`run()`] with the ranks reached over `transport` (the transport seam: a test's or a
+/// simulation's transport that loses a rank, or builds its ranks on a transfer engine of its
+/// own), on tokio's clock.
+pub fn run_with(
+    config: &RunConfig,
+    records: &[TraceRecord],
+    progress: &mut dyn Progress,
+    transport: &dyn Transport,
+) -> Result<Report, RunError> {
     let rt = runtime()?;
     rt.block_on(async {
         let longest = records
@@ -55,7 +70,8 @@ pub fn run(
             .map(|r| r.input_length + r.output_length)
             .max()
             .unwrap_or(1);
-        let mut engine = Engine::start(config, longest).await?;
+        let clock = Arc::new(TokioClock::default());
+        let mut engine = Engine::start_with(config, longest, transport, clock).await?;
         let started = Instant::now();
         let outcome = replay(config, records, &mut engine, progress).await;
         let (figures, ranks) = engine.shutdown().await;

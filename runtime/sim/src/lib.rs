@@ -38,6 +38,7 @@
 //!
 //! `kvrelay sim` (the command line, in `kvrelay-cli`) runs these.
 
+pub mod faults;
 mod sweep;
 mod world;
 
@@ -362,8 +363,7 @@ fn arrivals(r: &mut SimRng) -> Vec<Arrival> {
 async fn run_seed(seed: u64, options: SimOptions) -> Result<SimReport, String> {
     let mut r = SimRng::new(seed);
     let faults = FaultMix::for_seed(seed);
-    let mut config = config_for(seed, &mut r, &faults);
-    config.corrupt_first_load = options.corrupt_first_load;
+    let config = config_for(seed, &mut r, &faults);
     let mut input: VecDeque<Arrival> = arrivals(&mut r).into();
     let calm = Arc::new(AtomicBool::new(false));
     let lost = faults.rank_lost.then(|| {
@@ -376,6 +376,7 @@ async fn run_seed(seed: u64, options: SimOptions) -> Result<SimReport, String> {
         faults,
         calm: calm.clone(),
         lost,
+        corrupt_first_load: options.corrupt_first_load,
         seed: r.next_u64(),
     };
     let mut engine = transport.start(&config).await?;

@@ -208,6 +208,7 @@ async fn soak_run(
         faults,
         calm: Arc::new(AtomicBool::new(false)),
         lost: None,
+        corrupt_first_load: false,
         seed: r.next_u64(),
     };
     let mut engine = transport.start(&config).await?;

@@ -11,6 +11,7 @@ use kvrelay_core::TransferDirection;
 use tokio::sync::{Notify, mpsc};
 
 use super::{FaultMix, SimRng};
+use crate::faults::Loss;
 use kvrelay_engine::engine::Engine;
 use kvrelay_engine::rank::{RankReport, RankSetup, StepMsg};
 use kvrelay_engine::transfer::host::{HostArena, load, store};
@@ -30,6 +31,8 @@ pub(super) struct SimTransport {
     pub(super) calm: Arc<AtomicBool>,
     /// The rank that stops answering, and after how many steps.
     pub(super) lost: Option<(u32, u64)>,
+    /// Rank 0's first load reads a corrupted host slot.
+    pub(super) corrupt_first_load: bool,
     pub(super) seed: u64,
 }
 
@@ -46,17 +49,16 @@ impl SimTransport {
 impl Transport for SimTransport {
     fn connect(
         &self,
-        mut setup: RankSetup,
+        setup: RankSetup,
         wake: Arc<Notify>,
         reports: mpsc::Sender<RankReport>,
     ) -> BoxFuture<'_, Result<RankConn, RunError>> {
         Box::pin(async move {
             let mut r = SimRng::new(self.seed ^ u64::from(setup.rank).wrapping_mul(0x9e37));
-            if let Some((rank, after)) = self.lost
-                && rank == setup.rank
-            {
-                setup.vanish_after_steps = Some(after);
-            }
+            let loss = self
+                .lost
+                .filter(|&(rank, _)| rank == setup.rank)
+                .map(|(_, after)| Loss::new(after));
             let slot_bytes = (setup.gpu.block_bytes() / u64::from(setup.block_size)) as usize;
             let arena = HostArena::new(setup.gpu.total_bytes() as usize, slot_bytes);
             let (done_tx, done_rx) = mpsc::channel(COPY_QUEUE_BOUND);
@@ -68,44 +70,69 @@ impl Transport for SimTransport {
                 r.fork(1),
                 self.faults,
                 self.calm.clone(),
+                self.corrupt_first_load && setup.rank == 0,
             );
             let task = setup.build_on(Box::new(arena), Box::new(engine), done_rx);
             let (steps, from_engine) = mpsc::channel::<StepMsg>(1);
             let (to_rank, rank_steps) = mpsc::channel::<StepMsg>(1);
             let (rank_reports, from_rank) = mpsc::channel::<RankReport>(1);
-            tokio::spawn(relay_steps(
-                from_engine,
-                to_rank,
-                r.fork(2),
-                self.faults,
-                self.calm.clone(),
-            ));
-            tokio::spawn(relay_reports(
-                from_rank,
-                reports,
-                r.fork(3),
-                self.faults,
-                self.calm.clone(),
-            ));
+            let relay = |r| Relay {
+                r,
+                f: self.faults,
+                calm: self.calm.clone(),
+                loss: loss.clone(),
+            };
+            tokio::spawn(relay_steps(from_engine, to_rank, relay(r.fork(2))));
+            tokio::spawn(relay_reports(from_rank, reports, relay(r.fork(3))));
             let task = tokio::spawn(task.run(rank_steps, rank_reports));
             Ok(RankConn { steps, task })
         })
     }
 }
 
-/// Engine → rank: each step frame, late with probability `step_delay`.
+/// One direction of a rank's frames: its random draws, the fault mix, whether faults are off,
+/// and the rank's loss if it is the lost one.
+struct Relay {
+    r: SimRng,
+    f: FaultMix,
+    calm: Arc<AtomicBool>,
+    loss: Option<Loss>,
+}
+
+impl Relay {
+    /// Completes when the rank is lost (never for a rank that is not).
+    async fn lost(&self) {
+        match &self.loss {
+            Some(loss) => loss.cut().await,
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// Engine → rank: each step frame, late with probability `step_delay`. Once the rank is lost its
+/// end is dropped (the rank stops), and the next frame ends the relay after its delay, as a send
+/// to a stopped rank fails.
 async fn relay_steps(
     mut from: mpsc::Receiver<StepMsg>,
     to: mpsc::Sender<StepMsg>,
-    mut r: SimRng,
-    f: FaultMix,
-    calm: Arc<AtomicBool>,
+    mut relay: Relay,
 ) {
-    while let Some(m) = from.recv().await {
-        if !calm.load(Ordering::Relaxed) && r.chance(f.step_delay) {
-            tokio::time::sleep(Duration::from_micros(r.range(100, 10_000))).await;
+    let mut to = Some(to);
+    loop {
+        let m = tokio::select! {
+            biased;
+            () = relay.lost(), if to.is_some() => {
+                to = None;
+                continue;
+            }
+            m = from.recv() => m,
+        };
+        let Some(m) = m else { return };
+        if !relay.calm.load(Ordering::Relaxed) && relay.r.chance(relay.f.step_delay) {
+            tokio::time::sleep(Duration::from_micros(relay.r.range(100, 10_000))).await;
         }
-        if to.send(m).await.is_err() {
+        let Some(tx) = &to else { return };
+        if tx.send(m).await.is_err() {
             return;
         }
     }
@@ -116,11 +143,20 @@ async fn relay_steps(
 async fn relay_reports(
     mut from: mpsc::Receiver<RankReport>,
     to: mpsc::Sender<RankReport>,
-    mut r: SimRng,
-    f: FaultMix,
-    calm: Arc<AtomicBool>,
+    relay: Relay,
 ) {
+    let Relay {
+        mut r,
+        f,
+        calm,
+        loss,
+    } = relay;
+    let mut nth = 0;
     while let Some(rep) = from.recv().await {
+        nth += 1;
+        if loss.as_ref().is_some_and(|l| l.lost_at(nth)) {
+            return;
+        }
         let faulty = !calm.load(Ordering::Relaxed);
         if faulty && r.chance(f.report_delay) {
             tokio::time::sleep(Duration::from_micros(r.range(100, 20_000))).await;
@@ -167,6 +203,7 @@ impl SimEngine {
         r: SimRng,
         f: FaultMix,
         calm: Arc<AtomicBool>,
+        corrupt_first_load: bool,
     ) -> Self {
         let queue = Arc::new(Mutex::new(VecDeque::new()));
         let more = Arc::new(Notify::new());
@@ -182,6 +219,7 @@ impl SimEngine {
             r,
             f,
             calm,
+            corrupt_next_load: corrupt_first_load,
         };
         tokio::spawn(worker.run());
         Self {
@@ -223,6 +261,8 @@ struct Completer {
     r: SimRng,
     f: FaultMix,
     calm: Arc<AtomicBool>,
+    /// The next load flips one byte of its host side first (`SimOptions::corrupt_first_load`).
+    corrupt_next_load: bool,
 }
 
 impl Completer {
@@ -261,7 +301,8 @@ impl Completer {
     /// Moves the job's bytes now; a failed job moves its first half and leaves garbage in the
     /// rest of its destination.
     fn perform(&mut self, job: &CopyJob, failed: bool) -> CopyDone {
-        if job.corrupt
+        if job.direction == TransferDirection::Load
+            && std::mem::take(&mut self.corrupt_next_load)
             && let Some(r) = job.runs.first()
         {
             self.host[r.host as usize] ^= 0x5a;

@@ -328,14 +328,6 @@ fn issue(
             ))),
         }
     };
-    if out.job.corrupt
-        && let Some(r) = out.job.runs.first()
-    {
-        // Test-only fault; the stream is idle first so no copy races the flip.
-        stream.synchronize().map_err(cuda)?;
-        let at = host_range(r)?.start;
-        pool.as_mut_slice().map_err(cuda)?[at] ^= 0x5a;
-    }
     let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
     let start = dev.ctx.new_event(timing).map_err(cuda)?;
     let end = dev.ctx.new_event(timing).map_err(cuda)?;

@@ -108,8 +108,6 @@ pub struct CopyJob {
     pub job: JobId,
     pub direction: TransferDirection,
     pub runs: Vec<CopyRun>,
-    /// Test-only fault: flip one byte of the host side before a load copies it.
-    pub corrupt: bool,
 }
 
 /// One transfer performed.

@@ -96,6 +96,16 @@ impl Transport for Processes {
     }
 }
 
+/// The transport `c.workers` names: [`InProcess`], or [`Processes`] starting `c.worker_exe`.
+pub fn for_config(c: &crate::RunConfig) -> Box<dyn Transport> {
+    match c.workers {
+        crate::Workers::InProcess => Box::new(InProcess),
+        crate::Workers::Process => Box::new(Processes {
+            exe: c.worker_exe.clone(),
+        }),
+    }
+}
+
 /// The time the engine waits on and measures with.
 pub trait Clock: Send + Sync + Debug {
     /// Time since this clock's origin.

@@ -21,6 +21,7 @@ use tokio::sync::{Notify, mpsc};
 
 use crate::RunError;
 use crate::rank::{RankReport, RankSetup, RankStats, StepMsg};
+use crate::transfer::TransferEngine;
 use crate::transport::wire::{Down, Up, WireError, read_frame, write_frame};
 
 /// How long a started worker has to connect and say hello.
@@ -269,6 +270,12 @@ async fn drain_stats(frames: &mut mpsc::Receiver<Result<Up, WireError>>) -> Opti
 /// `kvrelay run --workers process`. Exits 0 when the engine closed the connection after the
 /// last step, 1 on any error (printed on stderr).
 pub fn worker_main(socket: &Path, rank: u32) -> ExitCode {
+    worker_main_with(socket, rank, std::convert::identity)
+}
+
+/// [`worker_main`] with the backend's transfer engine passed through `wrap` (the transfer-engine
+/// seam, as [`RankSetup::build_with`]): a worker binary of a test or a simulation.
+pub fn worker_main_with(socket: &Path, rank: u32, wrap: EngineWrap) -> ExitCode {
     // One thread for the link, the frame reader and the rank task: a step's frames then hop
     // between tasks, not threads (copies run on the rank's copy thread).
     let rt = match tokio::runtime::Builder::new_current_thread()
@@ -281,7 +288,7 @@ pub fn worker_main(socket: &Path, rank: u32) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match rt.block_on(worker(socket, rank)) {
+    match rt.block_on(worker(socket, rank, wrap)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvrelay worker {rank}: {e}");
@@ -290,7 +297,10 @@ pub fn worker_main(socket: &Path, rank: u32) -> ExitCode {
     }
 }
 
-async fn worker(socket: &Path, rank: u32) -> Result<(), RunError> {
+/// What a worker does to its backend's transfer engine before its rank uses it.
+pub type EngineWrap = fn(Box<dyn TransferEngine>) -> Box<dyn TransferEngine>;
+
+async fn worker(socket: &Path, rank: u32, wrap: EngineWrap) -> Result<(), RunError> {
     let stream = UnixStream::connect(socket)
         .await
         .map_err(|e| RunError::Worker {
@@ -311,7 +321,7 @@ async fn worker(socket: &Path, rank: u32) -> Result<(), RunError> {
         Some(Err(e)) => return Err(e.into()),
         None => return Err(RunError::RankGone { rank }),
     };
-    let task = match setup.build(Arc::new(Notify::new())) {
+    let task = match setup.build_with(Arc::new(Notify::new()), wrap) {
         Ok(task) => task,
         Err(e) => {
             let step = kvrelay_core::StepId(u64::MAX);

@@ -29,7 +29,7 @@ pub const MAX_FRAME: u32 = 64 << 20;
 
 /// Engine → worker.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub(crate) enum Down {
+pub enum Down {
     /// The rank to build.
     Setup(RankSetup),
     /// One engine step.
@@ -45,7 +45,7 @@ pub(crate) enum Down {
 
 /// Worker → engine.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub(crate) enum Up {
+pub enum Up {
     /// The first frame: which rank this worker is.
     Hello {
         /// The rank.
@@ -97,7 +97,7 @@ pub enum WireError {
 }
 
 /// The bytes of one frame carrying `msg`.
-pub(crate) fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
     let payload = postcard::to_allocvec(msg).expect("wire messages serialize");
     let len = u32::try_from(payload.len() + 4).expect("a frame fits in u32");
     let mut out = Vec::with_capacity(payload.len() + 8);
@@ -108,7 +108,7 @@ pub(crate) fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
 }
 
 /// Decodes the body of a frame (version and payload, after the length).
-pub(crate) fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, WireError> {
+pub fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, WireError> {
     let Some((version, payload)) = body.split_first_chunk::<4>() else {
         return Err(WireError::Length {
             len: body.len() as u32,
@@ -127,7 +127,7 @@ pub(crate) fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, WireErr
 }
 
 /// Writes one frame.
-pub(crate) async fn write_frame<W: AsyncWrite + Unpin, T: Serialize>(
+pub async fn write_frame<W: AsyncWrite + Unpin, T: Serialize>(
     w: &mut W,
     msg: &T,
 ) -> Result<(), WireError> {
@@ -139,7 +139,7 @@ pub(crate) async fn write_frame<W: AsyncWrite + Unpin, T: Serialize>(
 }
 
 /// Reads one frame. Not cancel-safe: read from a task of its own.
-pub(crate) async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
+pub async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
     r: &mut R,
 ) -> Result<T, WireError> {
     let mut len = [0u8; 4];
@@ -182,8 +182,6 @@ mod tests {
             groups: vec![GroupKind::FullAttention],
             mode: kvrelay_core::Mode::Compat,
             check: true,
-            corrupt_first_load: false,
-            vanish_after_steps: None,
             trace: false,
         }
     }
