@@ -18,8 +18,8 @@ use kvrelay_core::{
 };
 use stateright::{Model, Property};
 
+use crate::diagram::Arrow;
 use crate::explain::Explain;
-use crate::trace::TraceStep;
 
 /// The names of the properties of [`CompletionModel`], as they appear in a
 /// [`crate::CheckReport`].
@@ -870,12 +870,12 @@ impl Explain for CompletionModel {
     /// aggregator with its output (a rejected protocol call: a note over the rank). An aggregate:
     /// the aggregator → the scheduler with what it emitted (a strict rejection: a note). A note
     /// also names every property the action breaks.
-    fn arrow(&self, state: &CompletionState, action: &CompletionAction) -> TraceStep {
+    fn arrow(&self, state: &CompletionState, action: &CompletionAction) -> Arrow {
         let w = self.config.ranks as usize;
         let (env, aggregator, scheduler) = (0, w + 1, w + 2);
         let rank_at = |rank: Rank| 1 + rank.index();
         let Some(next) = self.next_state(state, *action) else {
-            return TraceStep::new(env, env, format!("{action} (not enabled)"));
+            return Arrow::new(env, env, format!("{action} (not enabled)"));
         };
         let mut step = match *action {
             CompletionAction::Complete {
@@ -883,7 +883,7 @@ impl Explain for CompletionModel {
                 request,
                 dir,
                 failed,
-            } => TraceStep::new(
+            } => Arrow::new(
                 env,
                 rank_at(rank),
                 format!(
@@ -901,9 +901,9 @@ impl Explain for CompletionModel {
                 let r = &next.ranks[rank.index()];
                 match (r.violation(), r.output()) {
                     (Some(v), _) => {
-                        TraceStep::new(rank_at(rank), rank_at(rank), label).with_note(v.to_string())
+                        Arrow::new(rank_at(rank), rank_at(rank), label).with_note(v.to_string())
                     }
-                    (None, Some(o)) => TraceStep::new(
+                    (None, Some(o)) => Arrow::new(
                         rank_at(rank),
                         aggregator,
                         format!(
@@ -914,11 +914,11 @@ impl Explain for CompletionModel {
                         ),
                     ),
                     (None, None) => {
-                        TraceStep::new(rank_at(rank), rank_at(rank), format!("{label}: no output"))
+                        Arrow::new(rank_at(rank), rank_at(rank), format!("{label}: no output"))
                     }
                 }
             }
-            CompletionAction::Rereport { rank, request, dir } => TraceStep::new(
+            CompletionAction::Rereport { rank, request, dir } => Arrow::new(
                 env,
                 rank_at(rank),
                 format!("will report the {} of {request} again", dir_name(dir)),
@@ -927,7 +927,7 @@ impl Explain for CompletionModel {
             CompletionAction::Aggregate => {
                 let outputs: Vec<_> = state.ranks.iter().map(RankState::output).collect();
                 match state.aggregator.clone().aggregate(&outputs, Rank(0)) {
-                    Ok(Some(o)) => TraceStep::new(
+                    Ok(Some(o)) => Arrow::new(
                         aggregator,
                         scheduler,
                         format!(
@@ -937,8 +937,8 @@ impl Explain for CompletionModel {
                             ids(Some(&o.failed_recving))
                         ),
                     ),
-                    Ok(None) => TraceStep::new(aggregator, aggregator, "aggregate: no output"),
-                    Err(e) => TraceStep::new(aggregator, aggregator, "aggregate: rejected")
+                    Ok(None) => Arrow::new(aggregator, aggregator, "aggregate: no output"),
+                    Err(e) => Arrow::new(aggregator, aggregator, "aggregate: rejected")
                         .with_note(e.to_string()),
                 }
             }

@@ -4,7 +4,7 @@
 //! `SystemModel`, or an engine's own) implements [`Explain`] next to its `stateright::Model`
 //! impl; the runner (`check`, `check_with_symmetry`, `serve_explorer`) takes any `M: Explain`
 //! and never names a model. Neither side imports the other: both depend on this module and on
-//! the trace types ([`TraceStep`]), so adding a model never touches the runner and changing the
+//! the trace types ([`Arrow`]), so adding a model never touches the runner and changing the
 //! runner never touches a model.
 //!
 //! Implement [`Explain::describe`] for the counterexample lines of a `CheckReport`, and
@@ -16,7 +16,7 @@ use std::hash::Hash;
 
 use stateright::Model;
 
-use crate::trace::TraceStep;
+use crate::diagram::Arrow;
 
 /// What the runner and `kvrelay check` need from a model beyond [`stateright::Model`]: readable
 /// counterexample lines and the arrows of a sequence diagram.
@@ -36,11 +36,11 @@ pub trait Explain:
     fn describe(&self, state: &Self::State, action: &Self::Action) -> String;
 
     /// The participants of the model's sequence diagrams, left to right (e.g. `"scheduler"`,
-    /// `"rank 0"`, `"rank 1"`, `"aggregator"`, `"env"`). [`TraceStep::from`] and
-    /// [`TraceStep::to`] index this list.
+    /// `"rank 0"`, `"rank 1"`, `"aggregator"`, `"env"`). [`Arrow::from`] and
+    /// [`Arrow::to`] index this list.
     fn participants(&self) -> Vec<String>;
 
     /// `action` taken in `state` as one arrow of a sequence diagram: who acts, on whom, with
     /// what label, and an optional note (an error, a fault, a violation).
-    fn arrow(&self, state: &Self::State, action: &Self::Action) -> TraceStep;
+    fn arrow(&self, state: &Self::State, action: &Self::Action) -> Arrow;
 }

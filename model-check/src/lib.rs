@@ -64,14 +64,14 @@
 //!
 //! | module | holds | imports from |
 //! | --- | --- | --- |
-//! | `trace` | [`TraceStep`], [`mermaid`], [`escape_label`] | — |
-//! | `explain` | [`Explain`], what a model says about itself | `trace` |
+//! | `diagram` | [`Arrow`], [`mermaid`], [`escape_label`] | — |
+//! | `explain` | [`Explain`], what a model says about itself | `diagram` |
 //! | `shared` | [`Shared`], a state part successors share until one writes it | — |
 //! | `memo` | successors computed ahead (for the partial-order reduction), kept per thread | — |
 //! | `search` | kvrelay's own depth-first search with symmetry (a stateright `Checker`) | — |
-//! | `runner` | [`check`], [`check_with_symmetry`], [`serve_explorer`], [`CheckReport`] | `explain`, `search`, `trace` |
-//! | `completion` | [`CompletionModel`] | `explain`, `trace` |
-//! | `system` | [`SystemModel`], [`Connectors`], [`OffloadingPair`], [`remote_slot`] | `explain`, `memo`, `shared`, `trace` |
+//! | `runner` | [`check`], [`check_with_symmetry`], [`serve_explorer`], [`CheckReport`] | `explain`, `search`, `diagram` |
+//! | `completion` | [`CompletionModel`] | `explain`, `diagram` |
+//! | `system` | [`SystemModel`], [`Connectors`], [`OffloadingPair`], [`remote_slot`] | `explain`, `memo`, `shared`, `diagram` |
 //! | `pd` | [`PdPair`] | `system` |
 //! | `multi_pair` | [`MultiPair`] | `pd`, `system` |
 //! | crate root | the re-exports, [`check_completions`] | all |
@@ -80,10 +80,11 @@
 //! [`SystemModel::new`] with a [`Connectors`] pair), then hand it to the runner ([`check`], or
 //! [`check_with_symmetry`] for the system model's rank symmetry); [`check_completions`] does both
 //! for the completion model. A new model implements [`Explain`] and depends on `explain` and
-//! `trace` only; a new connector pair implements [`Connectors`] and depends on `system`. A
+//! `diagram` only; a new connector pair implements [`Connectors`] and depends on `system`. A
 //! shorthand that joins a model with the runner belongs at the root, not in either module.
 
 mod completion;
+mod diagram;
 mod explain;
 mod memo;
 mod multi_pair;
@@ -92,12 +93,12 @@ mod runner;
 mod search;
 mod shared;
 mod system;
-mod trace;
 
 pub use completion::{
     CompletionAction, CompletionConfig, CompletionModel, CompletionState, Ghost, RankState,
     ReportingWorker, Transfer, property_names,
 };
+pub use diagram::{Arrow, escape_label, mermaid};
 pub use explain::Explain;
 pub use multi_pair::{
     Child, ChildKind, ChildMeta, ChildWorker, FaultyMulti, MultiFault, MultiPair,
@@ -113,7 +114,6 @@ pub use system::{
     RankState as SystemRank, SchedFault, SystemAction, SystemConfig, SystemModel, SystemState,
     WMeta, is_remote_slot, property_names as system_properties, remote_slot,
 };
-pub use trace::{TraceStep, escape_label, mermaid};
 
 /// Model-checks the completion model of `config` breadth-first on `threads` threads (at least
 /// one), stopping at the first violation; [`check`] with [`CheckOptions`] for the rest.

@@ -18,9 +18,9 @@ use stateright::{
     Checker, CheckerBuilder, Expectation, HasDiscoveries, Model, Path, Representative,
 };
 
+use crate::diagram::{Arrow, mermaid_with_final_note};
 use crate::explain::Explain;
 use crate::search::{self, Limits, SymmetricDfs};
-use crate::trace::{TraceStep, mermaid_with_final_note};
 
 /// How often `on_progress` is called while a check runs.
 const PROGRESS_EVERY: Duration = Duration::from_millis(200);
@@ -139,7 +139,7 @@ pub struct CheckReport {
     /// The threads that ran.
     pub threads: usize,
     /// The model's sequence-diagram participants ([`Explain::participants`]), which the
-    /// [`PropertyResult::trace`] arrows index.
+    /// [`PropertyResult::diagram`] arrows index.
     pub participants: Vec<String>,
 }
 
@@ -178,7 +178,7 @@ impl CheckReport {
     /// such property or it has no discovery.
     pub fn mermaid(&self, name: &str) -> Option<String> {
         let p = self.property(name)?;
-        let steps = p.trace.as_ref()?;
+        let steps = p.diagram.as_ref()?;
         let what = if p.expectation == "sometimes" {
             "example of"
         } else {
@@ -209,7 +209,7 @@ pub struct PropertyResult {
     pub raw_path: Option<Vec<String>>,
     /// The same path as sequence-diagram arrows ([`Explain::arrow`]); render it with
     /// [`crate::mermaid`] and [`CheckReport::participants`] or with [`CheckReport::mermaid`].
-    pub trace: Option<Vec<TraceStep>>,
+    pub diagram: Option<Vec<Arrow>>,
     /// The same path as stateright's action indices (`0/3/1/…`), the explorer's
     /// `#/steps/<encoded>` fragment.
     pub encoded_path: Option<String>,
@@ -372,15 +372,15 @@ fn drive<M: Explain, C: Checker<M>>(
                 holds,
                 path: None,
                 raw_path: None,
-                trace: None,
+                diagram: None,
                 encoded_path: None,
             };
             if let Some(path) = discovery {
                 result.encoded_path = Some(path.encode(model));
-                let (lines, raw, trace) = explain_path(model, path);
+                let (lines, raw, arrows) = explain_path(model, path);
                 result.path = Some(lines);
                 result.raw_path = Some(raw);
-                result.trace = Some(trace);
+                result.diagram = Some(arrows);
             }
             result
         })
@@ -424,18 +424,18 @@ fn progress<M: Model, C: Checker<M>>(checker: &C, started: Instant) -> Progress 
 fn explain_path<M: Explain>(
     model: &M,
     path: Path<M::State, M::Action>,
-) -> (Vec<String>, Vec<String>, Vec<TraceStep>) {
+) -> (Vec<String>, Vec<String>, Vec<Arrow>) {
     let mut lines = Vec::new();
     let mut raw = Vec::new();
-    let mut trace = Vec::new();
+    let mut arrows = Vec::new();
     for (state, action) in path.into_vec() {
         if let Some(a) = action {
             lines.push(model.describe(&state, &a));
             raw.push(model.format_action(&a));
-            trace.push(model.arrow(&state, &a));
+            arrows.push(model.arrow(&state, &a));
         }
     }
-    (lines, raw, trace)
+    (lines, raw, arrows)
 }
 
 /// Why the explorer cannot be served on an address.

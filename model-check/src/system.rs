@@ -204,10 +204,10 @@ use kvrelay_core::{
 };
 use stateright::{Expectation, Model, Property};
 
+use crate::diagram::Arrow;
 use crate::explain::Explain;
 use crate::memo;
 use crate::shared::Shared;
-use crate::trace::TraceStep;
 
 /// The names of the properties of [`SystemModel`], as they appear in a [`crate::CheckReport`].
 pub mod property_names {
@@ -1296,6 +1296,27 @@ fn next_model_id() -> u64 {
 
 /// The number of properties [`SystemModel`] declares (some filtered out per connector pair).
 const PROPERTIES: usize = 16;
+
+/// Each property's slot in `discovered`: named as in [`property_names`], numbered in the order
+/// `properties()` lists them.
+mod slot {
+    pub(super) const PROTOCOL: usize = 0;
+    pub(super) const NO_WRITE_UNDER_STORE: usize = 1;
+    pub(super) const DATA: usize = 2;
+    pub(super) const OWNED_WRITES: usize = 3;
+    pub(super) const FINISHED_ONCE: usize = 4;
+    pub(super) const QUORUM: usize = 5;
+    pub(super) const CORE: usize = 6;
+    pub(super) const QUIESCENT: usize = 7;
+    pub(super) const FLUSHED: usize = 8;
+    pub(super) const PREEMPTED: usize = 9;
+    pub(super) const RESUMED_FROM_OFFLOAD: usize = 10;
+    pub(super) const SHARED_PREFIX_LOADED: usize = 11;
+    pub(super) const LOAD_FAILED_RECOMPUTED: usize = 12;
+    pub(super) const DELAYED_FREE: usize = 13;
+    pub(super) const ALL_DONE: usize = 14;
+    pub(super) const STORE_FAILED_DONE: usize = 15;
+}
 
 impl<P: Connectors> Clone for SystemModel<P> {
     /// The same model, with no discovery reported yet.
@@ -2515,7 +2536,7 @@ impl<P: Connectors> Explain for SystemModel<P> {
     /// Arrivals, aborts and resets: `env` → scheduler; a step scheduled: scheduler → itself; a
     /// rank running: scheduler → rank; a transfer finishing: `env` → rank; a delivery:
     /// aggregator → scheduler. A note names every property the action breaks.
-    fn arrow(&self, state: &SystemState<P>, action: &SystemAction) -> TraceStep {
+    fn arrow(&self, state: &SystemState<P>, action: &SystemAction) -> Arrow {
         let (env, sched, agg) = (0, 1, 2 + self.config.ranks as usize);
         let rank_at = |r: Rank| 2 + r.index();
         let label = self.describe(state, action);
@@ -2530,7 +2551,7 @@ impl<P: Connectors> Explain for SystemModel<P> {
             SystemAction::Complete { rank, .. } => (env, rank_at(rank)),
             SystemAction::Deliver => (agg, sched),
         };
-        let step = TraceStep::new(from, to, label);
+        let step = Arrow::new(from, to, label);
         match note {
             Some(n) => step.with_note(n),
             None => step,
@@ -2613,28 +2634,31 @@ impl<P: Connectors> Model for SystemModel<P> {
     fn properties(&self) -> Vec<Property<Self>> {
         use property_names as n;
         let expected = &self.observed;
-        // Each property reports its first discovery only (see `discovered`); `slot` numbers them.
+        // Each property reports its first discovery only (see `discovered`), in its `slot`.
         let mut all = vec![
             Property::always(n::PROTOCOL, |m: &Self, s: &SystemState<P>| {
-                !m.first(0, s.ghost.violated(n::PROTOCOL))
+                !m.first(slot::PROTOCOL, s.ghost.violated(n::PROTOCOL))
             }),
             Property::always(n::NO_WRITE_UNDER_STORE, |m: &Self, s: &SystemState<P>| {
-                !m.first(1, s.ghost.violated(n::NO_WRITE_UNDER_STORE))
+                !m.first(
+                    slot::NO_WRITE_UNDER_STORE,
+                    s.ghost.violated(n::NO_WRITE_UNDER_STORE),
+                )
             }),
             Property::always(n::DATA, |m: &Self, s: &SystemState<P>| {
-                !m.first(2, s.ghost.violated(n::DATA))
+                !m.first(slot::DATA, s.ghost.violated(n::DATA))
             }),
             Property::always(n::OWNED_WRITES, |m: &Self, s: &SystemState<P>| {
-                !m.first(3, s.ghost.violated(n::OWNED_WRITES))
+                !m.first(slot::OWNED_WRITES, s.ghost.violated(n::OWNED_WRITES))
             }),
             Property::always(n::FINISHED_ONCE, |m: &Self, s: &SystemState<P>| {
-                !m.first(4, s.ghost.violated(n::FINISHED_ONCE))
+                !m.first(slot::FINISHED_ONCE, s.ghost.violated(n::FINISHED_ONCE))
             }),
             Property::always(n::QUORUM, |m: &Self, s: &SystemState<P>| {
-                !m.first(5, s.ghost.violated(n::QUORUM))
+                !m.first(slot::QUORUM, s.ghost.violated(n::QUORUM))
             }),
             Property::always(n::CORE, |m: &Self, s: &SystemState<P>| {
-                !m.first(6, s.ghost.violated(n::CORE))
+                !m.first(slot::CORE, s.ghost.violated(n::CORE))
             }),
             Property::always(n::QUIESCENT, |m: &Self, s: &SystemState<P>| {
                 if !s.ghost.violations.is_empty() {
@@ -2642,32 +2666,38 @@ impl<P: Connectors> Model for SystemModel<P> {
                 }
                 let mut a = Vec::new();
                 m.enabled(s, &mut a);
-                !m.first(7, a.is_empty() && !m.quiescent(s))
+                !m.first(slot::QUIESCENT, a.is_empty() && !m.quiescent(s))
             }),
             Property::sometimes(n::FLUSHED, |m: &Self, s: &SystemState<P>| {
-                m.first(8, s.ghost.flushed)
+                m.first(slot::FLUSHED, s.ghost.flushed)
             }),
             Property::sometimes(n::PREEMPTED, |m: &Self, s: &SystemState<P>| {
-                m.first(9, s.ghost.preempted.iter().any(|&p| p))
+                m.first(slot::PREEMPTED, s.ghost.preempted.iter().any(|&p| p))
             }),
             Property::sometimes(n::RESUMED_FROM_OFFLOAD, |m: &Self, s: &SystemState<P>| {
-                m.first(10, s.ghost.resumed_from_offload)
+                m.first(slot::RESUMED_FROM_OFFLOAD, s.ghost.resumed_from_offload)
             }),
             Property::sometimes(n::SHARED_PREFIX_LOADED, |m: &Self, s: &SystemState<P>| {
-                m.first(11, s.ghost.shared_loaded)
+                m.first(slot::SHARED_PREFIX_LOADED, s.ghost.shared_loaded)
             }),
             Property::sometimes(n::LOAD_FAILED_RECOMPUTED, |m: &Self, s: &SystemState<P>| {
-                m.first(12, s.ghost.recomputed_after_failure)
+                m.first(
+                    slot::LOAD_FAILED_RECOMPUTED,
+                    s.ghost.recomputed_after_failure,
+                )
             }),
             Property::sometimes(n::DELAYED_FREE, |m: &Self, s: &SystemState<P>| {
-                m.first(13, s.ghost.delayed_free)
+                m.first(slot::DELAYED_FREE, s.ghost.delayed_free)
             }),
             Property::sometimes(n::ALL_DONE, |m: &Self, s: &SystemState<P>| {
-                m.first(14, s.ghost.violations.is_empty() && m.quiescent(s))
+                m.first(
+                    slot::ALL_DONE,
+                    s.ghost.violations.is_empty() && m.quiescent(s),
+                )
             }),
             Property::sometimes(n::STORE_FAILED_DONE, |m: &Self, s: &SystemState<P>| {
                 m.first(
-                    15,
+                    slot::STORE_FAILED_DONE,
                     s.ghost.store_failed && s.ghost.violations.is_empty() && m.quiescent(s),
                 )
             }),

@@ -93,10 +93,10 @@ pub(crate) struct RunArgs {
     /// Check every machine's invariants after every step.
     #[arg(long)]
     pub check: bool,
-    /// Write a Chrome / Perfetto trace of the engine's and every rank's steps and transfers
+    /// Write a Chrome / Perfetto timeline of the engine's and every rank's steps and transfers
     /// (open in ui.perfetto.dev).
     #[arg(long, value_name = "FILE.json")]
-    pub trace_out: Option<PathBuf>,
+    pub timeline: Option<PathBuf>,
     /// Print the report as JSON on stdout (no progress bar).
     #[arg(long)]
     pub json: bool,
@@ -162,8 +162,8 @@ impl RunArgs {
             };
         }
         c.check |= self.check;
-        if let Some(p) = &self.trace_out {
-            c.trace_out = Some(p.clone());
+        if let Some(p) = &self.timeline {
+            c.timeline = Some(p.clone());
         }
         Ok(c)
     }

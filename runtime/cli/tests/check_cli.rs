@@ -1,4 +1,4 @@
-//! `kvrelay check` as a user runs it: exit codes, the trace file, refused flags.
+//! `kvrelay check` as a user runs it: exit codes, the diagram file, refused flags.
 
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -52,7 +52,7 @@ fn a_faulty_configuration_exits_1_and_writes_its_counterexample_diagram() {
             "--faulty-double-report",
             "--threads",
             "1",
-            "--trace-out",
+            "--diagram",
             out_file.to_str().unwrap(),
         ],
         LIMIT,
@@ -74,7 +74,7 @@ fn a_faulty_configuration_exits_1_and_writes_its_counterexample_diagram() {
     ] {
         assert!(stderr.contains(line), "{line:?} in {stderr}");
     }
-    let diagram = std::fs::read_to_string(&out_file).expect("the trace file was written");
+    let diagram = std::fs::read_to_string(&out_file).expect("the diagram file was written");
     let _ = std::fs::remove_file(&out_file);
     assert!(diagram.starts_with("sequenceDiagram\n"), "{diagram}");
     assert!(diagram.contains("participant p1 as rank 0"), "{diagram}");
@@ -86,7 +86,7 @@ fn a_faulty_configuration_exits_1_and_writes_its_counterexample_diagram() {
 }
 
 #[test]
-fn trace_of_writes_the_example_of_a_sometimes_property() {
+fn diagram_of_writes_the_example_of_a_sometimes_property() {
     let out_file = temp_file("example.mmd");
     let out = kvrelay_check(
         &[
@@ -94,15 +94,15 @@ fn trace_of_writes_the_example_of_a_sometimes_property() {
             "completion",
             "--threads",
             "1",
-            "--trace-of",
+            "--diagram-of",
             "all transfers",
-            "--trace-out",
+            "--diagram",
             out_file.to_str().unwrap(),
         ],
         LIMIT,
     );
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    let diagram = std::fs::read_to_string(&out_file).expect("the trace file was written");
+    let diagram = std::fs::read_to_string(&out_file).expect("the diagram file was written");
     let _ = std::fs::remove_file(&out_file);
     assert!(
         diagram.contains("example of sometimes \"all transfers emitted\""),
@@ -150,16 +150,16 @@ fn flags_that_cannot_apply_are_refused_before_checking() {
              drop-zero-external-alloc and lookup-ignores-jobs",
         ),
         (
-            &["--trace-of", "no such property", "--trace-out", "x.mmd"][..],
+            &["--diagram-of", "no such property", "--diagram", "x.mmd"][..],
             "matches no property",
         ),
         (
             &[
                 "--model",
                 "completion",
-                "--trace-of",
+                "--diagram-of",
                 "I-24",
-                "--trace-out",
+                "--diagram",
                 "x.mmd",
             ][..],
             "matches several properties",
@@ -209,7 +209,7 @@ fn flags_that_cannot_apply_are_refused_before_checking() {
         &["--explore", "127.0.0.1:1", "--dfs"][..],
         &["--allow-remote"][..],
         &["--bfs"][..],
-        &["--trace-of", "I-21"][..],
+        &["--diagram-of", "I-21"][..],
         &["--fault", "no-such-fault"][..],
         &["--policy", "fifo"][..],
         &["--model", "no-such-model"][..],
@@ -284,7 +284,7 @@ fn a_system_fault_exits_1_and_writes_its_counterexample_diagram() {
             "swallow-load-failures",
             "--threads",
             "1",
-            "--trace-out",
+            "--diagram",
             out_file.to_str().unwrap(),
         ],
         LIMIT,
@@ -301,7 +301,7 @@ fn a_system_fault_exits_1_and_writes_its_counterexample_diagram() {
     );
     assert!(stdout.contains("    1. request 0 arrives"), "{stdout}");
     assert!(stderr.contains("wrote the counterexample"), "{stderr}");
-    let diagram = std::fs::read_to_string(&out_file).expect("the trace file was written");
+    let diagram = std::fs::read_to_string(&out_file).expect("the diagram file was written");
     let _ = std::fs::remove_file(&out_file);
     assert!(diagram.starts_with("sequenceDiagram\n"), "{diagram}");
     for participant in ["env", "scheduler", "rank 0", "rank 1", "aggregator"] {

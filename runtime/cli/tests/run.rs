@@ -161,13 +161,13 @@ fn the_command_line_reports_json_and_replays_its_own_trace() {
     let written = read_trace(&trace, 64).unwrap();
     assert_eq!(v["requests"], written.len() as u64);
 
-    let perfetto = dir.join("trace.json");
+    let perfetto = dir.join("timeline.json");
     let out = kvrelay(&[
         "run",
         "--trace",
         t,
         "--json",
-        "--trace-out",
+        "--timeline",
         perfetto.to_str().unwrap(),
     ]);
     assert!(

@@ -68,12 +68,12 @@ pub struct RunConfig {
     pub hash_block_tokens: u32,
     /// The generated workload (unused with `trace`).
     pub workload: WorkloadConfig,
-    /// Replay this trace instead of generating the workload.
+    /// Replay this request trace (Mooncake format) instead of generating the workload.
     pub trace: Option<PathBuf>,
     /// Call every machine's `check_invariants()` after every step.
     pub check: bool,
-    /// Write a Chrome / Perfetto trace of steps and transfers here.
-    pub trace_out: Option<PathBuf>,
+    /// Write a Chrome / Perfetto timeline of steps and transfers here.
+    pub timeline: Option<PathBuf>,
 }
 
 impl Default for RunConfig {
@@ -100,7 +100,7 @@ impl Default for RunConfig {
             workload: WorkloadConfig::default(),
             trace: None,
             check: false,
-            trace_out: None,
+            timeline: None,
         }
     }
 }

@@ -64,8 +64,8 @@ pub struct Figures {
     /// Engine-side time per step (schedule, rank outputs, apply), in µs.
     pub core_us: Samples<f64>,
     pub invariant_checks: u64,
-    /// Engine steps, for `--trace-out`.
-    pub trace: Recorder,
+    /// Engine steps, for the timeline (`--timeline`).
+    pub timeline: Recorder,
 }
 
 /// One engine step's result.
@@ -202,7 +202,7 @@ impl Engine {
                 groups: sc.groups.clone(),
                 mode: sc.mode,
                 check: c.check,
-                trace: c.trace_out.is_some(),
+                timeline: c.timeline.is_some(),
             };
             let conn = transport
                 .connect(setup, wake.clone(), report_tx.clone())
@@ -225,7 +225,7 @@ impl Engine {
             free_blocks,
             figures: Figures {
                 backend,
-                trace: Recorder::new(c.trace_out.is_some()),
+                timeline: Recorder::new(c.timeline.is_some()),
                 ..Figures::default()
             },
         })
@@ -271,7 +271,7 @@ impl Engine {
     /// them, with those tokens, once this one is applied.
     pub async fn step(&mut self) -> Result<StepOutcome, RunError> {
         let t0 = self.clock.now();
-        let started = if self.figures.trace.is_on() {
+        let started = if self.figures.timeline.is_on() {
             now_us()
         } else {
             0
@@ -377,7 +377,8 @@ impl Engine {
         if applied.idle {
             f.idle_steps += 1;
         }
-        f.trace.span(|| format!("step {}", step.0), started, 0, 0);
+        f.timeline
+            .span(|| format!("step {}", step.0), started, 0, 0);
         if let Some(s) = self.ahead.take() {
             // The step scheduled ahead goes to the ranks with the tokens just sampled.
             self.send(s).await?;

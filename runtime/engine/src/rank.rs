@@ -85,8 +85,8 @@ pub struct RankStats {
     pub hook_us: Samples<f32>,
     /// Steps after which the driver's invariants were checked.
     pub invariant_checks: u64,
-    /// Steps and transfers, for `--trace-out`.
-    pub trace: Recorder,
+    /// Steps and transfers, for the timeline (`--timeline`).
+    pub timeline: Recorder,
 }
 
 /// The rank's fixed shape.
@@ -112,8 +112,8 @@ pub struct RankSetup {
     /// The offloading worker's mode: what a failed transfer does (the engine's mode).
     pub mode: Mode,
     pub check: bool,
-    /// Record steps and transfers for `--trace-out`.
-    pub trace: bool,
+    /// Record steps and transfers for the timeline (`--timeline`).
+    pub timeline: bool,
 }
 
 impl RankSetup {
@@ -192,7 +192,7 @@ impl RankSetup {
             done_rx,
             self.check,
         );
-        task.stats.trace = Recorder::new(self.trace);
+        task.stats.timeline = Recorder::new(self.timeline);
         task
     }
 }
@@ -342,7 +342,7 @@ impl RankTask {
             self.book.extend(*r, t);
         }
         self.flush_counted = false;
-        if self.stats.trace.is_on() {
+        if self.stats.timeline.is_on() {
             self.step_started = now_us();
         }
         let t = Instant::now();
@@ -389,7 +389,7 @@ impl RankTask {
                     let step = self.driver.steps_done().saturating_sub(1);
                     let (start, pid) = (self.step_started, self.rank + 1);
                     self.stats
-                        .trace
+                        .timeline
                         .span(|| format!("step {step}"), start, pid, 0);
                     return Ok(Some(out));
                 }
@@ -405,7 +405,7 @@ impl RankTask {
                 error,
             })?;
         let bs = self.shape.block_size as usize;
-        if self.stats.trace.is_on() {
+        if self.stats.timeline.is_on() {
             self.transfer_started.insert(t.job, now_us());
         }
         tracing::trace!(rank = self.rank, job = t.job.0, direction = ?t.direction, blocks = t.gpu_blocks.len(), copies = runs.len(), "transfer started");
@@ -456,7 +456,7 @@ impl RankTask {
                 TransferDirection::Load => ("load", 2),
             };
             let name = || format!("{what} job {} ({} bytes)", d.job.0, d.bytes);
-            self.stats.trace.span(name, start, self.rank + 1, tid);
+            self.stats.timeline.span(name, start, self.rank + 1, tid);
         }
         match d.direction {
             TransferDirection::Store => {

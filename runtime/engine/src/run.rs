@@ -76,9 +76,9 @@ pub fn run_with(
         let outcome = replay(config, records, &mut engine, progress).await;
         let (figures, ranks) = engine.shutdown().await;
         outcome?;
-        if let Some(path) = &config.trace_out {
-            let mut recorders = vec![&figures.trace];
-            recorders.extend(ranks.iter().map(|r| &r.trace));
+        if let Some(path) = &config.timeline {
+            let mut recorders = vec![&figures.timeline];
+            recorders.extend(ranks.iter().map(|r| &r.timeline));
             perfetto::write(path, &recorders, config.ranks).map_err(|e| RunError::Output {
                 path: path.display().to_string(),
                 why: e.to_string(),

@@ -9,7 +9,7 @@
 //! * **Time**: a current-thread tokio runtime with a paused clock. Every wait (the engine's idle
 //!   wait and rank check, a transfer's duration, a frame's delay) is virtual: a run of minutes of
 //!   simulated time takes milliseconds, and the interleaving depends on the seed only.
-//! * **Transfers** (`world::SimEngine`): one queue per rank, completed in the order started (as
+//! * **Transfers** (`world::SimTransferEngine`): one queue per rank, completed in the order started (as
 //!   vLLM's worker runs them). A transfer's bytes move when it *completes*, not when it starts, so
 //!   a block rewritten under an in-flight store, or read before its load completed, shows as
 //!   wrong bytes. Faults: a transfer fails part-way (its destination is garbage; the rank tells

@@ -1,6 +1,6 @@
 //! The simulated seams: ranks in this process whose frames go through faulty relays
 //! ([`SimTransport`]), and a transfer engine whose transfers take drawn virtual time, move their
-//! bytes when they complete, and may fail part-way ([`SimEngine`]).
+//! bytes when they complete, and may fail part-way ([`SimTransferEngine`]).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,7 +22,7 @@ use kvrelay_engine::transport::{BoxFuture, RankConn, Transport};
 use kvrelay_engine::transport::{Clock, TokioClock};
 use kvrelay_engine::{RunConfig, RunError};
 
-/// In-process ranks whose transfer engine is a [`SimEngine`] and whose frames go through relays
+/// In-process ranks whose transfer engine is a [`SimTransferEngine`] and whose frames go through relays
 /// that delay and duplicate them.
 #[derive(Debug)]
 pub(super) struct SimTransport {
@@ -62,7 +62,7 @@ impl Transport for SimTransport {
             let slot_bytes = (setup.gpu.block_bytes() / u64::from(setup.block_size)) as usize;
             let arena = HostArena::new(setup.gpu.total_bytes() as usize, slot_bytes);
             let (done_tx, done_rx) = mpsc::channel(COPY_QUEUE_BOUND);
-            let engine = SimEngine::spawn(
+            let engine = SimTransferEngine::spawn(
                 arena.shared(),
                 setup.host.total_bytes() as usize,
                 done_tx,
@@ -188,13 +188,13 @@ async fn relay_reports(
 
 /// A rank's transfers, performed by a task of the simulation in the order started; each takes a
 /// drawn (virtual) time, and its bytes move when it completes.
-pub(crate) struct SimEngine {
+pub(crate) struct SimTransferEngine {
     queue: Arc<Mutex<VecDeque<CopyJob>>>,
     more: Arc<Notify>,
     stopped: Arc<AtomicBool>,
 }
 
-impl SimEngine {
+impl SimTransferEngine {
     fn spawn(
         gpu: Arc<RwLock<Vec<u8>>>,
         host_bytes: usize,
@@ -230,7 +230,7 @@ impl SimEngine {
     }
 }
 
-impl TransferEngine for SimEngine {
+impl TransferEngine for SimTransferEngine {
     fn start(&mut self, job: CopyJob) -> Result<(), TransferError> {
         let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         if q.len() >= COPY_QUEUE_BOUND {
@@ -242,14 +242,14 @@ impl TransferEngine for SimEngine {
     }
 }
 
-impl Drop for SimEngine {
+impl Drop for SimTransferEngine {
     fn drop(&mut self) {
         self.stopped.store(true, Ordering::Relaxed);
         self.more.notify_one();
     }
 }
 
-/// The task behind a [`SimEngine`].
+/// The task behind a [`SimTransferEngine`].
 struct Completer {
     queue: Arc<Mutex<VecDeque<CopyJob>>>,
     more: Arc<Notify>,

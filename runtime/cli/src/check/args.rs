@@ -61,9 +61,9 @@ When to use what:
                                      with --features scheduler-faults.
   --faulty-double-report / --faulty-bind-first
                                      the same for the completion model.
-  --trace-out FILE                   also write the first counterexample as a Mermaid sequence
+  --diagram FILE                     also write the first counterexample as a Mermaid sequence
                                      diagram (paste into a Markdown ```mermaid block or
-                                     mermaid.live); --trace-of NAME picks a property instead
+                                     mermaid.live); --diagram-of NAME picks a property instead
                                      (a unique part of its name, e.g. I-21), including the
                                      example of a `sometimes` property.
   --keep-going                       do not stop at the first violation: every property gets
@@ -228,22 +228,22 @@ pub(crate) struct CheckArgs {
 
     /// Write the first violated property's counterexample as a Mermaid sequence diagram.
     #[arg(long, value_name = "FILE", help_heading = "Output")]
-    pub(super) trace_out: Option<PathBuf>,
-    /// With --trace-out: the property whose counterexample (or `sometimes` example) to write,
+    pub(super) diagram: Option<PathBuf>,
+    /// With --diagram: the property whose counterexample (or `sometimes` example) to write,
     /// by its name or a unique case-insensitive part of it (e.g. I-21).
     #[arg(
         long,
         value_name = "NAME",
-        requires = "trace_out",
+        requires = "diagram",
         help_heading = "Output"
     )]
-    pub(super) trace_of: Option<String>,
+    pub(super) diagram_of: Option<String>,
 
     /// Serve stateright's web explorer of the model on ADDR (HOST:PORT) instead of checking.
     #[arg(
         long,
         value_name = "ADDR",
-        conflicts_with_all = ["trace_out", "dfs", "symmetry", "max_depth", "keep_going"],
+        conflicts_with_all = ["diagram", "dfs", "symmetry", "max_depth", "keep_going"],
         help_heading = "Explorer"
     )]
     pub(super) explore: Option<String>,

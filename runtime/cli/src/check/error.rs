@@ -24,17 +24,17 @@ pub(super) enum CheckError {
     ZeroThreads,
     /// `--max-depth 0`.
     ZeroDepth,
-    /// `--trace-of NAME` matches no property of the model.
+    /// `--diagram-of NAME` matches no property of the model.
     UnknownProperty {
         name: String,
         available: Vec<&'static str>,
     },
-    /// `--trace-of NAME` matches several properties.
+    /// `--diagram-of NAME` matches several properties.
     AmbiguousProperty {
         name: String,
         matches: Vec<&'static str>,
     },
-    /// `--trace-out FILE` cannot be written (its folder does not exist), found before the run.
+    /// `--diagram FILE` cannot be written (its folder does not exist), found before the run.
     TraceOutFolder { path: PathBuf },
     /// `--explore ADDR` refused or failed.
     Explore(ExploreError),
@@ -72,17 +72,17 @@ impl std::fmt::Display for CheckError {
             CheckError::ZeroDepth => write!(f, "--max-depth must be at least 1"),
             CheckError::UnknownProperty { name, available } => write!(
                 f,
-                "--trace-of {name:?} matches no property of this model; its properties are: {}",
+                "--diagram-of {name:?} matches no property of this model; its properties are: {}",
                 quoted(available)
             ),
             CheckError::AmbiguousProperty { name, matches } => write!(
                 f,
-                "--trace-of {name:?} matches several properties: {}; give more of the name",
+                "--diagram-of {name:?} matches several properties: {}; give more of the name",
                 quoted(matches)
             ),
             CheckError::TraceOutFolder { path } => write!(
                 f,
-                "--trace-out {}: the folder it would be written to does not exist",
+                "--diagram {}: the folder it would be written to does not exist",
                 path.display()
             ),
             CheckError::Explore(e) => write!(f, "--explore: {e}"),

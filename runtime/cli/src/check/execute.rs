@@ -1,6 +1,6 @@
 //! Running a built model as the flags say: the search options and outputs validated against the
 //! model ([`Plan`]), then either stateright's explorer or the checker — its configuration as
-//! `key = value` lines and its progress on stderr — followed by the report and the trace file.
+//! `key = value` lines and its progress on stderr — followed by the report and the diagram file.
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -14,7 +14,7 @@ use kvrelay_model_check::{
 use super::args::CheckArgs;
 use super::config::{Line, optional};
 use super::error::CheckError;
-use super::report::{print_report, write_trace};
+use super::report::{print_report, write_diagram};
 
 /// What to do with a model once it is built: the run's options and outputs, validated.
 #[derive(Debug)]
@@ -22,9 +22,9 @@ pub(super) struct Plan {
     options: CheckOptions,
     /// `--symmetry`.
     symmetry: bool,
-    trace_out: Option<PathBuf>,
-    /// The property `--trace-of` named, resolved to the model's name for it.
-    trace_of: Option<&'static str>,
+    diagram: Option<PathBuf>,
+    /// The property `--diagram-of` named, resolved to the model's name for it.
+    diagram_of: Option<&'static str>,
     explore: Option<SocketAddr>,
 }
 
@@ -44,12 +44,12 @@ impl Plan {
             .transpose()
             .map_err(CheckError::Explore)?;
         let names: Vec<&'static str> = model.properties().iter().map(|p| p.name).collect();
-        let trace_of = a
-            .trace_of
+        let diagram_of = a
+            .diagram_of
             .as_deref()
             .map(|name| resolve_property(name, &names))
             .transpose()?;
-        if let Some(path) = &a.trace_out {
+        if let Some(path) = &a.diagram {
             let folder = path.parent().filter(|p| !p.as_os_str().is_empty());
             if folder.is_some_and(|f| !f.is_dir()) {
                 return Err(CheckError::TraceOutFolder { path: path.clone() });
@@ -67,8 +67,8 @@ impl Plan {
                 stop_at_first_violation: !a.keep_going,
             },
             symmetry: a.symmetry,
-            trace_out: a.trace_out.clone(),
-            trace_of,
+            diagram: a.diagram.clone(),
+            diagram_of,
             explore,
         })
     }
@@ -120,7 +120,7 @@ pub(super) type CheckFn<M> = fn(M, &CheckOptions, &mut dyn FnMut(&Progress)) -> 
 
 /// Runs (or explores) `model`, described by `title` and its configuration's lines, as `plan`
 /// says with `run` (`check`, or `check_with_symmetry` for a model whose state has a
-/// representative), prints the report and writes the trace.
+/// representative), prints the report and writes the diagram.
 pub(super) fn execute<M: Explain>(
     model: M,
     title: &str,
@@ -163,9 +163,9 @@ pub(super) fn execute<M: Explain>(
     }
     let mut code = print_report(&report);
     let written = plan
-        .trace_out
+        .diagram
         .as_deref()
-        .map(|path| write_trace(&report, path, plan.trace_of));
+        .map(|path| write_diagram(&report, path, plan.diagram_of));
     if let Some(Err(e)) = written {
         eprintln!("kvrelay check: {e}");
         code = ExitCode::from(2);

@@ -8,7 +8,7 @@
 //! * `args.rs`: the flags (clap) and the long help ([`HELP`]);
 //! * `error.rs`: why a check cannot run (exit status 2);
 //! * `config.rs`: a model's configuration from its preset and the flags, and its lines;
-//! * `report.rs`: the table of properties, the counterexamples, the trace file;
+//! * `report.rs`: the table of properties, the counterexamples, the diagram file;
 //! * `execute.rs`: the search options and outputs, the explorer, the checker's run;
 //! * this file: flags to models.
 

@@ -1,25 +1,25 @@
 //! What a finished check prints: the run's summary, one row per property, the counterexamples
-//! (stdout), and the Mermaid diagram `--trace-out` asks for.
+//! (stdout), and the Mermaid diagram `--diagram` asks for.
 
 use std::process::ExitCode;
 
 use kvrelay_model_check::{CheckReport, Stop};
 
-/// Writes the diagram `--trace-out` asks for; a missing discovery is reported, not an error.
-pub(super) fn write_trace(
+/// Writes the diagram `--diagram` asks for; a missing discovery is reported, not an error.
+pub(super) fn write_diagram(
     report: &CheckReport,
     path: &std::path::Path,
-    trace_of: Option<&'static str>,
+    diagram_of: Option<&'static str>,
 ) -> Result<(), String> {
-    let chosen = match trace_of {
+    let chosen = match diagram_of {
         Some(name) => report.property(name),
         None => report
             .properties
             .iter()
-            .find(|p| !p.holds && p.expectation != "sometimes" && p.trace.is_some()),
+            .find(|p| !p.holds && p.expectation != "sometimes" && p.diagram.is_some()),
     };
-    let Some(p) = chosen.filter(|p| p.trace.is_some()) else {
-        let why = match trace_of {
+    let Some(p) = chosen.filter(|p| p.diagram.is_some()) else {
+        let why = match diagram_of {
             None => "no property was violated".to_owned(),
             Some(name) => {
                 let stopped = if report.stop == Stop::FirstViolation {
@@ -38,7 +38,7 @@ pub(super) fn write_trace(
     };
     let diagram = report.mermaid(p.name).unwrap_or_default();
     std::fs::write(path, diagram)
-        .map_err(|e| format!("cannot write --trace-out {}: {e}", path.display()))?;
+        .map_err(|e| format!("cannot write --diagram {}: {e}", path.display()))?;
     eprintln!(
         "kvrelay check: wrote the {} of {:?} ({} actions) to {} as a Mermaid sequence diagram",
         if p.expectation == "sometimes" {
@@ -47,7 +47,7 @@ pub(super) fn write_trace(
             "counterexample"
         },
         p.name,
-        p.trace.as_ref().map_or(0, Vec::len),
+        p.diagram.as_ref().map_or(0, Vec::len),
         path.display()
     );
     Ok(())

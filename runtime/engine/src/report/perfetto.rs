@@ -1,4 +1,4 @@
-//! `--trace-out FILE`: a Chrome / Perfetto trace (the JSON "trace event" format, open it in
+//! `--timeline FILE`: a Chrome / Perfetto timeline (the JSON "trace event" format, open it in
 //! ui.perfetto.dev or chrome://tracing) of the engine's steps and each rank's steps and
 //! transfers. Process 0 is the engine; process `r + 1` is rank `r`, with its steps on thread
 //! 0, its stores on thread 1 and its loads on thread 2. Timestamps are wall-clock

@@ -8,7 +8,7 @@
 //!   drops messages is the reliability simulation's.
 //! * [`Clock`] is every wait of the engine (the idle wait, the check for a vanished rank) and
 //!   every time it measures. [`TokioClock`] is tokio's clock, which is virtual under a paused
-//!   runtime (`tokio::time::pause`). Trace timestamps (`--trace-out`) stay wall time.
+//!   runtime (`tokio::time::pause`). Timeline timestamps (`--timeline`) stay wall time.
 //!
 //! Call [`crate::Engine::start`] for the transport its configuration names and tokio's clock;
 //! `Engine::start_with` takes both explicitly.

@@ -182,7 +182,7 @@ mod tests {
             groups: vec![GroupKind::FullAttention],
             mode: kvrelay_core::Mode::Compat,
             check: true,
-            trace: false,
+            timeline: false,
         }
     }
 

@@ -1,9 +1,9 @@
-//! The generic runner and the Mermaid traces, on the completion model (run them in release:
+//! The generic runner and the Mermaid diagrams, on the completion model (run them in release:
 //! `cargo test --release -p kvrelay-model-check`).
 
 use kvrelay_model_check::{
-    CheckOptions, CheckReport, CompletionConfig, CompletionModel, Explain, ExploreError, Progress,
-    Stop, Strategy, TraceStep, check, check_completions, check_with_symmetry, explorer_address,
+    Arrow, CheckOptions, CheckReport, CompletionConfig, CompletionModel, Explain, ExploreError,
+    Progress, Stop, Strategy, check, check_completions, check_with_symmetry, explorer_address,
     mermaid, property_names,
 };
 use stateright::Model;
@@ -25,14 +25,14 @@ fn the_double_report_counterexample_renders_as_a_sequence_diagram() {
         ["env", "rank 0", "rank 1", "aggregator", "scheduler"]
     );
     let i21 = report.property(property_names::EXACTLY_ONCE).unwrap();
-    let (path, raw, trace) = (
+    let (path, raw, arrows) = (
         i21.path.as_ref().unwrap(),
         i21.raw_path.as_ref().unwrap(),
-        i21.trace.as_ref().unwrap(),
+        i21.diagram.as_ref().unwrap(),
     );
     assert_eq!(path.len(), 8);
     assert_eq!(raw.len(), 8);
-    assert_eq!(trace.len(), 8);
+    assert_eq!(arrows.len(), 8);
     assert_eq!(
         i21.encoded_path.as_deref().unwrap().split('/').count(),
         9,
@@ -40,12 +40,12 @@ fn the_double_report_counterexample_renders_as_a_sequence_diagram() {
     );
 
     // The fault is armed by the environment on rank 0, and the last aggregate emits early.
-    let fault = trace
+    let fault = arrows
         .iter()
         .find(|s| s.note.as_deref() == Some("FAULT: double report armed"))
         .expect("the armed fault is a noted step");
     assert_eq!((fault.from, fault.to), (0, 1));
-    let last = trace.last().unwrap();
+    let last = arrows.last().unwrap();
     assert_eq!((last.from, last.to), (3, 4), "aggregator → scheduler");
     assert!(
         last.note
@@ -84,11 +84,11 @@ fn the_double_report_counterexample_renders_as_a_sequence_diagram() {
         "{diagram}"
     );
     // The same diagram from the free function, without the closing note.
-    let plain = mermaid(&report.participants, trace);
+    let plain = mermaid(&report.participants, arrows);
     assert!(diagram.starts_with(plain.as_str()));
     assert!(
         report.mermaid(property_names::PROTOCOL).is_none(),
-        "a holding property has no trace"
+        "a holding property has no diagram"
     );
 }
 
@@ -103,9 +103,9 @@ fn a_rejected_protocol_call_is_a_self_arrow_with_a_note() {
     };
     let report = check_completions(config, 1, &mut |_| {});
     let p = report.property(property_names::PROTOCOL).unwrap();
-    let trace = p.trace.as_ref().unwrap();
-    assert_eq!(trace.len(), 1);
-    let TraceStep { from, to, note, .. } = &trace[0];
+    let arrows = p.diagram.as_ref().unwrap();
+    assert_eq!(arrows.len(), 1);
+    let Arrow { from, to, note, .. } = &arrows[0];
     assert_eq!((*from, *to), (1, 1), "rank 0 on itself");
     let note = note.as_deref().unwrap();
     assert!(
@@ -186,7 +186,7 @@ fn keep_going_finds_a_counterexample_and_explores_the_rest() {
     assert!(!report.property(property_names::EXACTLY_ONCE).unwrap().holds);
     // The `sometimes` property got its example too, which a stop at the violation can miss.
     let all = report.property(property_names::ALL_EMITTED).unwrap();
-    assert!(all.holds && all.trace.is_some());
+    assert!(all.holds && all.diagram.is_some());
     assert!(!report.passed());
     assert_eq!(
         report.first_failure().map(|p| p.name),
@@ -268,8 +268,8 @@ impl Explain for Counters {
         (0..3).map(|i| format!("process {i}")).collect()
     }
 
-    fn arrow(&self, state: &Counts, i: &usize) -> TraceStep {
-        TraceStep::new(*i, *i, self.describe(state, i))
+    fn arrow(&self, state: &Counts, i: &usize) -> Arrow {
+        Arrow::new(*i, *i, self.describe(state, i))
     }
 }
 

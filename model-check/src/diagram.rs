@@ -1,6 +1,6 @@
 //! Counterexamples as Mermaid sequence diagrams.
 //!
-//! A model's [`crate::Explain::arrow`] turns each action of a path into a [`TraceStep`] between
+//! A model's [`crate::Explain::arrow`] turns each action of a path into a [`Arrow`] between
 //! two of its [`crate::Explain::participants`]; [`mermaid`] renders the steps as a
 //! `sequenceDiagram` that GitHub, GitLab and mermaid.live draw.
 
@@ -8,7 +8,7 @@ use core::fmt::Write as _;
 
 /// One action of a path as an arrow of a sequence diagram.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
-pub struct TraceStep {
+pub struct Arrow {
     /// The acting participant (index into the model's participants).
     pub from: usize,
     /// The participant acted on; may equal `from` (a self-arrow).
@@ -20,7 +20,7 @@ pub struct TraceStep {
     pub note: Option<String>,
 }
 
-impl TraceStep {
+impl Arrow {
     /// An arrow without a note.
     pub fn new(from: usize, to: usize, label: impl Into<String>) -> Self {
         Self {
@@ -42,14 +42,14 @@ impl TraceStep {
 /// per participant (in order, with ids `p0`, `p1`, … and the names as aliases), one `->>` arrow
 /// per step and a `Note over` line per note. Labels are escaped ([`escape_label`]). A step
 /// naming a participant index past the list gets a participant named after the index.
-pub fn mermaid(participants: &[String], steps: &[TraceStep]) -> String {
+pub fn mermaid(participants: &[String], steps: &[Arrow]) -> String {
     mermaid_with_final_note(participants, steps, None)
 }
 
 /// [`mermaid`] with a closing note over all participants (e.g. the property the path breaks).
 pub(crate) fn mermaid_with_final_note(
     participants: &[String],
-    steps: &[TraceStep],
+    steps: &[Arrow],
     final_note: Option<&str>,
 ) -> String {
     let count = steps
@@ -141,9 +141,9 @@ mod tests {
     fn renders_participants_arrows_and_notes() {
         let participants = vec!["env".to_owned(), "rank 0".to_owned()];
         let steps = vec![
-            TraceStep::new(0, 1, "recv of req-0 completes"),
-            TraceStep::new(1, 1, "step; bad").with_note("protocol violation #1"),
-            TraceStep::new(1, 2, "to an unnamed participant"),
+            Arrow::new(0, 1, "recv of req-0 completes"),
+            Arrow::new(1, 1, "step; bad").with_note("protocol violation #1"),
+            Arrow::new(1, 2, "to an unnamed participant"),
         ];
         let text = mermaid_with_final_note(&participants, &steps, Some("violated"));
         assert_eq!(
