@@ -13,7 +13,7 @@
 //!   instead of spinning.
 //! * [`Engine::shutdown`] at the end: stops the ranks and returns their figures.
 //!
-//! The engine loop of `kvrelay run` ([`crate::run`]) and the embedding API
+//! The engine loop of `kvrelay run` ([`crate::run()`]) and the embedding API
 //! ([`crate::api::EngineHandle`]) both drive this type.
 
 use std::collections::HashMap;

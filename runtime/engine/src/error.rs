@@ -111,7 +111,7 @@ pub enum RunError {
         rank: u32,
     },
     /// The engine task is gone (shut down, or stopped on an earlier error): a call through an
-    /// [`api::EngineHandle`] cannot be served.
+    /// [`crate::api::EngineHandle`] cannot be served.
     #[error("the engine stopped")]
     EngineStopped,
     /// The arena has no such block (a block id beyond the configured GPU blocks).

@@ -25,7 +25,7 @@
 //! | room | what |
 //! | --- | --- |
 //! | [`config`] | [`RunConfig`]: what a run is, its defaults the embedded workload |
-//! | [`run`] | [`run()`]: a workload to its end on its virtual clock; [`requests`] |
+//! | [`mod@run`] | [`run()`]: a workload to its end on its virtual clock; [`requests`] |
 //! | [`api`] | the embedding API: submit a request and stream its tokens, abort, reset |
 //! | [`engine`] | [`Engine`]: the core's engine step with W ranks attached, one step at a time |
 //! | [`rank`] | the rank task: a `RankDriver` over the offloading worker, the arena, the transfer engine |

@@ -37,6 +37,15 @@ pub(super) struct SimTransport {
 }
 
 impl SimTransport {
+    /// The fault draws of one part of a rank, from its own random stream `r`.
+    fn draws(&self, r: SimRng) -> Draws {
+        Draws {
+            r,
+            f: self.faults,
+            calm: self.calm.clone(),
+        }
+    }
+
     /// An engine of `config` over this transport, on tokio's (paused) clock.
     pub(super) async fn start(&self, config: &RunConfig) -> Result<Engine, String> {
         let clock: Arc<dyn Clock> = Arc::new(TokioClock::default());
@@ -67,9 +76,7 @@ impl Transport for SimTransport {
                 setup.host.total_bytes() as usize,
                 done_tx,
                 wake,
-                r.fork(1),
-                self.faults,
-                self.calm.clone(),
+                self.draws(r.fork(1)),
                 self.corrupt_first_load && setup.rank == 0,
             );
             let task = setup.build_on(Box::new(arena), Box::new(engine), done_rx);
@@ -77,9 +84,7 @@ impl Transport for SimTransport {
             let (to_rank, rank_steps) = mpsc::channel::<StepMsg>(1);
             let (rank_reports, from_rank) = mpsc::channel::<RankReport>(1);
             let relay = |r| Relay {
-                r,
-                f: self.faults,
-                calm: self.calm.clone(),
+                draws: self.draws(r),
                 loss: loss.clone(),
             };
             tokio::spawn(relay_steps(from_engine, to_rank, relay(r.fork(2))));
@@ -90,12 +95,18 @@ impl Transport for SimTransport {
     }
 }
 
-/// One direction of a rank's frames: its random draws, the fault mix, whether faults are off,
-/// and the rank's loss if it is the lost one.
-struct Relay {
+/// What decides the faults of one part of the simulation: its own random draws, the fault mix,
+/// and whether faults are off (the quiescence phase).
+struct Draws {
     r: SimRng,
     f: FaultMix,
     calm: Arc<AtomicBool>,
+}
+
+/// One direction of a rank's frames: its fault draws, and the rank's loss if it is the lost
+/// one.
+struct Relay {
+    draws: Draws,
     loss: Option<Loss>,
 }
 
@@ -128,8 +139,9 @@ async fn relay_steps(
             m = from.recv() => m,
         };
         let Some(m) = m else { return };
-        if !relay.calm.load(Ordering::Relaxed) && relay.r.chance(relay.f.step_delay) {
-            tokio::time::sleep(Duration::from_micros(relay.r.range(100, 10_000))).await;
+        let d = &mut relay.draws;
+        if !d.calm.load(Ordering::Relaxed) && d.r.chance(d.f.step_delay) {
+            tokio::time::sleep(Duration::from_micros(d.r.range(100, 10_000))).await;
         }
         let Some(tx) = &to else { return };
         if tx.send(m).await.is_err() {
@@ -146,9 +158,7 @@ async fn relay_reports(
     relay: Relay,
 ) {
     let Relay {
-        mut r,
-        f,
-        calm,
+        draws: Draws { mut r, f, calm },
         loss,
     } = relay;
     let mut nth = 0;
@@ -200,9 +210,7 @@ impl SimTransferEngine {
         host_bytes: usize,
         done: mpsc::Sender<CopyDone>,
         wake: Arc<Notify>,
-        r: SimRng,
-        f: FaultMix,
-        calm: Arc<AtomicBool>,
+        draws: Draws,
         corrupt_first_load: bool,
     ) -> Self {
         let queue = Arc::new(Mutex::new(VecDeque::new()));
@@ -216,9 +224,7 @@ impl SimTransferEngine {
             host: vec![0u8; host_bytes],
             done,
             wake,
-            r,
-            f,
-            calm,
+            draws,
             corrupt_next_load: corrupt_first_load,
         };
         tokio::spawn(worker.run());
@@ -258,9 +264,7 @@ struct Completer {
     host: Vec<u8>,
     done: mpsc::Sender<CopyDone>,
     wake: Arc<Notify>,
-    r: SimRng,
-    f: FaultMix,
-    calm: Arc<AtomicBool>,
+    draws: Draws,
     /// The next load flips one byte of its host side first (`SimOptions::corrupt_first_load`).
     corrupt_next_load: bool,
 }
@@ -282,14 +286,15 @@ impl Completer {
                     () = self.done.closed() => return,
                 }
             };
-            let faulty = !self.calm.load(Ordering::Relaxed);
-            let micros = if faulty && self.r.chance(self.f.transfer_slow) {
-                self.r.range(5_000, 40_000)
+            let d = &mut self.draws;
+            let faulty = !d.calm.load(Ordering::Relaxed);
+            let micros = if faulty && d.r.chance(d.f.transfer_slow) {
+                d.r.range(5_000, 40_000)
             } else {
-                self.r.range(10, 200)
+                d.r.range(10, 200)
             };
             tokio::time::sleep(Duration::from_micros(micros)).await;
-            let failed = faulty && self.r.chance(self.f.transfer_fail);
+            let failed = faulty && self.draws.r.chance(self.draws.f.transfer_fail);
             let out = self.perform(&job, failed);
             if self.done.send(out).await.is_err() {
                 return;

@@ -115,7 +115,7 @@ fn resolve_property(name: &str, names: &[&'static str]) -> Result<&'static str, 
     }
 }
 
-/// A checker run: [`check`] or [`kvrelay_model_check::check_with_symmetry`].
+/// A checker run: [`kvrelay_model_check::check`] or [`kvrelay_model_check::check_with_symmetry`].
 pub(super) type CheckFn<M> = fn(M, &CheckOptions, &mut dyn FnMut(&Progress)) -> CheckReport;
 
 /// Runs (or explores) `model`, described by `title` and its configuration's lines, as `plan`

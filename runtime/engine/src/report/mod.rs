@@ -1,9 +1,11 @@
-//! The figures of a run: [`Report`], printed for people (`Display`) or as JSON (`--json`).
+//! The figures of a run: [`Report`], built from the engine's and ranks' figures (`build`),
+//! printed for people (`Display`, in `text.rs`) or as JSON (`--json`, its serde form); the
+//! run's Perfetto timeline ([`perfetto`]); bounded per-step samples ([`samples`]).
 
 pub mod perfetto;
 pub mod samples;
+mod text;
 
-use std::fmt;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -171,82 +173,5 @@ pub(crate) fn build(
         invariants_checked: c.check,
         invariant_checks: f.invariant_checks + s.invariant_checks,
         wall_s: wall.as_secs_f64(),
-    }
-}
-
-impl fmt::Display for Report {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let pct = |a: u64, b: u64| {
-            if b == 0 {
-                0.0
-            } else {
-                100.0 * a as f64 / b as f64
-            }
-        };
-        writeln!(
-            f,
-            "requests        {} submitted, {} finished ({} ranks, {} backend, seed {}, {:.1} s)",
-            self.requests,
-            self.finished,
-            self.ranks,
-            self.backend.name(),
-            self.seed,
-            self.wall_s
-        )?;
-        writeln!(
-            f,
-            "tokens          {} prompt, {} generated, {} computed by forward passes",
-            self.prompt_tokens, self.generated_tokens, self.tokens_computed
-        )?;
-        writeln!(
-            f,
-            "prefix reuse    {} tokens ({:.1} % of prompts): {} GPU prefix hits, {} loaded from CPU",
-            self.reused_tokens,
-            pct(self.reused_tokens, self.prompt_tokens),
-            self.gpu_prefix_hit_tokens,
-            self.cpu_loaded_tokens
-        )?;
-        writeln!(
-            f,
-            "steps           {} ({} idle, {} scheduled ahead), {} preemptions, {} stores flushed before reuse",
-            self.steps,
-            self.idle_steps,
-            self.scheduled_ahead,
-            self.preemptions,
-            self.flushed_stores
-        )?;
-        writeln!(
-            f,
-            "offload         {} blocks stored ({:.2} GB/s), {} blocks loaded ({:.2} GB/s), {} copies",
-            self.blocks_offloaded,
-            self.store_gb_per_s,
-            self.blocks_loaded,
-            self.load_gb_per_s,
-            self.copies
-        )?;
-        writeln!(
-            f,
-            "verified        {} loaded blocks at completion, {} token slots before reads",
-            self.loaded_blocks_verified, self.read_slots_verified
-        )?;
-        writeln!(
-            f,
-            "engine step     {:.1} µs median, {:.1} µs p99 (schedule + rank outputs + apply)",
-            self.core_step_us_median, self.core_step_us_p99
-        )?;
-        writeln!(
-            f,
-            "rank hooks      {:.1} µs median, {:.1} µs p99 per step and rank (rank driver + worker connector)",
-            self.rank_hooks_us_median, self.rank_hooks_us_p99
-        )?;
-        if self.invariants_checked {
-            write!(
-                f,
-                "invariants      held at every step ({} checks)",
-                self.invariant_checks
-            )
-        } else {
-            write!(f, "invariants      not checked (pass --check)")
-        }
     }
 }

@@ -2,23 +2,26 @@
 //! transfer engine, [`crate::transfer`]) that a simulation replaces.
 //!
 //! * [`Transport`] starts one rank and hands back the sender of its steps and the task that
-//!   serves it; the rank reports on the channel it was given. [`InProcess`] runs the rank task
-//!   in this process; [`Processes`] starts a `kvrelay worker` and speaks [`crate::transport::wire`] with
-//!   it. The engine does not know which — a transport that delays, reorders, duplicates or
-//!   drops messages is the reliability simulation's.
+//!   serves it; the rank reports on the channel it was given. [`InProcess`] (`in_process.rs`)
+//!   runs the rank task in this process; [`Processes`] ([`process`]) starts a `kvrelay worker`
+//!   and speaks [`wire`] with it. The engine does not know which — a transport that delays,
+//!   reorders, duplicates or drops messages is the simulation's (`kvrelay-sim`).
 //! * [`Clock`] is every wait of the engine (the idle wait, the check for a vanished rank) and
 //!   every time it measures. [`TokioClock`] is tokio's clock, which is virtual under a paused
 //!   runtime (`tokio::time::pause`). Timeline timestamps (`--timeline`) stay wall time.
 //!
-//! Call [`crate::Engine::start`] for the transport its configuration names and tokio's clock;
-//! `Engine::start_with` takes both explicitly.
+//! Call [`crate::Engine::start`] for the transport its configuration names ([`for_config`]) and
+//! tokio's clock; `Engine::start_with` takes both explicitly, `crate::run_with` the transport.
 
+mod in_process;
 pub mod process;
 pub mod wire;
 
+pub use self::in_process::InProcess;
+pub use self::process::Processes;
+
 use std::fmt::Debug;
 use std::future::Future;
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,49 +54,6 @@ pub trait Transport: Send + Sync + Debug {
         wake: Arc<Notify>,
         reports: mpsc::Sender<RankReport>,
     ) -> BoxFuture<'_, Result<RankConn, RunError>>;
-}
-
-/// Ranks as tasks of this process, over channels.
-#[derive(Debug, Default)]
-pub struct InProcess;
-
-impl Transport for InProcess {
-    fn connect(
-        &self,
-        setup: RankSetup,
-        wake: Arc<Notify>,
-        reports: mpsc::Sender<RankReport>,
-    ) -> BoxFuture<'_, Result<RankConn, RunError>> {
-        Box::pin(async move {
-            let task = setup.build(wake)?;
-            let (steps, rx) = mpsc::channel::<StepMsg>(1);
-            let task = tokio::spawn(task.run(rx, reports));
-            Ok(RankConn { steps, task })
-        })
-    }
-}
-
-/// Ranks as `kvrelay worker` processes, over Unix sockets.
-#[derive(Debug, Default)]
-pub struct Processes {
-    /// The executable to start (default: `$KVRELAY_WORKER_EXE`, else this one).
-    pub exe: Option<PathBuf>,
-}
-
-impl Transport for Processes {
-    fn connect(
-        &self,
-        setup: RankSetup,
-        _wake: Arc<Notify>,
-        reports: mpsc::Sender<RankReport>,
-    ) -> BoxFuture<'_, Result<RankConn, RunError>> {
-        Box::pin(async move {
-            let link = process::spawn_worker(&setup, self.exe.as_deref()).await?;
-            let (steps, rx) = mpsc::channel::<StepMsg>(1);
-            let task = tokio::spawn(link.run(rx, reports));
-            Ok(RankConn { steps, task })
-        })
-    }
 }
 
 /// The transport `c.workers` names: [`InProcess`], or [`Processes`] starting `c.worker_exe`.

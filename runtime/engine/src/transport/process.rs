@@ -23,6 +23,30 @@ use crate::RunError;
 use crate::rank::{RankReport, RankSetup, RankStats, StepMsg};
 use crate::transfer::TransferEngine;
 use crate::transport::wire::{Down, Up, WireError, read_frame, write_frame};
+use crate::transport::{BoxFuture, RankConn, Transport};
+
+/// Ranks as `kvrelay worker` processes, over Unix sockets.
+#[derive(Debug, Default)]
+pub struct Processes {
+    /// The executable to start (default: `$KVRELAY_WORKER_EXE`, else this one).
+    pub exe: Option<PathBuf>,
+}
+
+impl Transport for Processes {
+    fn connect(
+        &self,
+        setup: RankSetup,
+        _wake: Arc<Notify>,
+        reports: mpsc::Sender<RankReport>,
+    ) -> BoxFuture<'_, Result<RankConn, RunError>> {
+        Box::pin(async move {
+            let link = spawn_worker(&setup, self.exe.as_deref()).await?;
+            let (steps, rx) = mpsc::channel::<StepMsg>(1);
+            let task = tokio::spawn(link.run(rx, reports));
+            Ok(RankConn { steps, task })
+        })
+    }
+}
 
 /// How long a started worker has to connect and say hello.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);

@@ -1,0 +1,82 @@
+//! The report as people read it: [`Report`]'s `Display`, the text `kvrelay run` prints.
+
+use std::fmt;
+
+use super::Report;
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let pct = |a: u64, b: u64| {
+            if b == 0 {
+                0.0
+            } else {
+                100.0 * a as f64 / b as f64
+            }
+        };
+        writeln!(
+            f,
+            "requests        {} submitted, {} finished ({} ranks, {} backend, seed {}, {:.1} s)",
+            self.requests,
+            self.finished,
+            self.ranks,
+            self.backend.name(),
+            self.seed,
+            self.wall_s
+        )?;
+        writeln!(
+            f,
+            "tokens          {} prompt, {} generated, {} computed by forward passes",
+            self.prompt_tokens, self.generated_tokens, self.tokens_computed
+        )?;
+        writeln!(
+            f,
+            "prefix reuse    {} tokens ({:.1} % of prompts): {} GPU prefix hits, {} loaded from CPU",
+            self.reused_tokens,
+            pct(self.reused_tokens, self.prompt_tokens),
+            self.gpu_prefix_hit_tokens,
+            self.cpu_loaded_tokens
+        )?;
+        writeln!(
+            f,
+            "steps           {} ({} idle, {} scheduled ahead), {} preemptions, {} stores flushed before reuse",
+            self.steps,
+            self.idle_steps,
+            self.scheduled_ahead,
+            self.preemptions,
+            self.flushed_stores
+        )?;
+        writeln!(
+            f,
+            "offload         {} blocks stored ({:.2} GB/s), {} blocks loaded ({:.2} GB/s), {} copies",
+            self.blocks_offloaded,
+            self.store_gb_per_s,
+            self.blocks_loaded,
+            self.load_gb_per_s,
+            self.copies
+        )?;
+        writeln!(
+            f,
+            "verified        {} loaded blocks at completion, {} token slots before reads",
+            self.loaded_blocks_verified, self.read_slots_verified
+        )?;
+        writeln!(
+            f,
+            "engine step     {:.1} µs median, {:.1} µs p99 (schedule + rank outputs + apply)",
+            self.core_step_us_median, self.core_step_us_p99
+        )?;
+        writeln!(
+            f,
+            "rank hooks      {:.1} µs median, {:.1} µs p99 per step and rank (rank driver + worker connector)",
+            self.rank_hooks_us_median, self.rank_hooks_us_p99
+        )?;
+        if self.invariants_checked {
+            write!(
+                f,
+                "invariants      held at every step ({} checks)",
+                self.invariant_checks
+            )
+        } else {
+            write!(f, "invariants      not checked (pass --check)")
+        }
+    }
+}
