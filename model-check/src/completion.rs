@@ -5,6 +5,11 @@
 //! [`ReportingWorker`], a worker connector that reports the transfers the environment finished.
 //! A driver is built for each step: between steps a rank is only its worker (its transfers), so
 //! step counters never enter the state, which stays finite.
+//!
+//! Why this file is long: the model's state, its actions, the ghost state its properties read and
+//! the properties themselves are one argument — each property names the ghost field an action sets
+//! — and they are read together; the faulty wrappers of the historical bugs it re-finds sit beside
+//! the step they break.
 
 use core::fmt;
 use std::sync::Arc;

@@ -187,6 +187,11 @@
 //! let model = SystemModel::new(OffloadingPair::default(), SystemConfig::ci()).unwrap();
 //! model.checker().spawn_bfs().join().assert_properties();
 //! ```
+//!
+//! Why this file is long: the state, the environment's actions, the ghost state, the properties and
+//! the partial-order reduction's conditions (A1)–(A3) are one argument — the reduction is sound
+//! only for the actions and ghost fields defined here — so they stay in one file, in that order;
+//! splitting it along those lines is open work.
 
 use core::fmt;
 use std::collections::{BTreeMap, VecDeque};

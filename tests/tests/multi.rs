@@ -3,6 +3,10 @@
 //! children, the real [`Scheduler`] driving a MultiConnector of two scripted children through a
 //! load and a doubly delayed free, and a property test that random interleavings of the
 //! children's `finished_sending` reports yield every request exactly once, after its last saver.
+//!
+//! Why this file is long: one suite per composition rule of one machine (the scheduler side, the
+//! worker side, the scheduler driving it, the property test), sharing the scripted children's
+//! fixtures.
 
 use kvrelay_core::{
     AggregatedOutput, BlockId, ConnectorCall, ConnectorError, EngineCore, FinishDecision, Intent,

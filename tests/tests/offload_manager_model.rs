@@ -25,6 +25,10 @@
 //! `num_write_pending`, and runs `check_invariants()`. Refused calls must leave the manager equal
 //! (`Clone` + `Eq`) to the one before. The test counts what the cases exercised (evictions,
 //! `None` stores, ghost hits, threshold skips, …) and fails if one was never reached.
+//!
+//! Why this file is long: the naive reference model of vLLM's manager and both of its policies must
+//! be read beside the state machine that runs it against kvrelay's manager, and the model is
+//! deliberately plain (linear scans, explicit timestamps), so it is long by design.
 
 use std::collections::BTreeMap;
 

@@ -7,6 +7,9 @@
 //! results, in submission order — unless the rank is *held*, then only waited-for transfers
 //! complete until it is released. `check_invariants()` of the engine, the connector and every
 //! rank runs after every call.
+//!
+//! Why this file is long: one end-to-end suite of the offloading connector on the engine step, one
+//! test per rule of SEMANTICS.md §5.5–§5.7 and §6.4, sharing one simulated runtime (`Sim`).
 
 use kvrelay_core::{
     AggregatedOutput, BlockId, ChunkId, EngineCore, GroupKind, JobId, KeyLookup, ManagerConfig,

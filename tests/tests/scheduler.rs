@@ -1,5 +1,8 @@
 //! Scheduler paths with the scripted connector: SEMANTICS.md §9.4 and the rules of §2.3, §2.7,
 //! §2.8, §6.1, §8.3 and §8.6. `check_invariants()` runs after every call.
+//!
+//! Why this file is long: one scenario per rule of the scheduler with the scripted connector
+//! (SEMANTICS.md §9.4), each short, sharing the same builders; grouped by section of the spec.
 
 use kvrelay_core::{
     AggregatedOutput, BlockId, ConnectorCall, FinishReason, GroupKind, LoadFailurePolicy, Lookup,

@@ -47,6 +47,9 @@
 //! The test also counts what the cases exercised (preemptions, async loads, delayed frees,
 //! aborts while loading, load failures, …) and fails if one of those paths was never reached, so
 //! the checks above cannot pass vacuously.
+//!
+//! Why this file is long: the naive reference model of request lifetimes and the connector call
+//! protocol must be read beside the state machine that runs it against the scheduler.
 
 use std::collections::{BTreeMap, BTreeSet};
 

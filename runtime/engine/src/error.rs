@@ -4,7 +4,7 @@
 use kvrelay_core::{EngineError, InvariantViolation, PlanError, RankError, RequestId};
 
 use crate::transfer::TransferError;
-use crate::transport::wire;
+use crate::transport::wire::WireError;
 use crate::workload::TraceError;
 
 /// Why a run stopped.
@@ -84,7 +84,7 @@ pub enum RunError {
     },
     /// A frame could not be decoded or has the wrong version.
     #[error(transparent)]
-    Wire(#[from] wire::WireError),
+    Wire(#[from] WireError),
     /// A worker process stopped with an error.
     #[error("rank {rank}: {message}")]
     Remote {

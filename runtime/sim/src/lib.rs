@@ -39,6 +39,7 @@
 //! `kvrelay sim` (the command line, in `kvrelay-cli`) runs these.
 
 pub mod faults;
+mod mix;
 mod sweep;
 mod world;
 
@@ -50,6 +51,8 @@ use std::time::Duration;
 use kvrelay_core::{Mode, RankError, RequestId, Token, WorkerError};
 use serde::Serialize;
 
+pub use self::mix::FaultMix;
+use self::mix::SimRng;
 pub use self::sweep::{SoakReport, SweepReport, soak, sweep};
 use self::world::SimTransport;
 use kvrelay_engine::content::mix;
@@ -63,124 +66,6 @@ const FAULT_STEPS: u64 = 400;
 const QUIESCE_STEPS: u64 = 3_000;
 /// Virtual time a shutdown may take before the run counts as hung.
 const SHUTDOWN_LIMIT: Duration = Duration::from_secs(60);
-
-/// The seeded generator of every choice of a run.
-#[derive(Clone, Debug)]
-pub(crate) struct SimRng(u64);
-
-impl SimRng {
-    pub(crate) fn new(seed: u64) -> Self {
-        Self(mix(seed ^ 0x6a09_e667_f3bc_c908))
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        mix(self.0)
-    }
-
-    /// Uniform in `lo..=hi`.
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next_u64() % (hi - lo + 1)
-    }
-
-    /// `true` with probability `p`.
-    fn chance(&mut self, p: f64) -> bool {
-        p > 0.0 && ((self.next_u64() >> 11) as f64 / (1u64 << 53) as f64) < p
-    }
-
-    /// An independent generator for a part of the run (a rank's transfers, a relay).
-    fn fork(&mut self, salt: u64) -> Self {
-        Self(mix(self.next_u64() ^ salt))
-    }
-}
-
-/// The faults of one run: each a probability per opportunity (a transfer, a frame, a step).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct FaultMix {
-    /// A transfer fails part-way.
-    pub transfer_fail: f64,
-    /// A transfer is slow (5–40 ms instead of tens of µs).
-    pub transfer_slow: f64,
-    /// A rank's report is delayed (0.1–20 ms): a slow rank, reports reordered across ranks.
-    pub report_delay: f64,
-    /// A report is sent twice (the copy at once or later: a duplicate or a stale frame).
-    pub report_duplicate: f64,
-    /// A step frame reaches a rank late (0.1–10 ms).
-    pub step_delay: f64,
-    /// Per engine step: a live request is aborted.
-    pub abort: f64,
-    /// Per engine step: the connector's cache is reset (jobs may be in flight).
-    pub reset: f64,
-    /// One rank stops answering after a drawn step.
-    pub rank_lost: bool,
-}
-
-impl FaultMix {
-    /// No fault.
-    pub fn none() -> Self {
-        Self::default()
-    }
-
-    /// Every fault kind, at rates that still let most requests finish.
-    pub fn every() -> Self {
-        Self {
-            transfer_fail: 0.05,
-            transfer_slow: 0.05,
-            report_delay: 0.2,
-            report_duplicate: 0.1,
-            step_delay: 0.2,
-            abort: 0.03,
-            reset: 0.01,
-            rank_lost: true,
-        }
-    }
-
-    /// Seed 0: none; seed 1: every kind; others: each kind off, low or high, drawn from the
-    /// seed (a rank is lost in about one seed in eight).
-    pub fn for_seed(seed: u64) -> Self {
-        match seed {
-            0 => return Self::none(),
-            1 => return Self::every(),
-            _ => {}
-        }
-        let mut r = SimRng::new(seed ^ 0xfa17);
-        let mut rate = |low: f64, high: f64| match r.range(0, 2) {
-            0 => 0.0,
-            1 => low,
-            _ => high,
-        };
-        Self {
-            transfer_fail: rate(0.01, 0.1),
-            transfer_slow: rate(0.02, 0.2),
-            report_delay: rate(0.05, 0.5),
-            report_duplicate: rate(0.02, 0.2),
-            step_delay: rate(0.05, 0.5),
-            abort: rate(0.01, 0.05),
-            reset: rate(0.003, 0.02),
-            rank_lost: r.range(0, 7) == 0,
-        }
-    }
-
-    /// The kinds this mix injects, by name.
-    pub fn kinds(&self) -> Vec<&'static str> {
-        let mut v = Vec::new();
-        for (on, name) in [
-            (self.transfer_fail > 0.0, "transfer_fail"),
-            (self.transfer_slow > 0.0, "transfer_slow"),
-            (self.report_delay > 0.0, "report_delay"),
-            (self.report_duplicate > 0.0, "report_duplicate"),
-            (self.step_delay > 0.0, "step_delay"),
-            (self.abort > 0.0, "abort"),
-            (self.reset > 0.0, "reset"),
-            (self.rank_lost, "rank_lost"),
-        ] {
-            if on {
-                v.push(name);
-            }
-        }
-        v
-    }
-}
 
 /// What a simulated run did.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]

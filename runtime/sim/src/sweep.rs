@@ -7,9 +7,8 @@ use kvrelay_core::{Mode, RequestId, Token};
 use serde::Serialize;
 
 use super::world::SimTransport;
-use super::{
-    FaultMix, SimFailure, SimReport, SimRng, disturb, on_paused_clock, shut_down, simulate,
-};
+use super::{SimFailure, SimReport, disturb, on_paused_clock, shut_down, simulate};
+use crate::mix::{FaultMix, SimRng};
 use kvrelay_engine::RunConfig;
 
 /// The runs of a sweep, summed.

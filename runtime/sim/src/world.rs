@@ -10,8 +10,8 @@ use std::time::Duration;
 use kvrelay_core::TransferDirection;
 use tokio::sync::{Notify, mpsc};
 
-use super::{FaultMix, SimRng};
 use crate::faults::Loss;
+use crate::mix::{FaultMix, SimRng};
 use kvrelay_engine::engine::Engine;
 use kvrelay_engine::rank::{RankReport, RankSetup, StepMsg};
 use kvrelay_engine::transfer::host::{HostArena, load, store};

@@ -17,8 +17,11 @@
 //!   and feeds each `CopyDone` back in the order they arrive: one queue per rank, completed
 //!   in the order started, as vLLM's CPU offloading worker runs its transfers.
 
+mod backend;
 pub mod cuda;
 pub mod host;
+
+pub use self::backend::Backend;
 
 use kvrelay_core::{CopyRun, JobId, TransferDirection};
 use serde::{Deserialize, Serialize};
@@ -26,47 +29,6 @@ use std::time::Duration;
 
 /// Transfers started and not yet completed, at most (per rank).
 pub const COPY_QUEUE_BOUND: usize = 4096;
-
-/// Where a rank's KV lives and how it moves.
-#[derive(Clone, Copy, Debug, Default, Eq, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Backend {
-    /// The "GPU" arena and the offload pool are host memory; copies are `memcpy`.
-    #[default]
-    Host,
-    /// A CUDA device arena per rank (device 0) and a pinned host pool; fails when there is no
-    /// CUDA driver or device.
-    Cuda,
-    /// `cuda` when a driver and a device are present, else `host` (said on stderr).
-    Auto,
-}
-
-impl Backend {
-    /// `host` or `cuda`, never `auto`: probes the CUDA driver when asked to. `Err` is the reason
-    /// `cuda` cannot be used.
-    pub fn resolve(self) -> Result<Self, String> {
-        match self {
-            Self::Host => Ok(Self::Host),
-            Self::Cuda => crate::transfer::cuda::probe().map(|_| Self::Cuda),
-            Self::Auto => match crate::transfer::cuda::probe() {
-                Ok(_) => Ok(Self::Cuda),
-                Err(why) => {
-                    eprintln!("backend auto: using host memory ({why})");
-                    Ok(Self::Host)
-                }
-            },
-        }
-    }
-
-    /// The name used on the command line and in reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Host => "host",
-            Self::Cuda => "cuda",
-            Self::Auto => "auto",
-        }
-    }
-}
 
 /// Why a transfer engine or an arena failed.
 #[derive(Clone, Debug, Eq, PartialEq, thiserror::Error, Serialize, Deserialize)]

@@ -13,6 +13,7 @@
 //! Call [`crate::Engine::start`] for the transport its configuration names ([`for_config`]) and
 //! tokio's clock; `Engine::start_with` takes both explicitly, `crate::run_with` the transport.
 
+mod frame;
 mod in_process;
 pub mod process;
 pub mod wire;

@@ -22,10 +22,7 @@ use kvrelay_core::{
 
 use crate::rank::{RankSetup, RankStats};
 
-/// The wire version; a frame of another version is refused.
-pub const WIRE_VERSION: u32 = 3;
-/// The largest frame accepted, in bytes.
-pub const MAX_FRAME: u32 = 64 << 20;
+pub use super::frame::{MAX_FRAME, WIRE_VERSION, WireError};
 
 /// Engine → worker.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -67,33 +64,6 @@ pub enum Up {
     },
     /// The last frame: what the rank did.
     Stats(RankStats),
-}
-
-/// A frame that could not be read or decoded.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum WireError {
-    /// The peer closed the connection at a frame boundary.
-    #[error("connection closed")]
-    Closed,
-    /// Reading or writing failed (including a connection closed inside a frame).
-    #[error("i/o: {0}")]
-    Io(#[from] std::io::Error),
-    /// A frame longer than [`MAX_FRAME`], or too short for its header.
-    #[error("frame of {len} bytes (at most {MAX_FRAME}, at least 4)")]
-    Length {
-        /// The announced length.
-        len: u32,
-    },
-    /// A frame of another wire version.
-    #[error("wire version {found}, expected {WIRE_VERSION}")]
-    Version {
-        /// The version found.
-        found: u32,
-    },
-    /// The payload does not decode into the expected message.
-    #[error("undecodable frame: {0}")]
-    Decode(String),
 }
 
 /// The bytes of one frame carrying `msg`.
