@@ -8,7 +8,7 @@
 //! (`kvrelay_ci_config_has_no_counterexample`).
 //!
 //! The double report of a completion in compat mode is found by the completion model
-//! (tests/completion.rs). Bugs not reproduced here are listed in the README with the reason.
+//! (tests/completion.rs). Bugs not reproduced here are listed in `docs/MODEL-CHECKING.md` with the reason.
 
 use kvrelay_model_check::{
     CheckOptions, CheckReport, Connectors, EnvFaults, OffloadingPair, SchedFault, SystemConfig,
@@ -101,7 +101,7 @@ fn issue_21070_aggregator_fed_one_rank() {
 /// not scheduled — a MultiConnector sibling's async load, see
 /// `issue_46951_zero_external_alloc_not_recorded` — depends on `update_state_after_alloc` with
 /// zero external tokens). Pinned so that a change which makes it reachable is noticed (and the
-/// README's table updated).
+/// table in `docs/MODEL-CHECKING.md` updated).
 #[test]
 fn fault_46951_not_reachable_with_the_offloading_connector_alone() {
     let r = run(
@@ -115,7 +115,7 @@ fn fault_46951_not_reachable_with_the_offloading_connector_alone() {
             .iter()
             .filter(|x| x.expectation == "always")
             .all(|x| x.holds),
-        "a counterexample appeared — add it to the README table"
+        "a counterexample appeared — add it to the table in docs/MODEL-CHECKING.md"
     );
 }
 

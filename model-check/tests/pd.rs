@@ -116,7 +116,7 @@ fn a_swallowed_load_failure_serves_half_written_blocks() {
     let report = run(pair, ci());
     let data = report.property(n::DATA).expect("property");
     assert!(!data.holds, "a swallowed failure must be caught");
-    // Breadth-first, one thread: the shortest counterexample (README's table).
+    // Breadth-first, one thread: the shortest counterexample (the table in `docs/MODEL-CHECKING.md`).
     assert_eq!(data.path.as_ref().map(Vec::len), Some(13));
 }
 

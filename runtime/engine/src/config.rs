@@ -52,8 +52,7 @@ pub struct RunConfig {
     /// CPU eviction policy.
     pub policy: PolicyKind,
     /// `compat` (vLLM 0.33.0's semantics: a failed transfer stops the engine, as vLLM asserts)
-    /// or `strict` (kvrelay's departures, a failed transfer absorbed: see the README's *compat
-    /// and strict*).
+    /// or `strict` (kvrelay's departures, a failed transfer absorbed: see `docs/COMPAT.md`).
     pub mode: Mode,
     /// Running requests at most.
     pub max_num_seqs: u32,
