@@ -93,7 +93,7 @@ fn malformed_cases_fail_with_clear_messages() {
     );
     fails_with(
         r#"{"name":"x","machine":"aggregator","config":{"quorum":1},"calls":[{"call":"aggregate","args":{"outputs":[{"finished_sending":[1]}]}}]}"#,
-        "argument `outputs`",
+        "argument `outputs[0].finished_sending[0]`: invalid type: integer `1`, expected a string",
     );
     fails_with(
         r#"{"name":"x","machine":"aggregator","config":{"quorum":1},"calls":[{"call":"aggregate","args":{"outputs":[{"finished_sending":["a"],"colour":1}]}}]}"#,
@@ -105,7 +105,7 @@ fn malformed_cases_fail_with_clear_messages() {
     );
     fails_with(
         r#"{"name":"x","machine":"event_accumulator","calls":[{"call":"update","args":{"kv_events":{"events":[],"workers":0}}}]}"#,
-        "argument `kv_events`",
+        "argument `kv_events.workers`: invalid value: integer `0`, expected a nonzero u32",
     );
     fails_with(
         r#"{"name":"x","machine":"worker_meta","calls":[{"call":"merge","args":{"a":{"bag":[]}}}]}"#,

@@ -9,9 +9,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::case::{CaseError, Harness, err};
-use super::json::{
-    JEvents, JMeta, JWorkerOutput, arg, id_set, only, render_aggregated, unknown_call,
-};
+use super::json::{JEvents, JMeta, JWorkerOutput, id_set, parse_call, render_aggregated};
 
 /// The `aggregator` machine.
 #[derive(Debug)]
@@ -55,15 +53,23 @@ struct JAggregated {
     expected_finished_count: u32,
 }
 
-fn parse_outputs(
-    args: &Map<String, Value>,
-    ids: &mut Interner,
-) -> Result<Vec<Option<WorkerOutput>>, CaseError> {
-    let raw: Vec<Option<JWorkerOutput>> = arg(args, "outputs", None)?;
-    Ok(raw
-        .into_iter()
-        .map(|o| o.map(|o| o.into_core(ids)))
-        .collect())
+/// The calls of an `aggregator` case.
+#[derive(Deserialize, Debug)]
+#[serde(
+    tag = "call",
+    content = "with",
+    rename_all = "snake_case",
+    deny_unknown_fields
+)]
+enum AggregatorCall {
+    Aggregate {
+        outputs: Vec<Option<JWorkerOutput>>,
+        #[serde(default)]
+        output_rank: u32,
+    },
+    Salvage {
+        outputs: Vec<Option<JWorkerOutput>>,
+    },
 }
 
 impl Harness for AggregatorHarness {
@@ -84,24 +90,23 @@ impl Harness for AggregatorHarness {
         args: &Map<String, Value>,
         ids: &mut Interner,
     ) -> Result<Self::Op, CaseError> {
-        match call {
-            "aggregate" => {
-                only(args, &["outputs", "output_rank"])?;
-                let outputs = parse_outputs(args, ids)?;
-                let output_rank: u32 = arg(args, "output_rank", Some(0))?;
-                Ok(AggregatorOp::Aggregate {
-                    outputs,
-                    output_rank: Rank(output_rank),
-                })
-            }
-            "salvage" => {
-                only(args, &["outputs"])?;
-                Ok(AggregatorOp::Salvage {
-                    outputs: parse_outputs(args, ids)?,
-                })
-            }
-            _ => unknown_call(call, &["aggregate", "salvage"]),
-        }
+        let outputs = |raw: Vec<Option<JWorkerOutput>>, ids: &mut Interner| -> Vec<_> {
+            raw.into_iter()
+                .map(|o| o.map(|o| o.into_core(ids)))
+                .collect()
+        };
+        Ok(match parse_call::<AggregatorCall>(call, args)? {
+            AggregatorCall::Aggregate {
+                outputs: raw,
+                output_rank,
+            } => AggregatorOp::Aggregate {
+                outputs: outputs(raw, ids),
+                output_rank: Rank(output_rank),
+            },
+            AggregatorCall::Salvage { outputs: raw } => AggregatorOp::Salvage {
+                outputs: outputs(raw, ids),
+            },
+        })
     }
 
     fn apply(&mut self, op: &Self::Op) -> Result<Self::Out, &'static str> {

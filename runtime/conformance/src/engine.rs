@@ -13,22 +13,20 @@
 //! is the typed error `wrong_connector`. Run by `kvrelay conformance` for a case with
 //! `"machine": "engine"`.
 
-use std::collections::BTreeMap;
-
 use kvrelay_core::{
-    AggregatedOutput, BlockId, ConnectorCall, GroupKind, Interner, JobId, KeyLookup,
-    LoadFailurePolicy, Lookup, Mode, ModelOutput, Params, RequestId, RequestSpec, RequestStatus,
-    ScheduledStep, Scheduler, SchedulerConfig, SchedulerError, ScriptedConnector, ScriptedMeta,
-    SortedSet, StepId, StepResult, Token,
+    BlockId, ConnectorCall, GroupKind, Interner, JobId, KeyLookup, LoadFailurePolicy, Lookup, Mode,
+    ModelOutput, RequestId, RequestStatus, ScheduledStep, Scheduler, SchedulerConfig,
+    SchedulerError, ScriptedConnector, ScriptedMeta, StepId, StepResult,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::case::{CaseError, Harness, err};
+use super::engine_calls::{EngineCall, EngineOp};
 use super::engine_offload::{self, OffloadEngine};
 use super::json::{
-    arg, id_set, normalize_int_set_field, normalize_set_field, only, render_id, render_id_list,
-    render_opt_ids, render_step_result, render_tables, scheduled_fields, unknown_call,
+    normalize_int_set_field, normalize_set_field, parse_call, render_id, render_id_list,
+    render_opt_ids, render_step_result, render_tables, scheduled_fields,
 };
 
 /// The error of a call the case's connector does not take.
@@ -45,86 +43,6 @@ pub struct EngineHarness(EngineInner);
 enum EngineInner {
     Scripted(Box<Scheduler<ScriptedConnector>>),
     Offload(Box<OffloadEngine>),
-}
-
-/// A converted `engine` call.
-#[derive(Debug, Clone)]
-pub enum EngineOp {
-    /// `add_request`: the spec, the scripted lookup answer (if given) and delay-free (if given).
-    AddRequest {
-        /// The request.
-        spec: RequestSpec,
-        /// `Some(answer)` when the case gave `lookup`.
-        lookup: Option<Lookup>,
-        /// `Some(delay)` when the case gave `delay_free`.
-        delay_free: Option<bool>,
-    },
-    /// `set_lookup`.
-    SetLookup(RequestId, Lookup),
-    /// `set_delay_free`.
-    SetDelayFree(RequestId, bool),
-    /// `set_delay_all`.
-    SetDelayAll(bool),
-    /// `set_finish_params`.
-    SetFinishParams(RequestId, Params),
-    /// `set_pending_block_frees`.
-    SetPendingBlockFrees(bool),
-    /// `set_push_work`.
-    SetPushWork(bool),
-    /// `abort`.
-    Abort(RequestId),
-    /// `schedule`.
-    Schedule,
-    /// `apply_output`.
-    ApplyOutput {
-        /// The step (`None`: the oldest in flight).
-        step: Option<StepId>,
-        /// Per-request overrides of the fake sampler.
-        sampled: Vec<(RequestId, Vec<Token>)>,
-        /// The aggregated connector output (`None`: the step produced none).
-        kv: Option<AggregatedOutput>,
-        /// Whether the case gave any connector-output field (scripted connector only).
-        kv_given: bool,
-    },
-    /// `execute` (offloading): every rank's worker step for a scheduled step.
-    Execute(Option<StepId>),
-    /// `run_step` (offloading): `schedule`, `execute`, `apply_output`.
-    RunStep,
-    /// `drain` (offloading): `run_step` until no request is left, at most this many steps.
-    Drain(u32),
-    /// `hold` (offloading).
-    Hold {
-        /// The rank.
-        rank: u32,
-        /// Held or not.
-        value: bool,
-    },
-    /// `complete` (offloading): feed completions to one rank.
-    Complete {
-        /// The rank.
-        rank: u32,
-        /// The jobs (`None`: every transfer in flight on it).
-        jobs: Option<Vec<JobId>>,
-    },
-    /// `lookup` (offloading): the manager's answer for the chunks of a prompt.
-    Lookup {
-        /// A request whose prompt to use (`Some(None)`: a name never seen, which `lookup` does
-        /// not intern, as the oracle does not: interning order decides the fake sampler's
-        /// tokens).
-        id: Option<Option<RequestId>>,
-        /// Or explicit tokens.
-        prompt: Option<Vec<Token>>,
-    },
-    /// `offload_state` (offloading).
-    OffloadState,
-    /// `reset_cache`: `reset_connector_cache()`.
-    ResetCache,
-    /// `request`.
-    Request(RequestId),
-    /// `state`.
-    State,
-    /// `connector_calls`.
-    ConnectorCalls,
 }
 
 /// A request as `request` shows it.
@@ -188,31 +106,6 @@ pub enum EngineOut {
     Reset(Option<bool>),
 }
 
-/// The calls an `engine` case may make (both connectors).
-const ENGINE_CALLS: [&str; 21] = [
-    "add_request",
-    "set_lookup",
-    "set_delay_free",
-    "set_delay_all",
-    "set_finish_params",
-    "set_pending_block_frees",
-    "set_push_work",
-    "abort",
-    "schedule",
-    "apply_output",
-    "request",
-    "state",
-    "connector_calls",
-    "execute",
-    "run_step",
-    "drain",
-    "hold",
-    "complete",
-    "lookup",
-    "offload_state",
-    "reset_cache",
-];
-
 impl Harness for EngineHarness {
     type Op = EngineOp;
     type Out = EngineOut;
@@ -264,209 +157,7 @@ impl Harness for EngineHarness {
         args: &Map<String, Value>,
         ids: &mut Interner,
     ) -> Result<Self::Op, CaseError> {
-        match call {
-            "add_request" => {
-                only(
-                    args,
-                    &[
-                        "id",
-                        "prompt_len",
-                        "prompt",
-                        "max_tokens",
-                        "stop_token",
-                        "lookup",
-                        "delay_free",
-                    ],
-                )?;
-                let name: String = arg(args, "id", None)?;
-                let id = ids.intern(&name);
-                let prompt = match (args.get("prompt"), args.get("prompt_len")) {
-                    (Some(_), Some(_)) => {
-                        return err("give either `prompt` or `prompt_len`, not both");
-                    }
-                    (Some(_), None) => arg::<Vec<Token>>(args, "prompt", None)?,
-                    (None, Some(_)) => generated_prompt(&name, arg(args, "prompt_len", None)?),
-                    (None, None) => return err("missing argument `prompt_len` (or `prompt`)"),
-                };
-                let lookup = match args.get("lookup") {
-                    None => None,
-                    Some(v) => Some(parse_lookup(v)?),
-                };
-                Ok(EngineOp::AddRequest {
-                    spec: RequestSpec {
-                        id,
-                        prompt,
-                        max_tokens: arg(args, "max_tokens", None)?,
-                        stop_token: arg(args, "stop_token", Some(None))?,
-                        kv_transfer_params: None,
-                    },
-                    lookup,
-                    delay_free: arg(args, "delay_free", Some(None))?,
-                })
-            }
-            "set_lookup" => {
-                only(args, &["id", "lookup"])?;
-                let id = id_arg(args, ids)?;
-                let v = args.get("lookup").ok_or_else(|| {
-                    CaseError("missing argument `lookup` (null = pending)".into())
-                })?;
-                Ok(EngineOp::SetLookup(id, parse_lookup(v)?))
-            }
-            "set_delay_free" => {
-                only(args, &["id", "delay"])?;
-                Ok(EngineOp::SetDelayFree(
-                    id_arg(args, ids)?,
-                    arg(args, "delay", None)?,
-                ))
-            }
-            "set_delay_all" => {
-                only(args, &["value"])?;
-                Ok(EngineOp::SetDelayAll(arg(args, "value", None)?))
-            }
-            "set_finish_params" => {
-                only(args, &["id", "params"])?;
-                Ok(EngineOp::SetFinishParams(
-                    id_arg(args, ids)?,
-                    arg(args, "params", None)?,
-                ))
-            }
-            "set_pending_block_frees" => {
-                only(args, &["value"])?;
-                Ok(EngineOp::SetPendingBlockFrees(arg(args, "value", None)?))
-            }
-            "set_push_work" => {
-                only(args, &["value"])?;
-                Ok(EngineOp::SetPushWork(arg(args, "value", None)?))
-            }
-            "abort" => {
-                only(args, &["id"])?;
-                Ok(EngineOp::Abort(id_arg(args, ids)?))
-            }
-            "schedule" => {
-                only(args, &[])?;
-                Ok(EngineOp::Schedule)
-            }
-            "apply_output" => {
-                only(
-                    args,
-                    &[
-                        "step",
-                        "sampled",
-                        "finished_sending",
-                        "finished_recving",
-                        "failed_recving",
-                        "invalid_block_ids",
-                        "no_kv_output",
-                    ],
-                )?;
-                let step: Option<u64> = arg(args, "step", Some(None))?;
-                let sampled: BTreeMap<String, Vec<Token>> =
-                    arg(args, "sampled", Some(BTreeMap::new()))?;
-                let sampled = sampled
-                    .into_iter()
-                    .map(|(n, t)| (ids.intern(&n), t))
-                    .collect();
-                let no_kv: bool = arg(args, "no_kv_output", Some(false))?;
-                let kv_keys = [
-                    "finished_sending",
-                    "finished_recving",
-                    "failed_recving",
-                    "invalid_block_ids",
-                ];
-                let kv_given = no_kv || kv_keys.iter().any(|k| args.contains_key(*k));
-                if no_kv && let Some(k) = kv_keys.iter().find(|k| args.contains_key(**k)) {
-                    return err(format!("`{k}` given together with `no_kv_output: true`"));
-                }
-                let kv = if no_kv {
-                    None
-                } else {
-                    let failed: Vec<String> = arg(args, "failed_recving", Some(Vec::new()))?;
-                    let invalid: Vec<u64> = arg(args, "invalid_block_ids", Some(Vec::new()))?;
-                    Some(AggregatedOutput {
-                        finished_sending: opt_id_set(args, "finished_sending", ids)?,
-                        finished_recving: opt_id_set(args, "finished_recving", ids)?,
-                        invalid_block_ids: invalid.into_iter().map(BlockId).collect(),
-                        failed_recving: id_set(failed, ids),
-                        worker_meta: None,
-                        kv_events: None,
-                        expected_finished_count: 1,
-                    })
-                };
-                Ok(EngineOp::ApplyOutput {
-                    step: step.map(StepId),
-                    sampled,
-                    kv,
-                    kv_given,
-                })
-            }
-            "execute" => {
-                only(args, &["step"])?;
-                let step: Option<u64> = arg(args, "step", Some(None))?;
-                Ok(EngineOp::Execute(step.map(StepId)))
-            }
-            "run_step" => {
-                only(args, &[])?;
-                Ok(EngineOp::RunStep)
-            }
-            "drain" => {
-                only(args, &["max_steps"])?;
-                Ok(EngineOp::Drain(arg(args, "max_steps", Some(100))?))
-            }
-            "hold" => {
-                only(args, &["rank", "value"])?;
-                Ok(EngineOp::Hold {
-                    rank: arg(args, "rank", None)?,
-                    value: arg(args, "value", Some(true))?,
-                })
-            }
-            "complete" => {
-                only(args, &["rank", "jobs"])?;
-                let jobs: Option<Vec<u64>> = arg(args, "jobs", Some(None))?;
-                Ok(EngineOp::Complete {
-                    rank: arg(args, "rank", None)?,
-                    jobs: jobs.map(|v| v.into_iter().map(JobId).collect()),
-                })
-            }
-            "lookup" => {
-                only(args, &["id", "prompt"])?;
-                match (args.contains_key("id"), args.contains_key("prompt")) {
-                    (true, true) => err("give either `id` or `prompt`, not both"),
-                    (false, false) => err("missing argument `id` (or `prompt`)"),
-                    (true, false) => {
-                        let name: String = arg(args, "id", None)?;
-                        Ok(EngineOp::Lookup {
-                            id: Some(ids.get(&name)),
-                            prompt: None,
-                        })
-                    }
-                    (false, true) => Ok(EngineOp::Lookup {
-                        id: None,
-                        prompt: Some(arg(args, "prompt", None)?),
-                    }),
-                }
-            }
-            "offload_state" => {
-                only(args, &[])?;
-                Ok(EngineOp::OffloadState)
-            }
-            "reset_cache" => {
-                only(args, &[])?;
-                Ok(EngineOp::ResetCache)
-            }
-            "request" => {
-                only(args, &["id"])?;
-                Ok(EngineOp::Request(id_arg(args, ids)?))
-            }
-            "state" => {
-                only(args, &[])?;
-                Ok(EngineOp::State)
-            }
-            "connector_calls" => {
-                only(args, &[])?;
-                Ok(EngineOp::ConnectorCalls)
-            }
-            _ => unknown_call(call, &ENGINE_CALLS),
-        }
+        parse_call::<EngineCall>(call, args)?.into_op(ids)
     }
 
     fn apply(&mut self, op: &Self::Op) -> Result<Self::Out, &'static str> {
@@ -786,64 +477,6 @@ fn parse_group(v: &Value) -> Result<GroupKind, CaseError> {
     err(format!(
         "group {v}: expected \"full\" or {{\"sliding_window\": n}}"
     ))
-}
-
-/// A scripted lookup answer: `null` = pending, `{"tokens": n, "async": bool}`.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct JHit {
-    tokens: u32,
-    #[serde(default, rename = "async")]
-    load_async: bool,
-}
-
-/// Argument `lookup`, a scripted lookup answer.
-fn parse_lookup(v: &Value) -> Result<Lookup, CaseError> {
-    match serde_json::from_value::<Option<JHit>>(v.clone()) {
-        Ok(None) => Ok(Lookup::Pending),
-        Ok(Some(h)) => Ok(Lookup::Hit {
-            tokens: h.tokens,
-            load_async: h.load_async,
-        }),
-        Err(e) => err(format!(
-            "argument `lookup`: {e} (expected null or {{\"tokens\": n, \"async\": bool}})"
-        )),
-    }
-}
-
-/// FNV-1a (32 bit) of a request name: the seed of its generated prompt.
-fn name_seed(name: &str) -> u32 {
-    let mut h: u32 = 0x811c_9dc5;
-    for b in name.bytes() {
-        h ^= u32::from(b);
-        h = h.wrapping_mul(0x0100_0193);
-    }
-    h
-}
-
-/// The prompt `prompt_len` generates for request `name`: token `i` is
-/// `1 + (fnv1a32(name) + i) mod 1_000_000`.
-pub fn generated_prompt(name: &str, len: u32) -> Vec<Token> {
-    let seed = name_seed(name);
-    (0..len)
-        .map(|i| 1 + seed.wrapping_add(i) % 1_000_000)
-        .collect()
-}
-
-/// Argument `id`: a request name, interned.
-fn id_arg(args: &Map<String, Value>, ids: &mut Interner) -> Result<RequestId, CaseError> {
-    let name: String = arg(args, "id", None)?;
-    Ok(ids.intern(&name))
-}
-
-/// Argument `key`: a set of request names (absent: `None`), interned.
-fn opt_id_set(
-    args: &Map<String, Value>,
-    key: &str,
-    ids: &mut Interner,
-) -> Result<Option<SortedSet<RequestId>>, CaseError> {
-    let v: Option<Vec<String>> = arg(args, key, Some(None))?;
-    Ok(v.map(|s| id_set(s, ids)))
 }
 
 // ---------------------------------------------------------------------------------------------

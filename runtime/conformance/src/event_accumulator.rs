@@ -4,10 +4,11 @@
 //! Run by `kvrelay conformance` for a case with `"machine": "event_accumulator"`.
 
 use kvrelay_core::{EventAccumulator, Interner, KvEvent, KvEvents};
+use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::case::{CaseError, Harness};
-use super::json::{JEvents, arg, only, unknown_call};
+use super::json::{JEvents, NoArgs, parse_call, parse_config};
 
 /// The `event_accumulator` machine.
 #[derive(Debug)]
@@ -22,12 +23,28 @@ pub enum EventOp {
     Take,
 }
 
+/// The calls of an `event_accumulator` case.
+#[derive(Deserialize, Debug)]
+#[serde(
+    tag = "call",
+    content = "with",
+    rename_all = "snake_case",
+    deny_unknown_fields
+)]
+enum EventCall {
+    Update {
+        #[serde(default)]
+        kv_events: Option<JEvents>,
+    },
+    Take(NoArgs),
+}
+
 impl Harness for EventHarness {
     type Op = EventOp;
     type Out = Option<Vec<KvEvent>>;
 
     fn new(config: &Map<String, Value>) -> Result<Self, CaseError> {
-        only(config, &[])?;
+        let NoArgs {} = parse_config(config)?;
         Ok(Self(EventAccumulator::new()))
     }
 
@@ -36,18 +53,10 @@ impl Harness for EventHarness {
         args: &Map<String, Value>,
         _ids: &mut Interner,
     ) -> Result<Self::Op, CaseError> {
-        match call {
-            "update" => {
-                only(args, &["kv_events"])?;
-                let e: Option<JEvents> = arg(args, "kv_events", Some(None))?;
-                Ok(EventOp::Update(e.map(JEvents::into_core)))
-            }
-            "take" => {
-                only(args, &[])?;
-                Ok(EventOp::Take)
-            }
-            _ => unknown_call(call, &["update", "take"]),
-        }
+        Ok(match parse_call::<EventCall>(call, args)? {
+            EventCall::Update { kv_events } => EventOp::Update(kv_events.map(JEvents::into_core)),
+            EventCall::Take(NoArgs {}) => EventOp::Take,
+        })
     }
 
     fn apply(&mut self, op: &Self::Op) -> Result<Self::Out, &'static str> {

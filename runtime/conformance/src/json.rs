@@ -1,8 +1,9 @@
 //! The JSON of conformance cases: decoding a call's arguments and the core values they carry,
 //! and encoding results into the canonical JSON that expectations are compared with.
 //!
-//! Every harness imports what it needs from here: the argument readers ([`arg`], [`only`],
-//! [`unknown_call`]), the JSON shapes of values several machines share (metadata, worker
+//! Every harness imports what it needs from here: [`parse_call`] (a call into the machine's
+//! call enum, by serde) and the argument shapes several machines share ([`NoArgs`], [`Flag`],
+//! [`present`]), the JSON shapes of values several machines share (metadata, worker
 //! outputs, events, request ids, scheduler outputs) and the normalisers that sort a set-valued
 //! field of an expected result. A value only one machine knows is decoded and rendered in that
 //! machine's file. This file imports no harness.
@@ -14,46 +15,69 @@ use kvrelay_core::{
     RequestId, SchedulerOutput, SortedSet, StepResult, WorkerOutput,
 };
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Map, Value, json};
 
-use super::case::{CaseError, err};
+use super::case::CaseError;
 
 // ---------------------------------------------------------------------------------------------
 // Arguments
 
-/// Deserialises argument `key` (absent = `default`), naming it in the error.
-pub(super) fn arg<T: serde::de::DeserializeOwned>(
+/// Parses one call into `T`, a machine's call enum tagged by the call's name with its
+/// arguments as content (`#[serde(tag = "call", content = "with")]`, each variant's arguments a
+/// struct that denies unknown fields): an unknown call, an unknown or missing argument and a
+/// wrongly typed value are errors that name them.
+pub(super) fn parse_call<T: DeserializeOwned>(
+    call: &str,
     args: &Map<String, Value>,
-    key: &str,
-    default: Option<T>,
 ) -> Result<T, CaseError> {
-    match args.get(key) {
-        Some(v) => serde_json::from_value(v.clone())
-            .map_err(|e| CaseError(format!("argument `{key}`: {e}"))),
-        None => default.map_or_else(|| err(format!("missing argument `{key}`")), Ok),
-    }
+    // The call's name first (`call` sorts before `with` in a JSON map), so that serde reads the
+    // arguments straight into the variant's struct: the error then has their path.
+    let value = json!({ "call": call, "with": args });
+    serde_path_to_error::deserialize(&value).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        CaseError(match path.strip_prefix("with.") {
+            // An argument of the call itself: serde's field is the case's argument.
+            Some(arg) if !arg.contains(['.', '[']) && inner.starts_with("unknown field") => inner
+                .replacen("unknown field", "unknown argument", 1)
+                .replace(", there are no fields", " (this call takes none)"),
+            Some(arg) => format!("argument `{arg}`: {inner}"),
+            None if path == "call" => inner.replacen("unknown variant", "unknown call", 1),
+            None => inner.replacen("missing field", "missing argument", 1),
+        })
+    })
 }
 
-/// Rejects arguments other than `known`.
-pub(super) fn only(args: &Map<String, Value>, known: &[&str]) -> Result<(), CaseError> {
-    match args.keys().find(|k| !known.contains(&k.as_str())) {
-        None => Ok(()),
-        Some(k) if known.is_empty() => {
-            err(format!("unknown argument `{k}` (this call takes none)"))
-        }
-        Some(k) => err(format!(
-            "unknown argument `{k}` (expected {})",
-            known.join(", ")
-        )),
-    }
+/// A machine's `config`, parsed into `T` (a struct that denies unknown fields).
+pub(super) fn parse_config<T: DeserializeOwned>(
+    config: &Map<String, Value>,
+) -> Result<T, CaseError> {
+    serde_json::from_value(Value::Object(config.clone()))
+        .map_err(|e| CaseError(format!("config: {e}")))
 }
 
-/// The error for a call `call` that is none of `known`.
-pub(super) fn unknown_call<T>(call: &str, known: &[&str]) -> Result<T, CaseError> {
-    err(format!(
-        "unknown call `{call}` (expected one of: {})",
-        known.join(", ")
-    ))
+/// The arguments of a call that takes none (and the config of a machine that takes none).
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub(super) struct NoArgs {}
+
+/// `{"value": bool}`.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Flag {
+    pub(super) value: bool,
+}
+
+/// For an argument whose absence and whose `null` mean different things: `#[serde(default,
+/// deserialize_with = "present")]` on an `Option<T>` field gives `None` when absent and
+/// `Some(v)` when given (`T` may itself be an `Option`, `null` then `Some(None)`).
+pub(super) fn present<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    T::deserialize(d).map(Some)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ mod aggregator;
 pub mod bench;
 mod case;
 mod engine;
+mod engine_calls;
 pub mod engine_offload;
 mod event_accumulator;
 mod json;
@@ -35,7 +36,8 @@ mod worker_protocol;
 
 pub use aggregator::{AggregatorHarness, AggregatorOp};
 pub use case::{CaseError, Expect, Harness, PreparedCall, PreparedCase, check_one};
-pub use engine::{EngineHarness, EngineOp, EngineOut, RequestSnapshot, generated_prompt};
+pub use engine::{EngineHarness, EngineOut, RequestSnapshot};
+pub use engine_calls::{EngineOp, generated_prompt};
 pub use engine_offload::OffloadEngine;
 pub use event_accumulator::{EventHarness, EventOp};
 pub use multi::MultiHarness;

@@ -23,17 +23,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::case::{CaseError, Harness, err};
-use super::json::{arg, id_set, only, parse_meta, render_ids, render_opt_meta, unknown_call};
-
-const CALLS: [&str; 7] = [
-    "request_finished",
-    "build_meta",
-    "bind",
-    "child_finished_sending",
-    "matched_tokens",
-    "finished_count",
-    "route_worker_meta",
-];
+use super::json::{JMeta, NoArgs, id_set, parse_call, parse_meta, render_ids, render_opt_meta};
 
 /// The `multi` machine: a [`MultiConnector`] and one rank's [`MultiWorker`] over `children`
 /// scripted children.
@@ -118,7 +108,7 @@ struct MultiConfig {
     children: usize,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Debug)]
 #[serde(deny_unknown_fields)]
 struct JChildFinish {
     delay: bool,
@@ -172,6 +162,52 @@ impl MultiHarness {
     }
 }
 
+/// The calls of a `multi` case.
+#[derive(Deserialize, Debug)]
+#[serde(
+    tag = "call",
+    content = "with",
+    rename_all = "snake_case",
+    deny_unknown_fields
+)]
+enum MultiCall {
+    RequestFinished {
+        request: String,
+        results: Vec<JChildFinish>,
+    },
+    BuildMeta(NoArgs),
+    Bind {
+        #[serde(default)]
+        extra_async_saves: Option<BTreeMap<String, u32>>,
+    },
+    ChildFinishedSending {
+        child: usize,
+        ids: Vec<String>,
+    },
+    MatchedTokens {
+        request: String,
+        answers: Vec<Option<u32>>,
+    },
+    FinishedCount {
+        counts: Vec<Option<u32>>,
+    },
+    RouteWorkerMeta {
+        #[serde(default)]
+        meta: Option<JMeta>,
+    },
+}
+
+impl JChildFinish {
+    fn into_core(self) -> ChildFinish {
+        ChildFinish {
+            delay: self.delay,
+            params: self
+                .params
+                .map(|m| m.into_iter().map(|(k, v)| (k, v.to_string())).collect()),
+        }
+    }
+}
+
 impl Harness for MultiHarness {
     type Op = MultiOp;
     type Out = MultiOut;
@@ -199,63 +235,30 @@ impl Harness for MultiHarness {
         args: &Map<String, Value>,
         ids: &mut Interner,
     ) -> Result<Self::Op, CaseError> {
-        let request = |ids: &mut Interner| -> Result<RequestId, CaseError> {
-            let name: String = arg(args, "request", None)?;
-            Ok(ids.intern(&name))
-        };
-        match call {
-            "request_finished" => {
-                only(args, &["request", "results"])?;
-                let request = request(ids)?;
-                let raw: Vec<JChildFinish> = arg(args, "results", None)?;
-                let results = raw
-                    .into_iter()
-                    .map(|r| ChildFinish {
-                        delay: r.delay,
-                        params: r
-                            .params
-                            .map(|m| m.into_iter().map(|(k, v)| (k, v.to_string())).collect()),
-                    })
-                    .collect();
-                Ok(MultiOp::RequestFinished { request, results })
+        Ok(match parse_call::<MultiCall>(call, args)? {
+            MultiCall::RequestFinished { request, results } => MultiOp::RequestFinished {
+                request: ids.intern(&request),
+                results: results.into_iter().map(JChildFinish::into_core).collect(),
+            },
+            MultiCall::BuildMeta(NoArgs {}) => MultiOp::BuildMeta,
+            MultiCall::Bind { extra_async_saves } => {
+                MultiOp::Bind(extra_map(extra_async_saves, ids))
             }
-            "build_meta" => {
-                only(args, &[])?;
-                Ok(MultiOp::BuildMeta)
-            }
-            "bind" => {
-                only(args, &["extra_async_saves"])?;
-                let raw: Option<BTreeMap<String, u32>> =
-                    arg(args, "extra_async_saves", Some(None))?;
-                Ok(MultiOp::Bind(extra_map(raw, ids)))
-            }
-            "child_finished_sending" => {
-                only(args, &["child", "ids"])?;
-                let child: usize = arg(args, "child", None)?;
-                let names: Vec<String> = arg(args, "ids", None)?;
-                Ok(MultiOp::ChildFinishedSending {
+            MultiCall::ChildFinishedSending { child, ids: names } => {
+                MultiOp::ChildFinishedSending {
                     child,
                     ids: names.iter().map(|n| ids.intern(n)).collect(),
-                })
+                }
             }
-            "matched_tokens" => {
-                only(args, &["request", "answers"])?;
-                let request = request(ids)?;
-                let answers: Vec<Option<u32>> = arg(args, "answers", None)?;
-                Ok(MultiOp::MatchedTokens { request, answers })
+            MultiCall::MatchedTokens { request, answers } => MultiOp::MatchedTokens {
+                request: ids.intern(&request),
+                answers,
+            },
+            MultiCall::FinishedCount { counts } => MultiOp::FinishedCount(counts),
+            MultiCall::RouteWorkerMeta { meta } => {
+                MultiOp::RouteWorkerMeta(meta.map(JMeta::into_core))
             }
-            "finished_count" => {
-                only(args, &["counts"])?;
-                Ok(MultiOp::FinishedCount(arg(args, "counts", None)?))
-            }
-            "route_worker_meta" => {
-                only(args, &["meta"])?;
-                let meta = parse_meta(args.get("meta").unwrap_or(&Value::Null))
-                    .map_err(|e| CaseError(format!("argument `meta`: {e}")))?;
-                Ok(MultiOp::RouteWorkerMeta(meta))
-            }
-            _ => unknown_call(call, &CALLS),
-        }
+        })
     }
 
     fn apply(&mut self, op: &Self::Op) -> Result<Self::Out, &'static str> {

@@ -12,22 +12,11 @@ use kvrelay_core::{
     Access, BlockHash, CpuOffloadingManager, Interner, KeyLookup, ManagerConfig, OffloadEvent,
     OffloadKey, PolicyKind, RequestId,
 };
+use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::case::{CaseError, Harness, err};
-use super::json::{arg, only, unknown_call};
-
-const CALLS: [&str; 9] = [
-    "lookup",
-    "prepare_store",
-    "complete_store",
-    "prepare_load",
-    "complete_load",
-    "touch",
-    "request_finished",
-    "take_events",
-    "reset",
-];
+use super::case::{CaseError, Harness};
+use super::json::{NoArgs, parse_call, parse_config};
 
 /// Drives the CPU offloading manager (SEMANTICS.md §5.2–§5.4).
 #[derive(Debug)]
@@ -104,23 +93,108 @@ fn norm_set(v: &Value) -> Result<Value, CaseError> {
     Ok(json!(names.into_iter().collect::<BTreeSet<_>>()))
 }
 
+/// The calls of an `offload_manager` case.
+#[derive(Deserialize, Debug)]
+#[serde(
+    tag = "call",
+    content = "with",
+    rename_all = "snake_case",
+    deny_unknown_fields
+)]
+enum ManagerCall {
+    Lookup {
+        key: String,
+        #[serde(default)]
+        request: Option<String>,
+    },
+    PrepareStore(RequestKeys),
+    CompleteStore {
+        keys: Vec<String>,
+        #[serde(default = "succeeded")]
+        success: bool,
+    },
+    PrepareLoad(RequestKeys),
+    CompleteLoad {
+        keys: Vec<String>,
+    },
+    Touch(RequestKeys),
+    RequestFinished {
+        request: String,
+    },
+    TakeEvents(NoArgs),
+    Reset(NoArgs),
+}
+
+/// `prepare_store`'s expected result (a set of evicted keys, the stored ones in offer order).
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct ExpectedStore {
+    #[serde(default)]
+    keys_to_store: Vec<String>,
+    #[serde(default)]
+    evicted_keys: Vec<String>,
+}
+
+/// One event of `take_events`' expected result.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct ExpectedEvent {
+    #[serde(default)]
+    keys: Vec<String>,
+    #[serde(default)]
+    removed: bool,
+}
+
+/// An `offload_manager` case's config.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct ManagerCaseConfig {
+    capacity_chunks: u32,
+    #[serde(default)]
+    policy: Policy,
+    #[serde(default = "one")]
+    store_threshold: u32,
+}
+
+/// The eviction policy, as cases name it.
+#[derive(Deserialize, Debug, Default)]
+#[serde(rename_all = "lowercase")]
+enum Policy {
+    #[default]
+    Lru,
+    Arc,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// `keys` in the context of an optional `request`.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct RequestKeys {
+    keys: Vec<String>,
+    #[serde(default)]
+    request: Option<String>,
+}
+
+fn succeeded() -> bool {
+    true
+}
+
 impl Harness for OffloadManagerHarness {
     type Op = ManagerOp;
     type Out = ManagerOut;
 
     fn new(config: &Map<String, Value>) -> Result<Self, CaseError> {
-        only(config, &["capacity_chunks", "policy", "store_threshold"])?;
-        let capacity_chunks: u32 = arg(config, "capacity_chunks", None)?;
-        let policy = match arg::<String>(config, "policy", Some("lru".to_owned()))?.as_str() {
-            "lru" => PolicyKind::Lru,
-            "arc" => PolicyKind::Arc,
-            other => return err(format!("unknown policy `{other}` (expected lru or arc)")),
-        };
-        let store_threshold: u32 = arg(config, "store_threshold", Some(1))?;
+        let c: ManagerCaseConfig = parse_config(config)?;
         let manager = CpuOffloadingManager::new(ManagerConfig {
-            capacity_chunks,
-            policy,
-            store_threshold,
+            capacity_chunks: c.capacity_chunks,
+            policy: match c.policy {
+                Policy::Lru => PolicyKind::Lru,
+                Policy::Arc => PolicyKind::Arc,
+            },
+            store_threshold: c.store_threshold,
         })
         .map_err(|e| CaseError(format!("bad config: {e}")))?;
         Ok(Self { manager })
@@ -131,53 +205,32 @@ impl Harness for OffloadManagerHarness {
         args: &Map<String, Value>,
         ids: &mut Interner,
     ) -> Result<Self::Op, CaseError> {
-        let request = |args: &Map<String, Value>, ids: &mut Interner| {
-            arg::<Option<String>>(args, "request", Some(None)).map(|r| r.map(|r| ids.intern(&r)))
-        };
-        let ks = |args: &Map<String, Value>, ids: &mut Interner| {
-            arg::<Vec<String>>(args, "keys", None).map(|k| keys(&k, ids))
-        };
-        Ok(match call {
-            "lookup" => {
-                only(args, &["key", "request"])?;
-                let name: String = arg(args, "key", None)?;
-                request(args, ids)?;
+        // Names are interned in the order the arguments are listed below (keys, then request).
+        let request = |r: Option<String>, ids: &mut Interner| r.map(|r| ids.intern(&r));
+        Ok(match parse_call::<ManagerCall>(call, args)? {
+            ManagerCall::Lookup {
+                key: name,
+                request: r,
+            } => {
+                request(r, ids);
                 ManagerOp::Lookup(key(&name, ids))
             }
-            "prepare_store" => {
-                only(args, &["keys", "request"])?;
-                ManagerOp::PrepareStore(ks(args, ids)?, request(args, ids)?)
+            ManagerCall::PrepareStore(k) => {
+                ManagerOp::PrepareStore(keys(&k.keys, ids), request(k.request, ids))
             }
-            "complete_store" => {
-                only(args, &["keys", "success"])?;
-                ManagerOp::CompleteStore(ks(args, ids)?, arg(args, "success", Some(true))?)
+            ManagerCall::CompleteStore { keys: k, success } => {
+                ManagerOp::CompleteStore(keys(&k, ids), success)
             }
-            "prepare_load" => {
-                only(args, &["keys", "request"])?;
-                ManagerOp::PrepareLoad(ks(args, ids)?, request(args, ids)?)
+            ManagerCall::PrepareLoad(k) => {
+                ManagerOp::PrepareLoad(keys(&k.keys, ids), request(k.request, ids))
             }
-            "complete_load" => {
-                only(args, &["keys"])?;
-                ManagerOp::CompleteLoad(ks(args, ids)?)
-            }
-            "touch" => {
-                only(args, &["keys", "request"])?;
-                ManagerOp::Touch(ks(args, ids)?, request(args, ids)?)
-            }
-            "request_finished" => {
-                only(args, &["request"])?;
-                let r: String = arg(args, "request", None)?;
+            ManagerCall::CompleteLoad { keys: k } => ManagerOp::CompleteLoad(keys(&k, ids)),
+            ManagerCall::Touch(k) => ManagerOp::Touch(keys(&k.keys, ids), request(k.request, ids)),
+            ManagerCall::RequestFinished { request: r } => {
                 ManagerOp::RequestFinished(ids.intern(&r))
             }
-            "take_events" => {
-                only(args, &[])?;
-                ManagerOp::TakeEvents
-            }
-            "reset" => {
-                only(args, &[])?;
-                ManagerOp::Reset
-            }
-            other => return unknown_call(other, &CALLS),
+            ManagerCall::TakeEvents(NoArgs {}) => ManagerOp::TakeEvents,
+            ManagerCall::Reset(NoArgs {}) => ManagerOp::Reset,
         })
     }
 
@@ -246,23 +299,20 @@ impl Harness for OffloadManagerHarness {
     }
 
     fn normalize_expected(call: &str, v: &Value, _ids: &mut Interner) -> Result<Value, CaseError> {
+        let shape = |e: serde_json::Error| CaseError(format!("expected `{call}` result: {e}"));
         match (call, v) {
-            ("prepare_store", Value::Object(o)) => {
-                only(o, &["keys_to_store", "evicted_keys"])?;
-                let stored = o.get("keys_to_store").cloned().unwrap_or(json!([]));
-                let evicted = norm_set(o.get("evicted_keys").unwrap_or(&json!([])))?;
-                Ok(json!({"keys_to_store": stored, "evicted_keys": evicted}))
+            ("prepare_store", Value::Object(_)) => {
+                let e: ExpectedStore = serde_json::from_value(v.clone()).map_err(shape)?;
+                let evicted = norm_set(&json!(e.evicted_keys))?;
+                Ok(json!({"keys_to_store": e.keys_to_store, "evicted_keys": evicted}))
             }
-            ("take_events", Value::Array(events)) => {
+            ("take_events", Value::Array(_)) => {
+                let events: Vec<ExpectedEvent> =
+                    serde_json::from_value(v.clone()).map_err(shape)?;
                 let mut out = Vec::with_capacity(events.len());
                 for e in events {
-                    let Value::Object(o) = e else {
-                        return err("an event must be an object");
-                    };
-                    only(o, &["keys", "removed"])?;
-                    let ks = norm_set(o.get("keys").unwrap_or(&json!([])))?;
-                    let removed = o.get("removed").cloned().unwrap_or(json!(false));
-                    out.push(json!({"keys": ks, "removed": removed}));
+                    let ks = norm_set(&json!(e.keys))?;
+                    out.push(json!({"keys": ks, "removed": e.removed}));
                 }
                 Ok(Value::Array(out))
             }

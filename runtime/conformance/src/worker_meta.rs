@@ -5,10 +5,11 @@
 //! Run by `kvrelay conformance` for a case with `"machine": "worker_meta"`.
 
 use kvrelay_core::{Interner, Meta};
+use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::case::{CaseError, Harness};
-use super::json::{JMeta, arg, only, parse_meta, render_opt_meta, unknown_call};
+use super::json::{JMeta, NoArgs, parse_call, parse_config, parse_meta, render_opt_meta};
 
 /// The `worker_meta` machine (stateless: merge and build).
 #[derive(Debug)]
@@ -23,12 +24,32 @@ pub enum WorkerMetaOp {
     BuildMulti(Vec<Option<Meta>>),
 }
 
+/// The calls of a `worker_meta` case.
+#[derive(Deserialize, Debug)]
+#[serde(
+    tag = "call",
+    content = "with",
+    rename_all = "snake_case",
+    deny_unknown_fields
+)]
+enum WorkerMetaCall {
+    Merge {
+        #[serde(default)]
+        a: Option<JMeta>,
+        #[serde(default)]
+        b: Option<JMeta>,
+    },
+    BuildMulti {
+        children: Vec<Option<JMeta>>,
+    },
+}
+
 impl Harness for WorkerMetaHarness {
     type Op = WorkerMetaOp;
     type Out = Option<Meta>;
 
     fn new(config: &Map<String, Value>) -> Result<Self, CaseError> {
-        only(config, &[])?;
+        let NoArgs {} = parse_config(config)?;
         Ok(Self)
     }
 
@@ -37,24 +58,17 @@ impl Harness for WorkerMetaHarness {
         args: &Map<String, Value>,
         _ids: &mut Interner,
     ) -> Result<Self::Op, CaseError> {
-        let meta_arg = |k: &str| -> Result<Option<Meta>, CaseError> {
-            parse_meta(args.get(k).unwrap_or(&Value::Null))
-                .map_err(|e| CaseError(format!("argument `{k}`: {e}")))
-        };
-        match call {
-            "merge" => {
-                only(args, &["a", "b"])?;
-                Ok(WorkerMetaOp::Merge(meta_arg("a")?, meta_arg("b")?))
+        Ok(match parse_call::<WorkerMetaCall>(call, args)? {
+            WorkerMetaCall::Merge { a, b } => {
+                WorkerMetaOp::Merge(a.map(JMeta::into_core), b.map(JMeta::into_core))
             }
-            "build_multi" => {
-                only(args, &["children"])?;
-                let raw: Vec<Option<JMeta>> = arg(args, "children", None)?;
-                Ok(WorkerMetaOp::BuildMulti(
-                    raw.into_iter().map(|m| m.map(JMeta::into_core)).collect(),
-                ))
-            }
-            _ => unknown_call(call, &["merge", "build_multi"]),
-        }
+            WorkerMetaCall::BuildMulti { children } => WorkerMetaOp::BuildMulti(
+                children
+                    .into_iter()
+                    .map(|m| m.map(JMeta::into_core))
+                    .collect(),
+            ),
+        })
     }
 
     fn apply(&mut self, op: &Self::Op) -> Result<Self::Out, &'static str> {

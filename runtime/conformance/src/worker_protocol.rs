@@ -6,10 +6,11 @@
 //! `"machine": "worker_protocol"`.
 
 use kvrelay_core::{Interner, StepShape, WorkerCall, WorkerProtocol};
+use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::case::{CaseError, Harness};
-use super::json::{arg, only, unknown_call};
+use super::case::{CaseError, Harness, err};
+use super::json::{NoArgs, parse_call, parse_config};
 
 /// The `worker_protocol` machine.
 #[derive(Debug)]
@@ -24,12 +25,45 @@ pub enum ProtocolOp {
     Hook(WorkerCall),
 }
 
+/// `begin_step`, the one call of a `worker_protocol` case with arguments; the others are the
+/// worker hooks, by name ([`WorkerCall::from_name`]), with none.
+#[derive(Deserialize, Debug)]
+#[serde(
+    tag = "call",
+    content = "with",
+    rename_all = "snake_case",
+    deny_unknown_fields
+)]
+enum ProtocolCall {
+    BeginStep(BeginStep),
+}
+
+/// The step's shape; what is not given is [`StepShape::default`]'s.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields, default)]
+struct BeginStep {
+    sync_loads: bool,
+    forward: bool,
+    defer_finalize: bool,
+}
+
+impl Default for BeginStep {
+    fn default() -> Self {
+        let d = StepShape::default();
+        Self {
+            sync_loads: d.sync_loads,
+            forward: d.forward,
+            defer_finalize: d.defer_finalize,
+        }
+    }
+}
+
 impl Harness for ProtocolHarness {
     type Op = ProtocolOp;
     type Out = ();
 
     fn new(config: &Map<String, Value>) -> Result<Self, CaseError> {
-        only(config, &[])?;
+        let NoArgs {} = parse_config(config)?;
         Ok(Self(WorkerProtocol::new()))
     }
 
@@ -39,23 +73,26 @@ impl Harness for ProtocolHarness {
         _ids: &mut Interner,
     ) -> Result<Self::Op, CaseError> {
         if call == "begin_step" {
-            only(args, &["sync_loads", "forward", "defer_finalize"])?;
-            let d = StepShape::default();
+            let ProtocolCall::BeginStep(shape) = parse_call(call, args)?;
             return Ok(ProtocolOp::BeginStep(StepShape {
-                sync_loads: arg(args, "sync_loads", Some(d.sync_loads))?,
-                forward: arg(args, "forward", Some(d.forward))?,
-                defer_finalize: arg(args, "defer_finalize", Some(d.defer_finalize))?,
+                sync_loads: shape.sync_loads,
+                forward: shape.forward,
+                defer_finalize: shape.defer_finalize,
             }));
         }
         match WorkerCall::from_name(call) {
             Some(hook) => {
-                only(args, &[])?;
+                let NoArgs {} = serde_json::from_value(Value::Object(args.clone()))
+                    .map_err(|e| CaseError(format!("call `{call}`: {e}")))?;
                 Ok(ProtocolOp::Hook(hook))
             }
             None => {
                 let mut known = vec!["begin_step"];
                 known.extend(WorkerCall::ALL.map(WorkerCall::name));
-                unknown_call(call, &known)
+                err(format!(
+                    "unknown call `{call}` (expected one of: {})",
+                    known.join(", ")
+                ))
             }
         }
     }
