@@ -245,9 +245,6 @@ impl WorkerConnector for WriteThroughWorker {
     type StepMeta = WtMeta;
     type WorkerMeta = Meta;
 
-    fn handle_preemptions(&mut self, _meta: &WtMeta) -> Vec<TransferCommand> {
-        Vec::new()
-    }
     fn bind(&mut self, meta: &WtMeta) {
         self.bound = Some(meta.clone());
     }

@@ -165,14 +165,8 @@ impl WorkerConnector for ReportingWorker {
     type StepMeta = ();
     type WorkerMeta = Meta;
 
-    fn handle_preemptions(&mut self, _meta: &()) -> Vec<TransferCommand> {
-        Vec::new()
-    }
     fn bind(&mut self, _meta: &()) {}
     fn start_load_kv(&mut self) -> Vec<TransferCommand> {
-        Vec::new()
-    }
-    fn wait_for_save(&mut self) -> Vec<TransferCommand> {
         Vec::new()
     }
     fn handle_transfer_done(&mut self, _done: TransferDone) {}

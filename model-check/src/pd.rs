@@ -275,15 +275,11 @@ impl PdWorker {
     }
 }
 
+/// `handle_preemptions` keeps its default, nothing to fence: loads write only the loading
+/// request's own blocks, and sends read blocks the scheduler holds until they are reported.
 impl WorkerConnector for PdWorker {
     type StepMeta = PdMeta;
     type WorkerMeta = Meta;
-
-    /// Nothing to fence: loads write only the loading request's own blocks, and sends read
-    /// blocks the scheduler holds until they are reported.
-    fn handle_preemptions(&mut self, _meta: &PdMeta) -> Vec<TransferCommand> {
-        Vec::new()
-    }
 
     fn bind(&mut self, meta: &PdMeta) {
         self.bound = Some(meta.clone());
@@ -296,10 +292,6 @@ impl WorkerConnector for PdWorker {
         let mut cmds = self.start(&meta.loads, TransferDirection::Load);
         cmds.extend(self.start(&meta.sends, TransferDirection::Store));
         cmds
-    }
-
-    fn wait_for_save(&mut self) -> Vec<TransferCommand> {
-        Vec::new()
     }
 
     fn handle_transfer_done(&mut self, done: TransferDone) {

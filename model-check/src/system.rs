@@ -980,7 +980,9 @@ pub struct InFlight {
 
 /// One rank: the core's rank driver (its guarded worker connector, block tables and step
 /// progress), the transfers the environment has in flight for it and the ghost contents of its
-/// memory.
+/// memory. The environment keeps its own transfers rather than the tests' simulated DMA
+/// (`kvrelay_core::testing::SimDma`), because it offers every order of completions as a choice
+/// (`Complete`) where that DMA completes them in one fixed order.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 pub struct RankState<P: Connectors> {
     driver: RankDriver<P::Worker>,

@@ -5,9 +5,10 @@
 //! applies outputs out of the usual rhythm, [`step`] for a whole step at once; they panic on any
 //! error, so a test that expects an error calls the scheduler itself. [`run_rank_step`] polls a
 //! rank whose step has begun to its end, for workers that never make a rank wait (the scripted
-//! ones); a test that completes transfers itself drives the rank by hand. [`computed`] reads back
-//! how far a request got.
+//! ones); a test that completes transfers itself drives the rank by hand, or with a
+//! [`SimDma`]. [`computed`] reads back how far a request got.
 
+use kvrelay_core::testing::SimDma;
 use kvrelay_core::{
     AggregatedOutput, ModelOutput, RankAction, RankDriver, Scheduler, SchedulerConnector,
     SchedulerOutput, StepId, StepResult, WorkerConnector, WorkerOutput,
@@ -66,7 +67,8 @@ pub fn computed<C: SchedulerConnector>(s: &Scheduler<C>, id: u32) -> u32 {
     s.view().request(rid(id)).unwrap().num_computed_tokens()
 }
 
-/// Polls `driver`, whose step has begun, to the end of the step: returns every action before
+/// Polls `driver`, whose step has begun, to the end of the step under a DMA that completes
+/// nothing (the transfers started stay in flight on the driver): returns every action before
 /// `Done`, and the rank's output. `check_invariants()` of the driver runs after every action.
 ///
 /// # Panics
@@ -79,15 +81,10 @@ where
     W::StepMeta: Clone,
 {
     let mut seen = Vec::new();
-    loop {
-        match driver.poll().unwrap() {
-            RankAction::Done(out) => return (seen, out),
-            RankAction::Wait { jobs, during } => {
-                panic!("unexpected wait in {during:?} for {jobs:?}")
-            }
-            RankAction::Idle => panic!("no step was begun"),
-            a => seen.push(a),
-        }
-        driver.check_invariants().unwrap();
-    }
+    let out = SimDma::manual()
+        .resume(driver, &mut |a: &RankAction<W::WorkerMeta>| {
+            seen.push(a.clone())
+        })
+        .unwrap_or_else(|e| panic!("the rank's step did not end: {e}"));
+    (seen, out)
 }

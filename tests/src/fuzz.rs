@@ -10,11 +10,12 @@
 
 use std::collections::VecDeque;
 
+use kvrelay_core::testing::{SimDma, SimError};
 use kvrelay_core::{
     BlockId, EngineCore, GroupKind, JobId, ManagerConfig, Meta, Mode, OffloadMeta,
     OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta, OffloadingWorker,
-    OffloadingWorkerConfig, PolicyKind, Rank, RankAction, RankConfig, RankDriver, RequestId,
-    RequestSpec, ScheduledStep, SchedulerConfig, SortedSet, StepId, TransferDone, WorkerOutput,
+    OffloadingWorkerConfig, PolicyKind, Rank, RankConfig, RankDriver, RequestId, RequestSpec,
+    ScheduledStep, SchedulerConfig, SortedSet, StepId, WorkerOutput,
 };
 
 use kvrelay_engine::transport::wire::{Down, Up, decode_body, encode};
@@ -131,7 +132,8 @@ pub fn core_calls(data: &[u8]) {
             )
         })
         .collect();
-    let mut in_flight: Vec<Vec<JobId>> = vec![Vec::new(); ranks as usize];
+    // The program completes every transfer itself, in any order.
+    let mut dma = vec![SimDma::manual(); ranks as usize];
     let mut steps: VecDeque<ScheduledStep<OffloadingConnectorMeta>> = VecDeque::new();
     let mut next_id = 0u32;
     for _ in 0..MAX_CALLS {
@@ -162,19 +164,17 @@ pub fn core_calls(data: &[u8]) {
             },
             3 | 4 => {
                 let r = b.below(ranks) as usize;
-                run_rank(&mut engine, &mut drivers[r], r, &steps, &mut in_flight[r])
+                run_rank(&mut engine, &mut drivers[r], r, &steps, &mut dma[r])
             }
             5 => {
                 let r = b.below(ranks) as usize;
                 let (pick, failed) = (b.byte() as usize, b.byte() & 7 == 0);
-                match in_flight[r].len() {
+                let in_flight: Vec<JobId> = dma[r].in_flight().collect();
+                match in_flight.len() {
                     0 => true,
-                    n => {
-                        let job = in_flight[r].remove(pick % n);
-                        drivers[r]
-                            .transfer_done(TransferDone { job, ok: !failed })
-                            .is_ok()
-                    }
+                    n => dma[r]
+                        .complete(&mut drivers[r], in_flight[pick % n], !failed)
+                        .is_ok(),
                 }
             }
             6 => {
@@ -223,9 +223,11 @@ fn run_rank(
     driver: &mut RankDriver<OffloadingWorker>,
     r: usize,
     steps: &VecDeque<ScheduledStep<OffloadingConnectorMeta>>,
-    in_flight: &mut Vec<JobId>,
+    dma: &mut SimDma,
 ) -> bool {
-    if driver.current_step().is_none() {
+    let polled = if driver.current_step().is_some() {
+        dma.resume(driver, &mut ())
+    } else {
         let Some(first) = steps.front().map(|s| s.output.step.0) else {
             return true;
         };
@@ -236,23 +238,16 @@ fn run_rank(
         else {
             return true;
         };
-        if driver.begin(next).is_err() {
-            return false;
+        dma.run_step(driver, next, &mut ())
+    };
+    match polled {
+        Ok(out) => {
+            let step = StepId(driver.steps_done() - 1);
+            engine.rank_output(step, Rank(r as u32), Some(out)).is_ok()
         }
+        Err(SimError::Waiting { .. }) => true,
+        Err(_) => false,
     }
-    for _ in 0..256 {
-        match driver.poll() {
-            Err(_) => return false,
-            Ok(RankAction::Start(t)) => in_flight.push(t.job),
-            Ok(RankAction::Forward(_) | RankAction::Collect) => {}
-            Ok(RankAction::Wait { .. } | RankAction::Idle) => return true,
-            Ok(RankAction::Done(out)) => {
-                let step = StepId(driver.steps_done() - 1);
-                return engine.rank_output(step, Rank(r as u32), Some(out)).is_ok();
-            }
-        }
-    }
-    true
 }
 
 /// An arbitrary rank output.

@@ -2,15 +2,18 @@
 //! real scheduler with an [`OffloadingConnector`], and the aggregator) and W [`RankDriver`]s,
 //! each over an [`OffloadingWorker`] (SEMANTICS.md §5.5–§5.7, §6.4, §9.5, I-38…I-47).
 //!
-//! The simulated runtime performs every `Start` a driver asks for, completes a transfer when a
-//! driver waits for it (in the order asked), and otherwise when the driver collects the step's
-//! results, in submission order — unless the rank is *held*, then only waited-for transfers
-//! complete until it is released. `check_invariants()` of the engine, the connector and every
-//! rank runs after every call.
+//! The simulated runtime is the core's [`SimDma`] under each rank: it performs every `Start` a
+//! driver asks for, completes exactly the transfer a driver waits for ([`OnWait::CompleteJob`],
+//! in the order asked: the transfers ahead of it in its queue stay in flight), and otherwise
+//! completes transfers when the driver collects the step's results, in submission order —
+//! unless the rank is *held*, then only waited-for transfers complete until it is released.
+//! `check_invariants()` of the engine, the connector and every rank runs after every call, and
+//! of the rank after every completion.
 //!
 //! Why this file is long: one end-to-end suite of the offloading connector on the engine step, one
 //! test per rule of SEMANTICS.md §5.5–§5.7 and §6.4, sharing one simulated runtime (`Sim`).
 
+use kvrelay_core::testing::{OnWait, SimDma};
 use kvrelay_core::{
     AggregatedOutput, BlockId, ChunkId, EngineCore, GroupKind, JobId, KeyLookup, ManagerConfig,
     Meta, ModelOutput, OffloadKey, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta,
@@ -79,9 +82,8 @@ impl StepLog {
 struct Sim {
     engine: EngineCore<OffloadingConnector>,
     ranks: Vec<RankDriver<OffloadingWorker>>,
-    /// Per rank: transfers started and not completed yet, in submission order.
-    pending: Vec<Vec<JobId>>,
-    held: Vec<bool>,
+    /// Per rank, its simulated DMA.
+    dma: Vec<SimDma>,
     /// Requests finished since the last `schedule()`: vLLM's `has_requests()` keeps the engine
     /// stepping until `finished_req_ids` reached the connector (the model's `has_requests()`
     /// does not count them, so the harness does).
@@ -111,8 +113,7 @@ impl Sim {
         let sim = Sim {
             engine,
             ranks,
-            pending: vec![Vec::new(); w],
-            held: vec![false; w],
+            dma: vec![SimDma::new(OnWait::CompleteJob); w],
             finished_undelivered: false,
         };
         sim.check();
@@ -152,19 +153,10 @@ impl Sim {
         self.check();
     }
 
-    fn complete(&mut self, rank: usize, job: JobId) {
-        self.pending[rank].retain(|&j| j != job);
-        self.ranks[rank]
-            .transfer_done(TransferDone { job, ok: true })
-            .unwrap();
-        self.check();
-    }
-
-    /// Completes every transfer a rank has in flight, in submission order.
-    fn release(&mut self, rank: usize) {
-        for j in self.pending[rank].clone() {
-            self.complete(rank, j);
-        }
+    /// Holds `rank` (`true`: its transfers stay in flight at the end of its steps) or releases
+    /// it from its next step's end on.
+    fn hold(&mut self, rank: usize, held: bool) {
+        self.dma[rank].set_held(held);
     }
 
     /// One engine step: schedule, every rank's step, aggregation, update_from_output.
@@ -190,36 +182,19 @@ impl Sim {
         };
         let step = st.output.step;
         for r in 0..w {
-            self.ranks[r].begin(&st).unwrap();
-            loop {
-                match self.ranks[r].poll().unwrap() {
-                    RankAction::Start(t) => {
-                        self.pending[r].push(t.job);
-                        log.started[r].push(t);
-                    }
-                    RankAction::Forward(_) => {}
-                    RankAction::Wait { jobs, .. } => {
-                        for &j in jobs.iter() {
-                            log.waited[r].push(j);
-                            assert!(self.pending[r].contains(&j), "wait for {j:?}");
-                            self.complete(r, j);
-                        }
-                    }
-                    RankAction::Collect => {
-                        if !self.held[r] {
-                            self.release(r);
-                        }
-                    }
-                    RankAction::Done(out) => {
-                        assert_eq!(out.finished_sending, None, "offloading never reports sends");
-                        self.engine
-                            .rank_output(step, Rank(r as u32), Some(out))
-                            .unwrap();
-                        break;
-                    }
-                    RankAction::Idle => unreachable!("a step was begun"),
-                }
-            }
+            let (started, waited) = (&mut log.started[r], &mut log.waited[r]);
+            let mut record = |action: &RankAction<Meta>| match action {
+                RankAction::Start(t) => started.push(t.clone()),
+                RankAction::Wait { jobs, .. } => waited.extend(jobs.iter()),
+                _ => {}
+            };
+            let out = self.dma[r]
+                .run_step(&mut self.ranks[r], &st, &mut record)
+                .unwrap();
+            assert_eq!(out.finished_sending, None, "offloading never reports sends");
+            self.engine
+                .rank_output(step, Rank(r as u32), Some(out))
+                .unwrap();
             self.check();
         }
         let kv = self
@@ -249,7 +224,7 @@ impl Sim {
 
     /// Holds `rank`, runs one step and returns it with the first store job it created.
     fn held_step(&mut self, rank: usize) -> (StepLog, JobId) {
-        self.held[rank] = true;
+        self.hold(rank, true);
         let log = self.step();
         let job = *log.meta.store_jobs.keys().next().expect("a store job");
         (log, job)
@@ -461,7 +436,7 @@ fn s34_preemption_flushes_and_readmission_waits_for_the_acknowledgement() {
     let p2 = prompt(2, 36);
     sim.add(spec_with(1, p1.clone(), 40));
     sim.add(spec_with(2, p2.clone(), 40));
-    sim.held[0] = true;
+    sim.hold(0, true);
     let s0 = sim.step();
     let jobs: Vec<JobId> = s0.meta.store_jobs.keys().copied().collect();
     assert_eq!(jobs, vec![JobId(0), JobId(1)]);
@@ -493,7 +468,7 @@ fn s34_preemption_flushes_and_readmission_waits_for_the_acknowledgement() {
     );
     assert_eq!(sim.s().status(rid(2)), Some(RequestStatus::Preempted));
     // Release: both stores are reported, in order; request 2's keys become readable.
-    sim.held[0] = false;
+    sim.hold(0, false);
     let _ = sim.step();
     assert!(sim.conn().request_jobs(rid(2)).is_empty());
     for c in 0..3 {
@@ -526,13 +501,13 @@ fn a_preempted_request_without_queue_ahead_is_flushed_and_acknowledged_in_the_sa
     let mut sim = Sim::simple(20, false, 1);
     sim.add(spec_with(1, prompt(1, 36), 10));
     sim.add(spec_with(2, prompt(2, 12), 20));
-    sim.held[0] = true;
+    sim.hold(0, true);
     let s0 = sim.step();
     assert_eq!(s0.meta.store_jobs.len(), 2);
-    sim.held[0] = false;
+    sim.hold(0, false);
     let _ = sim.step();
     // Now only new jobs could be in flight; keep holding and run until a preemption.
-    sim.held[0] = true;
+    sim.hold(0, true);
     for _ in 0..40 {
         let s = sim.step();
         if !s.output.preempted_req_ids.is_empty() {
@@ -541,7 +516,7 @@ fn a_preempted_request_without_queue_ahead_is_flushed_and_acknowledged_in_the_sa
             break;
         }
     }
-    sim.held[0] = false;
+    sim.hold(0, false);
     sim.drain(100);
 }
 
@@ -566,7 +541,7 @@ fn concurrent_lookups_wait_also_without_a_local_hit() {
     stored_and_evicted(&mut sim, 1, &p, 40);
     sim.add(spec_with(2, extended(&p, &[1]), 1));
     sim.add(spec_with(3, extended(&p, &[2]), 1));
-    sim.held[0] = true;
+    sim.hold(0, true);
     let s = sim.step();
     let (_, lj) = s.meta.load_jobs.iter().next().expect("a load");
     assert_eq!(
@@ -580,7 +555,7 @@ fn concurrent_lookups_wait_also_without_a_local_hit() {
         "request 3 waits for request 2's load"
     );
     assert_eq!(sim.s().status(rid(3)), Some(RequestStatus::Waiting));
-    sim.held[0] = false;
+    sim.hold(0, false);
     sim.drain(20);
 }
 
@@ -598,7 +573,7 @@ fn concurrent_lookups_of_one_prefix_the_second_waits() {
     b.push(2);
     sim.add(spec_with(2, a, 1));
     sim.add(spec_with(3, b, 1));
-    sim.held[0] = true;
+    sim.hold(0, true);
     let s = sim.step();
     assert_eq!(s.meta.load_jobs.len(), 1, "one load job per admission");
     assert_eq!(
@@ -614,7 +589,7 @@ fn concurrent_lookups_of_one_prefix_the_second_waits() {
     // Still loading: request 3 keeps waiting.
     let _ = sim.step();
     assert_eq!(sim.s().status(rid(3)), Some(RequestStatus::Waiting));
-    sim.held[0] = false;
+    sim.hold(0, false);
     sim.drain(20);
 }
 
@@ -625,7 +600,7 @@ fn abort_while_loading_frees_on_finished_recving() {
     sim.offload(1, &p);
     let p2 = extended(&p, &[3]);
     sim.add(spec_with(2, p2, 5));
-    sim.held[0] = true;
+    sim.hold(0, true);
     let s = sim.step();
     let (&load, _) = s.meta.load_jobs.iter().next().unwrap();
     assert_eq!(
@@ -638,7 +613,7 @@ fn abort_while_loading_frees_on_finished_recving() {
     assert_eq!(sim.conn().request_jobs(rid(2)), vec![load]);
     let _ = sim.step();
     assert!(sim.s().status(rid(2)).is_some());
-    sim.held[0] = false;
+    sim.hold(0, false);
     let s = sim.step();
     assert_eq!(s.recving, vec![rid(2)]);
     assert_eq!(sim.s().status(rid(2)), None, "freed on finished_recving");
@@ -699,7 +674,7 @@ fn block_reuse_after_finish_forces_a_flush() {
     // before step 1 writes them (I-41).
     let mut sim = Sim::simple(12, false, 1);
     sim.add(spec_with(1, prompt(1, 36), 1));
-    sim.held[0] = true;
+    sim.hold(0, true);
     let s0 = sim.step();
     let (&job, j) = s0.meta.store_jobs.iter().next().unwrap();
     let read: Vec<BlockId> = j.gpu.block_ids[0].clone();
@@ -725,7 +700,7 @@ fn block_reuse_after_finish_forces_a_flush() {
     let _ = reused;
     assert!(s1.meta.jobs_to_flush.contains(&job), "{:?}", s1.meta);
     assert_eq!(s1.waited[0], vec![job]);
-    sim.held[0] = false;
+    sim.hold(0, false);
     sim.drain(10);
     assert_eq!(sim.conn().fenced_blocks().count(), 0);
 }
@@ -741,7 +716,7 @@ fn a_zero_token_admission_still_counts_as_an_allocation_for_fences() {
     sim.add(spec_with(2, prompt(2, 40), 1));
     let s1 = sim.step();
     assert!(s1.meta.jobs_to_flush.contains(&job));
-    sim.held[0] = false;
+    sim.hold(0, false);
     sim.drain(10);
 }
 
@@ -766,7 +741,7 @@ fn an_async_load_into_reused_blocks_flushes_the_store_reading_them() {
     );
     assert!(s1.output.num_scheduled_tokens.is_empty());
     assert!(s1.meta.jobs_to_flush.contains(&job), "{:?}", s1.meta);
-    sim.held[0] = false;
+    sim.hold(0, false);
     sim.drain(10);
 }
 
@@ -789,7 +764,7 @@ fn a_job_completes_only_when_every_rank_acknowledged() {
     assert_eq!(sim.lookup(&p, 0, 0), KeyLookup::HitPending);
     let _ = sim.step();
     assert_eq!(sim.conn().pending_count(job), Some(1));
-    sim.held[1] = false;
+    sim.hold(1, false);
     let _ = sim.step();
     assert_eq!(sim.conn().pending_count(job), None);
     assert_eq!(sim.lookup(&p, 1, 0), KeyLookup::Hit);
@@ -837,7 +812,7 @@ fn reset_with_jobs_in_flight_fences_their_late_acknowledgements() {
     // A second reset before the flush was delivered is refused.
     assert_eq!(sim.engine.reset_connector_cache().unwrap(), Some(false));
     // The next step delivers the flush; the stale acknowledgement only drains the fence.
-    sim.held[0] = false;
+    sim.hold(0, false);
     let s = sim.step();
     assert!(s.meta.jobs_to_flush.contains(&job));
     assert_eq!(sim.conn().reset_fence_len(), 0);
@@ -1440,7 +1415,7 @@ fn unknown_or_excess_acknowledgements_break_the_scheduler_with_a_typed_error() {
 fn request_finished_never_delays_the_free() {
     let mut sim = Sim::simple(100, false, 1);
     sim.add(spec_with(1, prompt(1, 30), 1));
-    sim.held[0] = true;
+    sim.hold(0, true);
     let s = sim.step();
     assert_eq!(s.output.num_scheduled_tokens, vec![(rid(1), 30)]);
     assert_eq!(s.meta.store_jobs.len(), 1);
@@ -1453,7 +1428,7 @@ fn request_finished_never_delays_the_free() {
         "push work keeps the engine stepping (I-47)"
     );
     assert!(!<OffloadingConnector as SchedulerConnector>::requires_kv_delivery(sim.conn()));
-    sim.held[0] = false;
+    sim.hold(0, false);
     sim.drain(10);
     assert!(!sim.conn().tracks(rid(1)));
 }
@@ -1499,7 +1474,7 @@ fn a_request_may_have_several_stores_in_flight() {
     config.max_num_batched_tokens = 24;
     let off = OffloadingConfig::new(BPC, 1, manager(64));
     let mut sim = Sim::new(config, off, &[true]);
-    sim.held[0] = true;
+    sim.hold(0, true);
     sim.add(spec_with(1, prompt(1, 48), 2));
     let mut stores = Vec::new();
     for _ in 0..3 {
@@ -1510,7 +1485,7 @@ fn a_request_may_have_several_stores_in_flight() {
     // Each job names the table index of its first block: chunks 0–1, then chunks 2–3.
     let firsts: Vec<_> = stores.iter().map(|j| j.gpu.block_indices.clone()).collect();
     assert_eq!(firsts, [[0], [6]]);
-    sim.held[0] = false;
+    sim.hold(0, false);
     sim.drain(10);
     assert_eq!(sim.lookup(&prompt(1, 48), 3, 0), KeyLookup::Hit);
 }
@@ -1625,8 +1600,8 @@ mod random {
                         let _ = sim.step();
                     }
                 }
-                Op::Hold(r) => sim.held[r] = true,
-                Op::Release(r) => sim.held[r] = false,
+                Op::Hold(r) => sim.hold(r, true),
+                Op::Release(r) => sim.hold(r, false),
                 Op::Abort(id) => {
                     if sim.s().status(rid(id)).is_some_and(|s| !s.is_finished()) {
                         sim.abort(id);
@@ -1638,7 +1613,8 @@ mod random {
                 }
             }
         }
-        sim.held = vec![false, false];
+        sim.hold(0, false);
+        sim.hold(1, false);
         sim.drain(400);
         // I-48: everything drained.
         assert_eq!(sim.conn().jobs_in_flight().count(), 0);

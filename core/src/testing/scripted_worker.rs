@@ -123,10 +123,6 @@ impl WorkerConnector for ScriptedWorker {
         self.loads.drain(..).map(TransferCommand::Start).collect()
     }
 
-    fn wait_for_save(&mut self) -> Vec<TransferCommand> {
-        Vec::new()
-    }
-
     fn handle_transfer_done(&mut self, done: TransferDone) {
         self.done.push(done);
     }

@@ -136,8 +136,12 @@ pub trait WorkerConnector: Debug {
     type WorkerMeta: WorkerMeta;
 
     /// First call of every step, before any KV write of the step (I-4): return `Wait` for every
-    /// in-flight transfer that reads a block the step may overwrite.
-    fn handle_preemptions(&mut self, meta: &Self::StepMeta) -> Vec<TransferCommand>;
+    /// in-flight transfer that reads a block the step may overwrite. The default fences nothing:
+    /// right for a connector whose transfers never read a block the scheduler may reallocate
+    /// while they run.
+    fn handle_preemptions(&mut self, _meta: &Self::StepMeta) -> Vec<TransferCommand> {
+        Vec::new()
+    }
     /// Bind the step's metadata.
     fn bind(&mut self, meta: &Self::StepMeta);
     /// Start the step's loads (once per step, I-1).
@@ -150,8 +154,10 @@ pub trait WorkerConnector: Debug {
     fn save_kv_layer(&mut self, _layer: u32) -> Vec<TransferCommand> {
         Vec::new()
     }
-    /// End of the step's saves (`wait_for_save`).
-    fn wait_for_save(&mut self) -> Vec<TransferCommand>;
+    /// End of the step's saves (`wait_for_save`). The default starts and waits for nothing.
+    fn wait_for_save(&mut self) -> Vec<TransferCommand> {
+        Vec::new()
+    }
     /// A transfer completed. May come at any time, also between steps.
     fn handle_transfer_done(&mut self, done: TransferDone);
     /// Completions since the last call. `finished_req_ids` are the ids the scheduler finished

@@ -3,7 +3,8 @@
 //! [`OffloadingConnector`], and the real aggregator) and W [`RankDriver`]s, each over an
 //! [`OffloadingWorker`] behind the step protocol guard — with a simulated DMA under each rank.
 //!
-//! The simulated DMA performs every `Start` a hook asks for and completes a transfer
+//! The simulated DMA is the core's [`SimDma`] (one per rank, [`OnWait::CompleteThroughQueue`]):
+//! it performs every `Start` a hook asks for and completes a transfer
 //! * when a hook returns `Wait` for it (at once, in the order asked: the hook blocks on it) —
 //!   and with it every earlier transfer of its queue (stores, async loads, sync loads), because
 //!   vLLM's worker runs the transfers of one queue serially (`cpu/gpu_worker.py`: each waits for
@@ -11,6 +12,9 @@
 //! * at the end of the rank's worker step, every transfer still in flight in submission order,
 //!   unless the rank is *held* (`hold`),
 //! * when the case says so (`complete`).
+//!
+//! This file tells the DMA which loads are synchronous (their own queue) and records what each
+//! rank did (`StepRecorder`).
 //!
 //! Completions reach the scheduler only through the worker's `get_finished` (head-of-line per
 //! queue), the worker metadata and the aggregator, as in vLLM.
@@ -22,13 +26,14 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
+use kvrelay_core::testing::{DmaQueue, OnWait, SimDma, StepObserver};
 use kvrelay_core::{
     AggregatedOutput, BlockId, ChunkId, EngineCore, Interner, JobId, KeyLookup, ManagerConfig,
     Meta, NULL_BLOCK, OffloadKey, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta,
     OffloadingWorker, OffloadingWorkerConfig, PolicyKind, Rank, RankAction, RankConfig, RankDriver,
     RequestId, RequestSpec, ScheduledStep, Scheduler, SchedulerConfig, SchedulerConnector,
-    SchedulerError, StepId, StepResult, Token, Transfer, TransferDirection, TransferDone,
-    TransferJob, WorkerCall, WorkerOutput, hash_block,
+    SchedulerError, StepId, StepResult, Token, Transfer, TransferDirection, TransferJob,
+    WorkerCall, WorkerOutput, hash_block,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -143,24 +148,13 @@ pub struct RankState {
     held: bool,
 }
 
-/// vLLM's three DMA queues under one rank; the transfers of one queue run serially.
-#[derive(Clone, Copy, Debug, Eq, PartialEq)]
-enum DmaQueue {
-    Store,
-    Load,
-    SyncLoad,
-}
-
 /// The scheduler, its offloading connector, and the simulated ranks.
 #[derive(Debug)]
 pub struct OffloadEngine {
     engine: EngineCore<OffloadingConnector>,
     ranks: Vec<RankDriver<OffloadingWorker>>,
-    /// Per rank: transfers started whose completion has not been fed back, in submission order.
-    pending: Vec<Vec<JobId>>,
-    held: Vec<bool>,
-    /// The DMA queue of every job started (the same on every rank).
-    queues: BTreeMap<JobId, DmaQueue>,
+    /// Per rank, its simulated DMA.
+    dma: Vec<SimDma>,
     /// Steps scheduled and not executed yet, oldest first.
     to_execute: VecDeque<ScheduledStep<OffloadingConnectorMeta>>,
     /// Every job created so far.
@@ -225,9 +219,7 @@ impl OffloadEngine {
         Ok(Self {
             engine,
             ranks,
-            pending: vec![Vec::new(); w],
-            queues: BTreeMap::new(),
-            held: vec![false; w],
+            dma: vec![SimDma::new(OnWait::CompleteThroughQueue); w],
             to_execute: VecDeque::new(),
             jobs: BTreeMap::new(),
             tables: BTreeMap::new(),
@@ -273,11 +265,8 @@ impl OffloadEngine {
     /// `hold`: while `rank` is held, its transfers in flight do not complete at the end of its
     /// worker step.
     pub fn hold(&mut self, rank: u32, value: bool) -> Result<(), &'static str> {
-        let slot = self
-            .held
-            .get_mut(rank as usize)
-            .ok_or("rank_out_of_range")?;
-        *slot = value;
+        let dma = self.dma.get_mut(rank as usize).ok_or("rank_out_of_range")?;
+        dma.set_held(value);
         Ok(())
     }
 
@@ -379,106 +368,21 @@ impl OffloadEngine {
         })
     }
 
-    /// A transfer completes on `rank`: the DMA's bookkeeping, then the rank's driver.
-    fn feed(&mut self, rank: usize, job: JobId) -> Result<(), &'static str> {
-        self.pending[rank].retain(|&j| j != job);
-        self.ranks[rank]
-            .transfer_done(TransferDone { job, ok: true })
-            .map_err(|e| e.kind())
-    }
-
-    /// The DMA queue a job's transfers run in: stores, async loads or sync (expedited) loads.
-    fn queue_of(&self, job: JobId) -> DmaQueue {
-        self.queues.get(&job).copied().unwrap_or(DmaQueue::Store)
-    }
-
-    /// `job` completes on `rank`, after every transfer started before it in its queue (the
-    /// queue runs serially): what a hook blocking on it, or a case completing it, sees. Returns
-    /// the jobs completed, in order; nothing if `job` is not in flight there.
-    fn complete_through(&mut self, rank: usize, job: JobId) -> Result<Vec<JobId>, &'static str> {
-        let Some(pos) = self.pending[rank].iter().position(|&j| j == job) else {
-            return Ok(Vec::new());
-        };
-        let queue = self.queue_of(job);
-        let done: Vec<JobId> = self.pending[rank][..=pos]
-            .iter()
-            .copied()
-            .filter(|&j| self.queue_of(j) == queue)
-            .collect();
-        for &j in &done {
-            self.feed(rank, j)?;
-        }
-        Ok(done)
-    }
-
-    /// A transfer the rank's driver asks to start.
-    fn start(&mut self, rank: usize, t: Transfer, out: &mut RankStep) {
-        self.pending[rank].push(t.job);
-        let queue = match t.direction {
-            TransferDirection::Store => DmaQueue::Store,
-            TransferDirection::Load if self.jobs.get(&t.job).is_some_and(|r| r.job.sync) => {
-                DmaQueue::SyncLoad
-            }
-            TransferDirection::Load => DmaQueue::Load,
-        };
-        self.queues.insert(t.job, queue);
-        let indexes = self
-            .jobs
-            .get(&t.job)
-            .map(|r| r.indexes.iter().flatten().copied().collect())
-            .unwrap_or_default();
-        let v = TransferView {
-            transfer: t,
-            indexes,
-        };
-        match v.transfer.direction {
-            TransferDirection::Store => out.stored.push(v),
-            TransferDirection::Load => out.loaded.push(v),
-        }
-    }
-
     /// One rank's worker step for `step`, through its driver, with the simulated DMA.
     fn run_rank(
         &mut self,
         rank: usize,
         step: &ScheduledStep<OffloadingConnectorMeta>,
     ) -> Result<RankStep, &'static str> {
-        let mut out = RankStep::default();
-        self.ranks[rank].begin(step).map_err(|e| e.kind())?;
-        loop {
-            let action = self.ranks[rank].poll().map_err(|e| e.kind())?;
-            match action {
-                RankAction::Start(t) => self.start(rank, t, &mut out),
-                RankAction::Forward(_) => {}
-                RankAction::Wait { jobs, during } => {
-                    // Blocked in handle_preemptions (the flush) or in start_load_kv (sync
-                    // loads).
-                    let flush = during == WorkerCall::HandlePreemptions;
-                    for &j in jobs.iter() {
-                        if flush {
-                            if let Some(r) = self.jobs.get(&j) {
-                                out.flushed.push(r.clone());
-                            }
-                        } else {
-                            out.sync_waited.push(j);
-                        }
-                        self.complete_through(rank, j)?;
-                    }
-                }
-                RankAction::Collect => {
-                    if !self.held[rank] {
-                        for j in self.pending[rank].clone() {
-                            self.feed(rank, j)?;
-                        }
-                    }
-                }
-                RankAction::Done(o) => {
-                    out.output = Some(o);
-                    return Ok(out);
-                }
-                RankAction::Idle => return Err("not_scheduled"),
-            }
-        }
+        let mut recorder = StepRecorder {
+            jobs: &self.jobs,
+            out: RankStep::default(),
+        };
+        let output = self.dma[rank]
+            .run_step(&mut self.ranks[rank], step, &mut recorder)
+            .map_err(|e| e.kind())?;
+        recorder.out.output = Some(output);
+        Ok(recorder.out)
     }
 
     /// `execute`: every rank's worker step for the oldest step not executed yet.
@@ -569,13 +473,12 @@ impl OffloadEngine {
         rank: usize,
         jobs: Option<&[JobId]>,
     ) -> Result<Vec<JobId>, &'static str> {
-        let pending = self.pending.get(rank).ok_or("rank_out_of_range")?.clone();
+        let dma = self.dma.get_mut(rank).ok_or("rank_out_of_range")?;
+        let driver = &mut self.ranks[rank];
         let Some(js) = jobs else {
-            for &j in &pending {
-                self.feed(rank, j)?;
-            }
-            return Ok(pending);
+            return dma.release(driver).map_err(|e| e.kind());
         };
+        let pending: Vec<JobId> = dma.in_flight().collect();
         let mut seen: Vec<JobId> = Vec::new();
         for j in js {
             if !pending.contains(j) || seen.contains(j) {
@@ -586,7 +489,7 @@ impl OffloadEngine {
         // The transfers of one queue run serially: a job completes after those ahead of it.
         let mut done = Vec::new();
         for j in seen {
-            done.extend(self.complete_through(rank, j)?);
+            done.extend(dma.complete_through(driver, j).map_err(|e| e.kind())?);
         }
         Ok(done)
     }
@@ -648,14 +551,71 @@ impl OffloadEngine {
                 .ranks
                 .iter()
                 .map(|d| d.worker().inner())
-                .zip(&self.held)
-                .map(|(w, &held)| RankState {
+                .zip(&self.dma)
+                .map(|(w, dma)| RankState {
                     in_flight: w.in_flight().collect(),
                     awaiting_completion: w.awaiting_completion().collect(),
                     deferred_stores: w.deferred_stores().collect(),
-                    held,
+                    held: dma.held(),
                 })
                 .collect(),
+        }
+    }
+}
+
+/// What one rank's step shows a case: the transfers started (with their block indexes), the
+/// jobs flushed and the sync loads waited for; and which loads run in the sync queue.
+struct StepRecorder<'a> {
+    jobs: &'a BTreeMap<JobId, JobRecord>,
+    out: RankStep,
+}
+
+impl StepRecorder<'_> {
+    /// A transfer the rank's driver started.
+    fn started(&mut self, t: &Transfer) {
+        let indexes = self
+            .jobs
+            .get(&t.job)
+            .map(|r| r.indexes.iter().flatten().copied().collect())
+            .unwrap_or_default();
+        let v = TransferView {
+            transfer: t.clone(),
+            indexes,
+        };
+        match v.transfer.direction {
+            TransferDirection::Store => self.out.stored.push(v),
+            TransferDirection::Load => self.out.loaded.push(v),
+        }
+    }
+
+    /// The rank blocks on `jobs`: in handle_preemptions (the flush) or in start_load_kv (sync
+    /// loads).
+    fn waited(&mut self, jobs: &[JobId], during: WorkerCall) {
+        for j in jobs {
+            if during != WorkerCall::HandlePreemptions {
+                self.out.sync_waited.push(*j);
+            } else if let Some(r) = self.jobs.get(j) {
+                self.out.flushed.push(r.clone());
+            }
+        }
+    }
+}
+
+impl StepObserver<Meta> for StepRecorder<'_> {
+    fn action(&mut self, action: &RankAction<Meta>) {
+        match action {
+            RankAction::Start(t) => self.started(t),
+            RankAction::Wait { jobs, during } => self.waited(jobs.as_slice(), *during),
+            _ => {}
+        }
+    }
+
+    /// Stores, async loads, or sync loads (expedited: the step waits for them).
+    fn queue(&mut self, t: &Transfer) -> DmaQueue {
+        let sync = self.jobs.get(&t.job).is_some_and(|r| r.job.sync);
+        match t.direction {
+            TransferDirection::Load if sync => DmaQueue::SyncLoad,
+            direction => DmaQueue::of(direction),
         }
     }
 }

@@ -71,16 +71,10 @@ impl WorkerConnector for Recorder {
     type StepMeta = u32;
     type WorkerMeta = Meta;
 
-    fn handle_preemptions(&mut self, _meta: &u32) -> Vec<TransferCommand> {
-        Vec::new()
-    }
     fn bind(&mut self, _meta: &u32) {
         self.calls.push("bind");
     }
     fn start_load_kv(&mut self) -> Vec<TransferCommand> {
-        Vec::new()
-    }
-    fn wait_for_save(&mut self) -> Vec<TransferCommand> {
         Vec::new()
     }
     fn handle_transfer_done(&mut self, done: TransferDone) {
