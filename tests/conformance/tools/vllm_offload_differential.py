@@ -23,6 +23,7 @@ Commands
   regen SEED INDEX DIR        regenerate the single case INDEX of seed SEED (the case name carries
                               both) into DIR, without the hash-seed check.
   fill CASE...                rewrite the expectations of hand-written cases with vLLM's answers.
+  check CASE...               OK / BAD per case against vLLM's answers (exit 1 on a BAD).
 
 Cases are generated under PYTHONHASHSEED=0 (worker subprocesses), then re-run by the oracle under
 other hash seeds (--hash-seeds, default 1,2,3,4; 0 is also replayed with --replay-same to catch state
@@ -551,9 +552,9 @@ class Gen:
             self.do("complete", {"rank": r, "jobs": jobs})
             return
         # The transfers of one queue run serially (FORMAT.md, simulated DMA (c)): name a prefix
-        # of each queue's transfers awaiting completion, queues interleaved at random. kvrelay
-        # completes the transfers ahead of a named job first; the oracle completes exactly the
-        # named jobs, so only queue prefixes give both the same (reachable) state.
+        # of each queue's transfers awaiting completion, queues interleaved at random (the
+        # stress profile above also names them in any order: both runners then complete the
+        # transfers ahead of a named job first).
         dma = self.eng.workers[r].connector_worker.worker
         per_queue = []
         for q in ("store", "load", "exp"):
@@ -1090,6 +1091,33 @@ def cmd_fill(a):
     return 0
 
 
+def cmd_check(a):
+    """OK or BAD per case: vLLM's answers (in the chosen finished order) against the case's
+    expectations, compared as vllm_offload_ref.py compares them; BAD names the first differing
+    call. Exit status 1 on any BAD."""
+    O = oracle()
+    bad = 0
+    for path in a.cases:
+        case = json.load(open(path))
+        if not isinstance((case.get("config") or {}).get("connector"), dict):
+            print("SKIP " + path + " (not the offloading connector)")
+            continue
+        res = run_calls(case)
+        diff = None
+        for i, (c, got) in enumerate(zip(case["calls"], res)):
+            exp = (["error", c["expect_error"]] if "expect_error" in c
+                   else ["value", c["expect"]] if "expect" in c else None)
+            if exp is not None and O.E.norm(tuple(exp)) != O.E.norm(tuple(got)):
+                diff = (i, c["call"], got)
+                break
+        if diff is None:
+            print("OK   " + path)
+        else:
+            bad += 1
+            print("BAD  %s: call %d (%s): vLLM gives %s" % (path, diff[0], diff[1], json.dumps(diff[2][1])[:300]))
+    return 1 if bad else 0
+
+
 def set_profile(profile, finished_order):
     """The input mix and the oracle's finished order, for this process and the workers it spawns."""
     global PROFILE, STRESS, FINISHED_ORDER
@@ -1137,7 +1165,9 @@ def main():
     rg.add_argument("dir")
     f = sub.add_parser("fill", help="rewrite the expectations of CASE... with vLLM's answers")
     f.add_argument("cases", nargs="+")
-    for p in (g, r, s, rg, f):
+    c = sub.add_parser("check", help="OK / BAD per CASE...: vLLM's answers against its expectations")
+    c.add_argument("cases", nargs="+")
+    for p in (g, r, s, rg, f, c):
         p.add_argument("--profile", choices=sorted(PROFILES), default="default",
                        help="input mix: " + "; ".join("%s = %s" % kv for kv in sorted(PROFILES.items())))
         p.add_argument("--finished-order", choices=["finish", "set"], default="finish",
@@ -1156,6 +1186,8 @@ def main():
         return cmd_regen(a)
     if a.cmd == "fill":
         return cmd_fill(a)
+    if a.cmd == "check":
+        return cmd_check(a)
 
 
 if __name__ == "__main__":
