@@ -9,8 +9,8 @@
 //!   copies reads each copy from the other's host slot: real bytes, wrong ones. The rank's check
 //!   must catch it when the load completes (`RunError::Corrupt { what: "loaded", .. }`).
 //! * [`CorruptingInProcess`] — in-process ranks, rank 0's transfer engine a [`CorruptFirstLoad`].
-//! * the binary `kvrelay-corrupting-worker` — `kvrelay worker` whose transfer engine is a
-//!   [`CorruptFirstLoad`]: give it as `RunConfig::worker_exe` with `Workers::Process`.
+//! * the binary `kvrelay-corrupting-worker` — `kvrelay worker` whose rank 0's transfer engine is
+//!   a [`CorruptFirstLoad`]: give it as `RunConfig::worker_exe` with `Workers::Process`.
 //!
 //! Pass a transport to `kvrelay_engine::run_with` or `Engine::start_with`.
 

@@ -1,17 +1,19 @@
-//! `kvrelay worker` whose transfer engine corrupts its first load ([`kvrelay_sim::faults`]): a
-//! worker process for tests that must see a worker's corruption error reach the engine. Give it
-//! as `RunConfig::worker_exe` with `Workers::Process`; it takes the command line the engine
-//! starts a worker with, `worker --socket PATH --rank R`.
+//! `kvrelay worker` whose rank 0 corrupts its first load ([`kvrelay_sim::faults`], as
+//! `CorruptingInProcess`; the other ranks are plain workers): a worker process for tests that must
+//! see a worker's corruption error reach the engine. Give it as `RunConfig::worker_exe` with
+//! `Workers::Process`; it takes the command line the engine starts a worker with,
+//! `worker --socket PATH --rank R`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use kvrelay_engine::transport::process::worker_main_with;
+use kvrelay_engine::transport::process::{worker_main, worker_main_with};
 use kvrelay_sim::faults::CorruptFirstLoad;
 
 fn main() -> ExitCode {
     match parse(std::env::args().skip(1)) {
-        Ok((socket, rank)) => worker_main_with(&socket, rank, CorruptFirstLoad::wrap),
+        Ok((socket, 0)) => worker_main_with(&socket, 0, CorruptFirstLoad::wrap),
+        Ok((socket, rank)) => worker_main(&socket, rank),
         Err(why) => {
             eprintln!(
                 "kvrelay-corrupting-worker: {why}\nusage: kvrelay-corrupting-worker worker --socket PATH --rank R"
