@@ -85,7 +85,7 @@ pub use compose::{
 };
 pub use engine::{
     Applied, BlockAccess, EngineCore, EngineError, ForwardPass, RankAction, RankConfig, RankDriver,
-    RankError, Scheduled,
+    RankError, ReadSpan, Scheduled, tables_reset,
 };
 #[cfg(feature = "fault-injection")]
 pub use engine::{EngineFault, RankFault};

@@ -1732,7 +1732,13 @@ impl<P: Connectors> SystemModel<P> {
                 &format!("forward of request {}", w.request.0),
             );
         }
-        for r in &pass.reads {
+        let driver = &s.ranks[rank].driver;
+        let reads: Vec<_> = pass
+            .reads
+            .iter()
+            .flat_map(|span| driver.read_blocks(span, 0))
+            .collect();
+        for r in &reads {
             let Some(want) = contents.get(&r.request) else {
                 continue;
             };

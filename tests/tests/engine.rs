@@ -91,11 +91,24 @@ fn a_step_hands_out_its_layers_accesses_then_the_async_load_then_the_output() {
     let RankAction::Forward(pass) = &actions[0] else {
         panic!("{actions:?}")
     };
-    let reads: Vec<(u64, std::ops::Range<u32>)> = pass
-        .reads
-        .iter()
+    assert_eq!(
+        pass.reads.len(),
+        1,
+        "one span: the request's computed prefix"
+    );
+    let reads: Vec<(u64, std::ops::Range<u32>)> = d
+        .read_blocks(&pass.reads[0], 0)
         .map(|r| (r.block.0, r.tokens.clone()))
         .collect();
+    let from_second: Vec<u64> = d
+        .read_blocks(&pass.reads[0], 1)
+        .map(|r| r.block.0)
+        .collect();
+    assert_eq!(
+        from_second,
+        [table[1].0, table[2].0],
+        "from a block index on"
+    );
     assert_eq!(
         reads,
         vec![(table[0].0, 0..4), (table[1].0, 4..8), (table[2].0, 8..10)]

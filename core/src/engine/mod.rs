@@ -29,4 +29,6 @@ pub use self::core::EngineFault;
 pub use self::core::{Applied, EngineCore, EngineError, Scheduled};
 #[cfg(feature = "fault-injection")]
 pub use rank::RankFault;
-pub use rank::{BlockAccess, ForwardPass, RankAction, RankConfig, RankDriver, RankError};
+pub use rank::{
+    BlockAccess, ForwardPass, RankAction, RankConfig, RankDriver, RankError, ReadSpan, tables_reset,
+};

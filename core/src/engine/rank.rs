@@ -127,6 +127,18 @@ pub struct BlockAccess {
     pub tokens: Range<u32>,
 }
 
+/// The computed prefix one request's attention reads in one KV cache group: tokens `tokens` of
+/// `request`, in the blocks of its table (see [`RankDriver::read_blocks`]).
+#[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ReadSpan {
+    /// The request.
+    pub request: RequestId,
+    /// The KV cache group.
+    pub group: usize,
+    /// Token positions read.
+    pub tokens: Range<u32>,
+}
+
 /// The KV accesses of one layer of a forward pass. The writes land before the reads, as in a
 /// layer of vLLM's forward (the new tokens' KV is cached, then attention reads it with the
 /// prefix): a request may read a block another request of the same step writes, its prefix-cache
@@ -135,10 +147,13 @@ pub struct BlockAccess {
 pub struct ForwardPass {
     /// The layer.
     pub layer: u32,
-    /// The computed prefix each scheduled request's attention reads: every block of it in a
-    /// full-attention group, the blocks inside the window in a sliding-window group. A runtime
-    /// verifies their bytes here; this is where a wrong load shows.
-    pub reads: Vec<BlockAccess>,
+    /// The computed prefix each scheduled request's attention reads, one span per request and
+    /// group: every block of it in a full-attention group, the blocks inside the window in a
+    /// sliding-window group. [`RankDriver::read_blocks`] lists a span's blocks; a runtime checks
+    /// what they hold here (this is where a wrong load shows). A span, not a list of blocks:
+    /// a decode step reads the whole context, and a runtime that remembers what each request
+    /// already checked need not walk it again.
+    pub reads: Vec<ReadSpan>,
     /// The blocks the new tokens are written to, every group (null blocks skipped).
     pub writes: Vec<BlockAccess>,
 }
@@ -306,6 +321,33 @@ where
     /// The rank's block tables (vLLM's input batch), as of the steps it has begun.
     pub fn tables(&self) -> &BTreeMap<RequestId, Vec<Vec<BlockId>>> {
         &self.tables
+    }
+
+    /// The blocks `span` reads whose index in the request's table is `from` or more, in table
+    /// order (null blocks skipped), each with the tokens read in it: what a runtime checks
+    /// before a forward reads them. `from` 0 lists the whole span.
+    pub fn read_blocks<'a>(
+        &'a self,
+        span: &'a ReadSpan,
+        from: u32,
+    ) -> impl Iterator<Item = BlockAccess> + 'a {
+        let bs = self.config.block_size.max(1);
+        let blocks = self
+            .tables
+            .get(&span.request)
+            .and_then(|t| t.get(span.group))
+            .map_or(&[][..], Vec::as_slice);
+        let (first, end) = (span.tokens.start / bs, span.tokens.end.div_ceil(bs));
+        (first.max(from)..end).filter_map(move |i| {
+            let block = *blocks.get(i as usize)?;
+            (block != NULL_BLOCK).then(|| BlockAccess {
+                request: span.request,
+                group: span.group,
+                index: i,
+                block,
+                tokens: (i * bs).max(span.tokens.start)..((i + 1) * bs).min(span.tokens.end),
+            })
+        })
     }
 
     /// Transfers started whose completion has not been fed back.
@@ -616,7 +658,13 @@ where
                         });
                     }
                 };
-                access(&mut pass.reads, read_from, c);
+                if read_from < c {
+                    pass.reads.push(ReadSpan {
+                        request: id,
+                        group: g,
+                        tokens: read_from..c,
+                    });
+                }
                 access(&mut pass.writes, c, c + n);
             }
         }
@@ -691,11 +739,8 @@ where
 /// vLLM's `_update_states`: drop finished and preempted requests, add new ones, append (or, for
 /// resumed ones, replace) block tables.
 fn update_tables(tables: &mut BTreeMap<RequestId, Vec<Vec<BlockId>>>, out: &SchedulerOutput) {
-    for id in out.finished_req_ids.iter() {
-        tables.remove(id);
-    }
-    for id in out.preempted_req_ids.iter() {
-        tables.remove(id);
+    for id in tables_reset(out) {
+        tables.remove(&id);
     }
     for r in out.scheduled_requests() {
         if r.full_table {
@@ -706,4 +751,19 @@ fn update_tables(tables: &mut BTreeMap<RequestId, Vec<Vec<BlockId>>>, out: &Sche
             }
         }
     }
+}
+
+/// The requests whose block tables `out` ends or replaces on a rank (finished, preempted, or
+/// given their whole table: new and resumed ones); every other table only grows. A runtime that
+/// remembers what a request's blocks held forgets it for these, before the step begins.
+pub fn tables_reset(out: &SchedulerOutput) -> impl Iterator<Item = RequestId> + '_ {
+    let replaced = out
+        .scheduled_requests()
+        .filter(|r| r.full_table)
+        .map(|r| r.id);
+    out.finished_req_ids
+        .iter()
+        .chain(out.preempted_req_ids.iter())
+        .copied()
+        .chain(replaced)
 }

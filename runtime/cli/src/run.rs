@@ -19,13 +19,25 @@ with a GPU block budget small enough that requests are preempted and offloaded b
 loaded back. Every byte a forward pass reads and every loaded block is checked against what
 its tokens' KV must be; a mismatch stops the run with exit status 1.
 
-Requests arrive on a virtual clock (--step-ms per engine step), so a run is the same workload
-on any machine.
+Requests arrive on a virtual clock (--step-ms per engine step), and a transfer completes a
+fixed number of steps after it started (whenever its copies really finished), so a run takes
+the same steps on any machine: its counts are the same on every run for a seed.
 
-Traces: --trace FILE.jsonl replays a request trace in the format of the public Mooncake traces,
-one JSON object a line: {\"timestamp\": ms, \"input_length\": N, \"output_length\": N,
-\"hash_ids\": [..]}, one hash id per prompt block of --hash-block-tokens tokens (Mooncake's own
-traces use 512). --write-trace FILE writes the generated workload in that format.
+Admission is vLLM's: --max-model-len (default: the workload's longest request) must fit the GPU
+pool, or the run is refused at start with the numbers; a longer prompt is refused at submit and
+counted (`refused`). A run that can make no progress (nothing runnable, nothing in flight)
+stops at once, naming the stuck requests.
+
+Traces: --trace FILE.jsonl[.gz] replays a request trace in the format of the public Mooncake
+traces, one JSON object a line: {\"timestamp\": ms, \"input_length\": N, \"output_length\":
+N, \"hash_ids\": [..]}, one hash id per prompt block of --hash-block-tokens tokens (512, the
+Mooncake traces', by default with --trace). The Mooncake FAST'25 conversation trace ships in
+tests/traces/mooncake/. --requests N and --until SECONDS replay a slice. --write-trace FILE
+writes the generated workload in that format, with 64-token hash blocks: replay it with
+--trace FILE --hash-block-tokens 64 (the same requests, prompts and arrivals; with 512 the
+trace is refused, its hash ids too many for its prompts).
+
+Progress: a bar on a terminal; otherwise a plain line on stderr every 5 seconds.
 
 Exit status: 0 when every request finished and every check held, 1 when the run stopped on an
 error (a wrong byte, a rank or engine error, a broken invariant), 2 on bad flags or files.";
@@ -62,19 +74,31 @@ pub(crate) struct RunArgs {
     /// Conversations of the generated workload [default: 160].
     #[arg(long)]
     pub conversations: Option<u32>,
-    /// GPU blocks per rank, the null block included [default: 320].
+    /// GPU blocks per rank, the null block included [default: 320, or room for two
+    /// requests of --max-model-len if more].
     #[arg(long)]
     pub gpu_blocks: Option<u32>,
-    /// CPU offload blocks per rank [default: 4096].
+    /// CPU offload blocks per rank [default: 4096, or four times the GPU pool if more].
     #[arg(long)]
     pub cpu_blocks: Option<u32>,
+    /// The longest request admitted, prompt and output tokens (vLLM's max_model_len)
+    /// [default: the workload's longest request].
+    #[arg(long)]
+    pub max_model_len: Option<u32>,
+    /// Replay only the first N requests.
+    #[arg(long, value_name = "N")]
+    pub requests: Option<usize>,
+    /// Replay only the requests that arrive before SECONDS.
+    #[arg(long, value_name = "SECONDS")]
+    pub until: Option<f64>,
     /// Layers [default: 4].
     #[arg(long)]
     pub layers: Option<u32>,
     /// Bytes of one block of one layer on one rank, a multiple of 8 × 16 [default: 2048].
     #[arg(long)]
     pub block_bytes: Option<u64>,
-    /// Tokens per trace hash block (Mooncake traces: 512) [default: 64].
+    /// Tokens per trace hash block [default: 512 with --trace (the Mooncake traces'), 64 for
+    /// the generated workload].
     #[arg(long)]
     pub hash_block_tokens: Option<u32>,
     /// CPU eviction policy [default: lru].
@@ -116,17 +140,20 @@ impl RunArgs {
         macro_rules! set {
             ($($f:ident),*) => { $( if let Some(v) = self.$f.clone() { c.$f = v; } )* };
         }
-        set!(
-            seed,
-            ranks,
+        set!(seed, ranks, layers, block_bytes, step_ms, async_depth);
+        macro_rules! set_some {
+            ($($f:ident),*) => { $( if let Some(v) = self.$f.clone() { c.$f = Some(v); } )* };
+        }
+        set_some!(
             gpu_blocks,
             cpu_blocks,
-            layers,
-            block_bytes,
+            max_model_len,
             hash_block_tokens,
-            step_ms,
-            async_depth
+            requests
         );
+        if let Some(s) = self.until {
+            c.until_s = Some(s);
+        }
         if let Some(t) = &self.trace {
             c.trace = Some(t.clone());
         }
@@ -169,14 +196,34 @@ impl RunArgs {
     }
 }
 
-struct Bar(ProgressBar);
+/// A bar on a terminal, else a plain line on stderr every [`PLAIN_EVERY`].
+struct Bar {
+    bar: ProgressBar,
+    plain: bool,
+    started: std::time::Instant,
+    last: std::time::Instant,
+}
+
+/// How often progress is printed as a plain line.
+const PLAIN_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Progress for Bar {
     fn step(&mut self, finished: u64, total: u64, steps: u64, preemptions: u64, loaded: u64) {
-        self.0.set_length(total);
-        self.0.set_position(finished);
+        if self.plain {
+            if steps.is_multiple_of(64) && self.last.elapsed() >= PLAIN_EVERY {
+                self.last = std::time::Instant::now();
+                eprintln!(
+                    "kvrelay run: {finished}/{total} requests done, step {steps}, {preemptions} \
+                     preemptions, {loaded} loads done, {:.0} s",
+                    self.started.elapsed().as_secs_f64()
+                );
+            }
+            return;
+        }
+        self.bar.set_length(total);
+        self.bar.set_position(finished);
         if steps.is_multiple_of(16) {
-            self.0.set_message(format!(
+            self.bar.set_message(format!(
                 "step {steps}, {preemptions} preemptions, {loaded} loads done"
             ));
         }
@@ -205,7 +252,8 @@ pub(crate) fn run(args: &RunArgs) -> ExitCode {
         eprintln!("kvrelay run: {e}");
         return ExitCode::from(2);
     }
-    let bar = if args.json || !std::io::stderr().is_terminal() {
+    let terminal = std::io::stderr().is_terminal();
+    let bar = if args.json || !terminal {
         ProgressBar::hidden()
     } else {
         ProgressBar::new(records.len() as u64)
@@ -214,7 +262,13 @@ pub(crate) fn run(args: &RunArgs) -> ExitCode {
         ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} requests  {msg}  [{elapsed}]")
             .expect("a valid template"),
     );
-    let mut progress = Bar(bar.clone());
+    let now = std::time::Instant::now();
+    let mut progress = Bar {
+        bar: bar.clone(),
+        plain: !terminal,
+        started: now,
+        last: now,
+    };
     let outcome = kvrelay_engine::run(&config, &records, &mut progress);
     bar.finish_and_clear();
     match outcome {
@@ -227,12 +281,18 @@ pub(crate) fn run(args: &RunArgs) -> ExitCode {
             } else {
                 println!("{report}");
             }
-            if report.finished == report.requests {
+            if report.refused > 0 {
+                eprintln!(
+                    "kvrelay run: {} request(s) refused: prompts of max_model_len ({}) tokens or more",
+                    report.refused, report.max_model_len
+                );
+            }
+            if report.finished + report.refused == report.requests {
                 ExitCode::SUCCESS
             } else {
                 eprintln!(
                     "kvrelay run: {} of {} requests unfinished",
-                    report.requests - report.finished,
+                    report.requests - report.finished - report.refused,
                     report.requests
                 );
                 ExitCode::from(1)
@@ -257,11 +317,11 @@ mod tests {
             ("seed", c.seed.to_string(), "0"),
             ("ranks", c.ranks.to_string(), "2"),
             ("conversations", c.workload.conversations.to_string(), "160"),
-            ("gpu_blocks", c.gpu_blocks.to_string(), "320"),
-            ("cpu_blocks", c.cpu_blocks.to_string(), "4096"),
+            ("gpu_blocks", c.gpu_blocks_for(100).to_string(), "320"),
+            ("cpu_blocks", c.cpu_blocks_for(320).to_string(), "4096"),
             ("layers", c.layers.to_string(), "4"),
             ("block_bytes", c.block_bytes.to_string(), "2048"),
-            ("hash_block_tokens", c.hash_block_tokens.to_string(), "64"),
+            ("hash_block_tokens", c.hash_block().to_string(), "64"),
             ("async_depth", c.async_depth.to_string(), "1"),
             ("step_ms", c.step_ms.to_string(), "25"),
         ];

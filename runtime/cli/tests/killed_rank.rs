@@ -58,11 +58,12 @@ async fn a_killed_worker_process_stops_the_engine_cleanly() {
         workers: Workers::Process,
         worker_exe: Some(PathBuf::from(env!("CARGO_BIN_EXE_kvrelay"))),
         // A small GPU pool: requests are preempted and offloaded, so transfers are in flight.
-        gpu_blocks: 48,
+        gpu_blocks: Some(48),
         check: true,
         ..RunConfig::default()
     };
-    let h = EngineHandle::spawn(config, 8192).await.unwrap();
+    // 600 tokens fit the 47 usable blocks of 16 (the engine refuses a pool that cannot hold one).
+    let h = EngineHandle::spawn(config, 600).await.unwrap();
     let mut streams = Vec::new();
     for i in 0..8u32 {
         let prompt: Vec<u32> = (0..200).map(|t| t + 1000 * i).collect();

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use kvrelay_core::{Mode, PolicyKind};
 use serde::{Deserialize, Serialize};
 
+use crate::rank::Completions;
 use crate::transfer::Backend;
 use crate::workload::WorkloadConfig;
 
@@ -42,11 +43,17 @@ pub struct RunConfig {
     pub block_size: u32,
     /// Bytes of one block of one layer on one rank (a multiple of 8 × `block_size`).
     pub block_bytes: u64,
-    /// GPU blocks per rank (the null block included): small, so that requests are preempted
-    /// and offloaded blocks are loaded back.
-    pub gpu_blocks: u32,
-    /// CPU offload blocks per rank.
-    pub cpu_blocks: u32,
+    /// GPU blocks per rank (the null block included). Default ([`RunConfig::gpu_blocks_for`]):
+    /// 320 — small, so that the generated workload's requests are preempted and offloaded
+    /// blocks are loaded back — or room for two requests of `max_model_len`, if more.
+    pub gpu_blocks: Option<u32>,
+    /// CPU offload blocks per rank. Default ([`RunConfig::cpu_blocks_for`]): 4,096, or four
+    /// times the GPU pool, if more.
+    pub cpu_blocks: Option<u32>,
+    /// The longest request (prompt and output tokens) the engine admits, as vLLM's
+    /// `max_model_len`: a pool that cannot hold one is refused at start, a longer prompt at
+    /// submit. Default: the workload's longest request.
+    pub max_model_len: Option<u32>,
     /// GPU blocks per CPU chunk (vLLM's offloaded block size / block size).
     pub blocks_per_chunk: u32,
     /// CPU eviction policy.
@@ -63,16 +70,26 @@ pub struct RunConfig {
     pub async_depth: u32,
     /// Virtual milliseconds an engine step takes.
     pub step_ms: f64,
-    /// Tokens per trace hash block (`hash_ids`).
-    pub hash_block_tokens: u32,
+    /// Tokens per trace hash block (`hash_ids`). Default: 512 with a trace (the Mooncake
+    /// format's), 64 for the generated workload.
+    pub hash_block_tokens: Option<u32>,
     /// The generated workload (unused with `trace`).
     pub workload: WorkloadConfig,
-    /// Replay this request trace (Mooncake format) instead of generating the workload.
+    /// Replay this request trace (Mooncake format, `.jsonl` or `.jsonl.gz`) instead of
+    /// generating the workload.
     pub trace: Option<PathBuf>,
+    /// Replay only the first N requests.
+    pub requests: Option<usize>,
+    /// Replay only the requests that arrive before this many seconds.
+    pub until_s: Option<f64>,
     /// Call every machine's `check_invariants()` after every step.
     pub check: bool,
     /// Write a Chrome / Perfetto timeline of steps and transfers here.
     pub timeline: Option<PathBuf>,
+    /// When a rank's driver hears that a transfer completed: `after-steps` N (the default, 1:
+    /// every run of a workload takes the same steps) or `as-arrived` (a real engine's
+    /// timing; the simulation's).
+    pub completions: Completions,
 }
 
 impl Default for RunConfig {
@@ -86,8 +103,9 @@ impl Default for RunConfig {
             layers: 4,
             block_size: 16,
             block_bytes: 2048,
-            gpu_blocks: 320,
-            cpu_blocks: 4096,
+            gpu_blocks: None,
+            cpu_blocks: None,
+            max_model_len: None,
             blocks_per_chunk: 1,
             policy: PolicyKind::Lru,
             mode: Mode::Compat,
@@ -95,11 +113,42 @@ impl Default for RunConfig {
             max_num_batched_tokens: 1024,
             async_depth: 1,
             step_ms: 25.0,
-            hash_block_tokens: 64,
+            hash_block_tokens: None,
             workload: WorkloadConfig::default(),
             trace: None,
+            requests: None,
+            until_s: None,
             check: false,
             timeline: None,
+            completions: Completions::default(),
         }
+    }
+}
+
+impl RunConfig {
+    /// Tokens per trace hash block: as given, else 512 with a trace, 64 without.
+    pub fn hash_block(&self) -> u32 {
+        self.hash_block_tokens
+            .unwrap_or(if self.trace.is_some() { 512 } else { 64 })
+            .max(1)
+    }
+
+    /// GPU blocks per rank for requests of at most `max_model_len` tokens: as given, else 320
+    /// or room for two such requests (and the null block), if more.
+    pub fn gpu_blocks_for(&self, max_model_len: u32) -> u32 {
+        self.gpu_blocks.unwrap_or_else(|| {
+            let one = max_model_len.div_ceil(self.block_size.max(1));
+            320u32.max(one.saturating_mul(2).saturating_add(1))
+        })
+    }
+
+    /// CPU blocks per rank beside a GPU pool of `gpu_blocks`: as given, else 4,096 or four
+    /// times the GPU pool, if more (a multiple of `blocks_per_chunk`).
+    pub fn cpu_blocks_for(&self, gpu_blocks: u32) -> u32 {
+        self.cpu_blocks.unwrap_or_else(|| {
+            let n = 4096u32.max(gpu_blocks.saturating_mul(4));
+            let per = self.blocks_per_chunk.max(1);
+            n.div_ceil(per).saturating_mul(per)
+        })
     }
 }

@@ -28,7 +28,7 @@ use kvrelay_core::{
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
-use crate::rank::{RankReport, RankSetup, RankStats, StepMsg};
+use crate::rank::{Completions, RankReport, RankSetup, RankStats, StepMsg};
 use crate::report::perfetto::{Recorder, now_us};
 use crate::report::samples::Samples;
 use crate::transport::{self, Clock, TokioClock, Transport};
@@ -45,6 +45,13 @@ const IDLE_WAIT: Duration = Duration::from_millis(5);
 pub struct Figures {
     /// The backend the ranks run on (`host` or `cuda`, resolved).
     pub backend: crate::Backend,
+    /// The pools per rank, as resolved from the configuration ([`RunConfig::gpu_blocks_for`]).
+    pub gpu_blocks: u32,
+    pub cpu_blocks: u32,
+    /// The longest request admitted.
+    pub max_model_len: u32,
+    /// Requests refused at submit (a prompt of `max_model_len` tokens or more).
+    pub refused: u64,
     pub finished: u64,
     pub prompt_tokens: u64,
     pub generated_tokens: u64,
@@ -101,10 +108,16 @@ pub struct Engine {
     ahead: Option<ScheduledStep<OffloadingConnectorMeta>>,
     /// Free GPU blocks of the fresh engine (what [`Engine::leaks`] expects back).
     free_blocks: u32,
+    /// The longest request admitted (prompt and output tokens).
+    max_model_len: u32,
     pub figures: Figures,
 }
 
-fn layouts(c: &RunConfig) -> Result<(KvLayout, KvLayout), RunError> {
+fn layouts(
+    c: &RunConfig,
+    gpu_blocks: u32,
+    cpu_blocks: u32,
+) -> Result<(KvLayout, KvLayout), RunError> {
     let bad = |e: LayoutError| RunError::Config(e.to_string());
     if c.block_size == 0 || !c.block_bytes.is_multiple_of(8 * u64::from(c.block_size)) {
         return Err(RunError::Config(format!(
@@ -114,13 +127,13 @@ fn layouts(c: &RunConfig) -> Result<(KvLayout, KvLayout), RunError> {
     }
     let gpu = KvLayout::new(
         vec![0; c.layers as usize],
-        c.gpu_blocks,
+        gpu_blocks,
         c.block_bytes,
         LayoutOrder::LayerMajor,
     )
     .map_err(bad)?;
     let host = gpu
-        .with_blocks(c.cpu_blocks, LayoutOrder::LayerMajor)
+        .with_blocks(cpu_blocks, LayoutOrder::LayerMajor)
         .map_err(bad)?;
     Ok((gpu, host))
 }
@@ -153,20 +166,32 @@ impl Engine {
         if !(1..=2).contains(&c.async_depth) {
             return Err(RunError::Config("async_depth: 1 or 2".into()));
         }
-        if c.blocks_per_chunk == 0 || !c.cpu_blocks.is_multiple_of(c.blocks_per_chunk) {
+        let max_model_len = max_model_len.max(2);
+        let gpu_blocks = c.gpu_blocks_for(max_model_len);
+        let cpu_blocks = c.cpu_blocks_for(gpu_blocks);
+        if c.blocks_per_chunk == 0 || !cpu_blocks.is_multiple_of(c.blocks_per_chunk) {
             return Err(RunError::Config(
                 "cpu_blocks must be a positive multiple of blocks_per_chunk".into(),
             ));
         }
-        let (gpu, host) = layouts(c)?;
+        let needed = max_model_len.div_ceil(c.block_size.max(1));
+        if gpu_blocks.saturating_sub(1) < needed {
+            return Err(RunError::PoolTooSmall {
+                max_model_len,
+                block_size: c.block_size,
+                needed,
+                gpu_blocks,
+            });
+        }
+        let (gpu, host) = layouts(c, gpu_blocks, cpu_blocks)?;
         let backend = c.backend.resolve().map_err(RunError::Backend)?;
         let sc = SchedulerConfig {
             block_size: c.block_size,
-            num_gpu_blocks: c.gpu_blocks,
+            num_gpu_blocks: gpu_blocks,
             groups: vec![GroupKind::FullAttention],
             max_num_batched_tokens: c.max_num_batched_tokens,
             max_num_seqs: c.max_num_seqs,
-            max_model_len: max_model_len.max(1),
+            max_model_len,
             enable_prefix_caching: true,
             enable_chunked_prefill: true,
             async_depth: c.async_depth,
@@ -177,7 +202,7 @@ impl Engine {
             c.blocks_per_chunk,
             c.ranks,
             ManagerConfig {
-                capacity_chunks: c.cpu_blocks / c.blocks_per_chunk,
+                capacity_chunks: cpu_blocks / c.blocks_per_chunk,
                 policy: c.policy,
                 store_threshold: 0,
             },
@@ -203,6 +228,7 @@ impl Engine {
                 mode: sc.mode,
                 check: c.check,
                 timeline: c.timeline.is_some(),
+                completions: c.completions,
             };
             let conn = transport
                 .connect(setup, wake.clone(), report_tx.clone())
@@ -223,8 +249,12 @@ impl Engine {
             at_ranks: None,
             ahead: None,
             free_blocks,
+            max_model_len,
             figures: Figures {
                 backend,
+                gpu_blocks,
+                cpu_blocks,
+                max_model_len,
                 timeline: Recorder::new(c.timeline.is_some()),
                 ..Figures::default()
             },
@@ -236,13 +266,22 @@ impl Engine {
         self.core.has_work()
     }
 
-    /// A request arrives.
+    /// A request arrives. A prompt of `max_model_len` tokens or more is refused
+    /// ([`RunError::Refused`], counted; the engine goes on), as vLLM refuses it at submit.
     pub fn add(
         &mut self,
         id: RequestId,
         prompt: Vec<Token>,
         max_tokens: u32,
     ) -> Result<(), RunError> {
+        if prompt.len() as u64 >= u64::from(self.max_model_len) {
+            self.figures.refused += 1;
+            return Err(RunError::Refused {
+                request: id,
+                prompt_tokens: prompt.len() as u64,
+                max_model_len: self.max_model_len,
+            });
+        }
         self.core.add_request(RequestSpec {
             id,
             prompt: prompt.clone(),
@@ -431,10 +470,35 @@ impl Engine {
     /// After an idle step: waits for a transfer of an in-process rank to complete, at most a
     /// few milliseconds (worker processes are polled by stepping again).
     pub async fn wait_idle(&self) {
+        if self.config.completions != Completions::AsArrived {
+            // Completions come with the steps: stepping again is what brings them.
+            return;
+        }
         tokio::select! {
             () = self.wake.notified() => {}
             () = self.clock.sleep(IDLE_WAIT) => {}
         }
+    }
+
+    /// The requests that can never run, if the engine is stuck: it has requests, and no step
+    /// and no transfer is in flight that could change what it schedules. Call after an idle
+    /// step.
+    pub fn stuck(&self) -> Option<Vec<RequestId>> {
+        let sched = self.core.scheduler();
+        let busy = self.at_ranks.is_some()
+            || self.ahead.is_some()
+            || self.core.steps_in_flight().next().is_some()
+            || sched.connector().jobs_in_flight().next().is_some();
+        if busy || !sched.has_requests() {
+            return None;
+        }
+        let view = sched.view();
+        let mut ids: Vec<RequestId> = view
+            .waiting()
+            .chain(view.running().iter().copied())
+            .collect();
+        ids.sort();
+        Some(ids)
     }
 
     /// What is not back to empty, each as a sentence (empty when nothing is): to call once

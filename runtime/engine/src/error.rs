@@ -50,8 +50,8 @@ pub enum RunError {
          {layer}, token slot {slot}"
     )]
     Corrupt {
-        /// `loaded` (checked when its load completed) or `read` (checked before a forward read
-        /// it).
+        /// `loaded` (checked when its load completed), `written` (checked right after a
+        /// forward wrote it) or `read` (its request's first read found another prefix's KV).
         what: &'static str,
         /// The rank.
         rank: u32,
@@ -63,6 +63,19 @@ pub enum RunError {
         layer: u32,
         /// The token slot in the block.
         slot: u32,
+    },
+    /// A block was about to change while something trusted or used it (see
+    /// `rank::Watch`): a block reused too early.
+    #[error("rank {rank}: block {block:?} (request {request:?}) {hazard}")]
+    Hazard {
+        /// The rank.
+        rank: u32,
+        /// The request whose write, read or transfer it was.
+        request: RequestId,
+        /// The GPU block.
+        block: kvrelay_core::BlockId,
+        /// What was refused.
+        hazard: crate::rank::Hazard,
     },
     /// A rank was asked for a token it was never sent.
     #[error("rank {rank}: token {position} of request {request:?} unknown")]
@@ -127,12 +140,50 @@ pub enum RunError {
     /// An invariant of a machine does not hold (`--check`).
     #[error("invariant {0}")]
     Invariant(#[from] InvariantViolation),
-    /// The engine has work but made no progress for too long.
-    #[error("stalled: {steps} idle steps in a row with {requests} request(s) unfinished")]
+    /// The engine has requests it can never run: nothing runnable, nothing in flight.
+    #[error("stalled after {steps} idle steps: nothing runnable and nothing in flight; {} request(s) stuck: {}", requests.len(), names(requests))]
     Stalled {
         /// Idle steps in a row.
         steps: u64,
-        /// Requests unfinished.
-        requests: u64,
+        /// The requests stuck (the scheduler's, waiting and running).
+        requests: Vec<RequestId>,
     },
+    /// The GPU pool cannot hold one request of `max_model_len` tokens (vLLM refuses this at
+    /// start-up too).
+    #[error(
+        "the GPU pool ({gpu_blocks} blocks of {block_size} tokens, the null block included) cannot \
+         hold one request of max_model_len {max_model_len} tokens, which needs {needed} blocks: \
+         give --gpu-blocks {} or more, or a smaller --max-model-len", needed + 1
+    )]
+    PoolTooSmall {
+        /// The longest request admitted.
+        max_model_len: u32,
+        /// Tokens per block.
+        block_size: u32,
+        /// Blocks one such request needs.
+        needed: u32,
+        /// GPU blocks per rank.
+        gpu_blocks: u32,
+    },
+    /// A prompt of `max_model_len` tokens or more (vLLM refuses it at submit).
+    #[error(
+        "request {request:?} refused: a prompt of {prompt_tokens} tokens does not fit max_model_len {max_model_len}"
+    )]
+    Refused {
+        /// The request.
+        request: RequestId,
+        /// Its prompt tokens.
+        prompt_tokens: u64,
+        /// The engine's `max_model_len`.
+        max_model_len: u32,
+    },
+}
+
+/// Up to 8 request ids, then how many more.
+fn names(ids: &[RequestId]) -> String {
+    let mut s: Vec<String> = ids.iter().take(8).map(|r| r.0.to_string()).collect();
+    if ids.len() > 8 {
+        s.push(format!("and {} more", ids.len() - 8));
+    }
+    s.join(", ")
 }

@@ -13,8 +13,12 @@ use crate::transport::{self, TokioClock, Transport};
 use crate::workload::{self, TraceRecord};
 use crate::{Engine, RunConfig, RunError};
 
-/// Idle engine steps in a row after which a run is declared stalled.
+/// Idle engine steps in a row after which a run is declared stalled even with transfers in
+/// flight (a transfer that never completes).
 const MAX_IDLE_STEPS: u64 = 100_000;
+
+/// Idle steps in a row with nothing in flight after which the engine is stuck.
+const STUCK_STEPS: u64 = 2;
 
 /// What the run is told as it goes (e.g. a progress bar).
 pub trait Progress: Send {
@@ -26,12 +30,35 @@ impl Progress for () {
     fn step(&mut self, _: u64, _: u64, _: u64, _: u64, _: u64) {}
 }
 
-/// The requests of a run: the trace, or the generated workload.
+/// The requests of a run: the trace, or the generated workload; the first `requests` of
+/// them that arrive before `until_s`.
 pub fn requests(config: &RunConfig) -> Result<Vec<TraceRecord>, RunError> {
-    Ok(match &config.trace {
-        Some(p) => workload::read_trace(p, config.hash_block_tokens)?,
-        None => workload::generate(&config.workload, config.hash_block_tokens, config.seed),
-    })
+    let hb = config.hash_block();
+    let mut all = match &config.trace {
+        Some(p) => workload::read_trace(p, hb)?,
+        None => workload::generate(&config.workload, hb, config.seed),
+    };
+    if let Some(s) = config.until_s {
+        all.retain(|r| (r.timestamp as f64) < s * 1000.0);
+    }
+    if let Some(n) = config.requests {
+        all.truncate(n);
+    }
+    if all.is_empty() {
+        return Err(RunError::Config(
+            "no request left to run (--requests / --until)".into(),
+        ));
+    }
+    Ok(all)
+}
+
+/// The longest request of `records` (prompt and output tokens): the default `max_model_len`.
+pub fn longest(records: &[TraceRecord]) -> u32 {
+    records
+        .iter()
+        .map(|r| r.input_length.saturating_add(r.output_length))
+        .max()
+        .unwrap_or(2)
 }
 
 /// The tokio runtime a run uses: one thread for the engine and its in-process rank tasks
@@ -65,13 +92,9 @@ pub fn run_with(
 ) -> Result<Report, RunError> {
     let rt = runtime()?;
     rt.block_on(async {
-        let longest = records
-            .iter()
-            .map(|r| r.input_length + r.output_length)
-            .max()
-            .unwrap_or(1);
+        let max_model_len = config.max_model_len.unwrap_or_else(|| longest(records));
         let clock = Arc::new(TokioClock::default());
-        let mut engine = Engine::start_with(config, longest, transport, clock).await?;
+        let mut engine = Engine::start_with(config, max_model_len, transport, clock).await?;
         let started = Instant::now();
         let outcome = replay(config, records, &mut engine, progress).await;
         let (figures, ranks) = engine.shutdown().await;
@@ -106,13 +129,18 @@ async fn replay(
     let mut pending: VecDeque<(usize, &TraceRecord)> = records.iter().enumerate().collect();
     let mut now = 0.0f64;
     let mut idle_in_a_row = 0u64;
+    let mut stuck_in_a_row = 0u64;
     loop {
         while let Some(&(i, r)) = pending.front()
             && r.timestamp as f64 <= now
         {
             pending.pop_front();
-            let prompt = workload::prompt_tokens(r, c.hash_block_tokens, i as u64);
-            engine.add(RequestId(i as u32), prompt, r.output_length)?;
+            let prompt = workload::prompt_tokens(r, c.hash_block(), i as u64);
+            match engine.add(RequestId(i as u32), prompt, r.output_length) {
+                // Counted by the engine; the run goes on, as a server's does.
+                Err(RunError::Refused { .. }) => continue,
+                other => other?,
+            }
         }
         if !engine.has_work() {
             match pending.front() {
@@ -126,16 +154,30 @@ async fn replay(
         let outcome = engine.step().await?;
         now += c.step_ms;
         let f = &engine.figures;
-        progress.step(f.finished, total, f.steps, f.preemptions, f.loads_reported);
+        progress.step(
+            f.finished + f.refused,
+            total,
+            f.steps,
+            f.preemptions,
+            f.loads_reported,
+        );
         if !outcome.idle {
             idle_in_a_row = 0;
+            stuck_in_a_row = 0;
             continue;
         }
         idle_in_a_row += 1;
-        if idle_in_a_row > MAX_IDLE_STEPS {
+        let arriving = pending
+            .front()
+            .is_some_and(|(_, r)| r.timestamp as f64 <= now);
+        match engine.stuck() {
+            Some(_) if !arriving => stuck_in_a_row += 1,
+            _ => stuck_in_a_row = 0,
+        }
+        if stuck_in_a_row >= STUCK_STEPS || idle_in_a_row > MAX_IDLE_STEPS {
             return Err(RunError::Stalled {
                 steps: idle_in_a_row,
-                requests: total - f.finished,
+                requests: engine.stuck().unwrap_or_default(),
             });
         }
         if !pending

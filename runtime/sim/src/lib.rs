@@ -57,7 +57,7 @@ pub use self::sweep::{SoakReport, SweepReport, soak, sweep};
 use self::world::SimTransport;
 use kvrelay_engine::content::mix;
 use kvrelay_engine::engine::{Engine, Figures};
-use kvrelay_engine::rank::RankStats;
+use kvrelay_engine::rank::{Completions, RankStats};
 use kvrelay_engine::{RunConfig, RunError};
 
 /// Steps of the fault phase at most (arrivals come within it).
@@ -188,8 +188,8 @@ fn config_for(seed: u64, r: &mut SimRng, faults: &FaultMix) -> RunConfig {
         layers: r.range(1, 2) as u32,
         block_size,
         block_bytes: 8 * u64::from(block_size) * r.range(1, 2),
-        gpu_blocks: r.range(28, 48) as u32,
-        cpu_blocks: r.range(16, 64) as u32,
+        gpu_blocks: Some(r.range(28, 48) as u32),
+        cpu_blocks: Some(r.range(16, 64) as u32),
         blocks_per_chunk: 1,
         policy: if r.chance(0.5) {
             kvrelay_core::PolicyKind::Lru
@@ -207,6 +207,8 @@ fn config_for(seed: u64, r: &mut SimRng, faults: &FaultMix) -> RunConfig {
         max_num_batched_tokens: r.range(24, 96) as u32,
         async_depth: r.range(1, 2) as u32,
         check: true,
+        // The simulated transfer engine decides when each copy finishes.
+        completions: Completions::AsArrived,
         ..RunConfig::default()
     }
 }
@@ -348,7 +350,7 @@ async fn run_seed(seed: u64, options: SimOptions) -> Result<SimReport, String> {
     report.transfers_failed = ranks.iter().map(|r| r.failed_transfers).sum();
     report.blocks_verified = ranks
         .iter()
-        .map(|r| r.loaded_blocks_verified + r.slots_read_verified)
+        .map(|r| r.loaded_blocks_verified + r.written_slots_verified + r.read_blocks_checked)
         .sum();
     report.digest = digest;
     Ok(report)

@@ -10,6 +10,7 @@ use super::world::SimTransport;
 use super::{SimFailure, SimReport, disturb, on_paused_clock, shut_down, simulate};
 use crate::mix::{FaultMix, SimRng};
 use kvrelay_engine::RunConfig;
+use kvrelay_engine::rank::Completions;
 
 /// The runs of a sweep, summed.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -195,12 +196,14 @@ async fn soak_run(
         layers: 2,
         block_size: 4,
         block_bytes: 32,
-        gpu_blocks: 48,
-        cpu_blocks: 64,
+        gpu_blocks: Some(48),
+        cpu_blocks: Some(64),
         mode: Mode::Strict,
         max_num_seqs: 6,
         max_num_batched_tokens: 64,
         check: true,
+        // The simulated transfer engine decides when each copy finishes.
+        completions: Completions::AsArrived,
         ..RunConfig::default()
     };
     let transport = SimTransport {

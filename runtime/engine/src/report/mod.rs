@@ -28,6 +28,13 @@ pub struct Report {
     pub requests: u64,
     /// Requests finished.
     pub finished: u64,
+    /// Requests refused at submit: a prompt of `max_model_len` tokens or more.
+    pub refused: u64,
+    /// The longest request admitted (prompt and output tokens).
+    pub max_model_len: u32,
+    /// GPU blocks per rank (the null block included) and CPU blocks per rank, as resolved.
+    pub gpu_blocks: u32,
+    pub cpu_blocks: u32,
     /// Prompt tokens submitted.
     pub prompt_tokens: u64,
     /// Tokens generated.
@@ -63,8 +70,11 @@ pub struct Report {
     pub flushed_stores: u64,
     /// Loaded blocks checked byte for byte when their load completed.
     pub loaded_blocks_verified: u64,
-    /// Token slots (per layer) checked before a forward read them.
-    pub read_slots_verified: u64,
+    /// Token slots (per layer) whose bytes were checked right after a forward wrote them.
+    pub written_slots_verified: u64,
+    /// Blocks checked when a request first read them (against its tokens; bytes were
+    /// checked when written or loaded, and cannot change while a request trusts them).
+    pub read_blocks_checked: u64,
     /// Engine-side time per step (schedule, rank outputs, apply): median, µs.
     pub core_step_us_median: f64,
     /// The same, 99th percentile.
@@ -95,7 +105,8 @@ fn sum_ranks(ranks: &[RankStats]) -> RankStats {
         s.load_time += r.load_time;
         s.copies += r.copies;
         s.loaded_blocks_verified += r.loaded_blocks_verified;
-        s.slots_read_verified += r.slots_read_verified;
+        s.written_slots_verified += r.written_slots_verified;
+        s.read_blocks_checked += r.read_blocks_checked;
         s.flushed_stores += r.flushed_stores;
         s.invariant_checks += r.invariant_checks;
         s.hook_us.absorb(&r.hook_us);
@@ -148,6 +159,10 @@ pub(crate) fn build(
         backend: f.backend,
         requests: records.len() as u64,
         finished: f.finished,
+        refused: f.refused,
+        max_model_len: f.max_model_len,
+        gpu_blocks: f.gpu_blocks,
+        cpu_blocks: f.cpu_blocks,
         prompt_tokens: f.prompt_tokens,
         generated_tokens: f.generated_tokens,
         steps: f.steps,
@@ -165,7 +180,8 @@ pub(crate) fn build(
         copies: s.copies,
         flushed_stores: s.flushed_stores,
         loaded_blocks_verified: s.loaded_blocks_verified,
-        read_slots_verified: s.slots_read_verified,
+        written_slots_verified: s.written_slots_verified,
+        read_blocks_checked: s.read_blocks_checked,
         core_step_us_median: quantile(&us, 0.5),
         core_step_us_p99: quantile(&us, 0.99),
         rank_hooks_us_median: quantile(&hooks, 0.5),

@@ -25,6 +25,11 @@ impl fmt::Display for Report {
         )?;
         writeln!(
             f,
+            "admission       max_model_len {}, {} GPU blocks and {} CPU blocks per rank, {} refused",
+            self.max_model_len, self.gpu_blocks, self.cpu_blocks, self.refused
+        )?;
+        writeln!(
+            f,
             "tokens          {} prompt, {} generated, {} computed by forward passes",
             self.prompt_tokens, self.generated_tokens, self.tokens_computed
         )?;
@@ -56,8 +61,8 @@ impl fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "verified        {} loaded blocks at completion, {} token slots before reads",
-            self.loaded_blocks_verified, self.read_slots_verified
+            "verified        {} loaded blocks at completion, {} token slots after writes, {} blocks at their first read",
+            self.loaded_blocks_verified, self.written_slots_verified, self.read_blocks_checked
         )?;
         writeln!(
             f,

@@ -153,6 +153,7 @@ mod tests {
             mode: kvrelay_core::Mode::Compat,
             check: true,
             timeline: false,
+            completions: crate::rank::Completions::AfterSteps(2),
         }
     }
 

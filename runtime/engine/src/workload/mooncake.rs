@@ -52,7 +52,7 @@ pub enum TraceError {
     },
 }
 
-/// Reads a JSONL trace. Blank lines are skipped; records must arrive in timestamp order, have at
+/// Reads a JSONL trace (gzip-compressed when its name ends in `.gz`). Blank lines are skipped; records must arrive in timestamp order, have at
 /// least one prompt and one output token, and no more hash ids than prompt blocks.
 pub fn read_trace(path: &Path, hash_block_tokens: u32) -> Result<Vec<TraceRecord>, TraceError> {
     let name = path.display().to_string();
@@ -60,8 +60,13 @@ pub fn read_trace(path: &Path, hash_block_tokens: u32) -> Result<Vec<TraceRecord
         path: name.clone(),
         source,
     })?;
+    let reader: Box<dyn std::io::Read> = if name.ends_with(".gz") {
+        Box::new(flate2::read::GzDecoder::new(file))
+    } else {
+        Box::new(file)
+    };
     let mut out: Vec<TraceRecord> = Vec::new();
-    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+    for (i, line) in std::io::BufReader::new(reader).lines().enumerate() {
         let line = line.map_err(|source| TraceError::Io {
             path: name.clone(),
             source,
@@ -83,7 +88,8 @@ pub fn read_trace(path: &Path, hash_block_tokens: u32) -> Result<Vec<TraceRecord
         let blocks = r.input_length.div_ceil(hash_block_tokens.max(1));
         if r.hash_ids.len() as u64 > u64::from(blocks) {
             return Err(bad(format!(
-                "{} hash_ids for {} prompt blocks of {hash_block_tokens} tokens",
+                "{} hash_ids for {} prompt blocks of {hash_block_tokens} tokens (a trace \
+                 written with smaller hash blocks? give --hash-block-tokens)",
                 r.hash_ids.len(),
                 blocks
             )));
@@ -137,7 +143,7 @@ mod tests {
         .unwrap();
         let e = read_trace(&p, 16).unwrap_err().to_string();
         assert!(
-            e.ends_with(":3: 2 hash_ids for 1 prompt blocks of 16 tokens"),
+            e.contains(":3: 2 hash_ids for 1 prompt blocks of 16 tokens"),
             "{e}"
         );
         assert_eq!(read_trace(&p, 5).unwrap().len(), 2);

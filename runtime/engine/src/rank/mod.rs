@@ -6,11 +6,14 @@
 //! * `Start(transfer)` — plans the copies ([`copy_plan`]) and hands them to the transfer engine.
 //!   A store's host slots take the content record of its GPU blocks now (the blocks cannot
 //!   change until the store completes: I-4).
-//! * `Forward(pass)` — writes every computed token's word into its slot, then checks every slot
-//!   the layer's attention reads (prefix-cache hits and loaded blocks included) against the
-//!   reading request's own tokens ([`crate::content`]).
+//! * `Forward(pass)` — writes every computed token's word into its slot and checks the bytes it
+//!   wrote, then checks every block the layer's attention reads that its request has not
+//!   checked yet (prefix-cache hits and loaded blocks included) against the request's own
+//!   tokens, in the rank's shadow ([`crate::content`]). What a request has checked it trusts
+//!   while the block cannot change ([`watch`]): a decode step costs its new tokens, not its
+//!   context.
 //! * `Wait` — returns to the task loop, which feeds completions until the driver moves on.
-//! * `Collect` — feeds every completion that arrived by now, without waiting.
+//! * `Collect` — feeds the completions the step is due to hear of ([`Completions`]).
 //! * `Done(output)` — sends the output to the engine.
 //!
 //! A completed load is checked byte for byte against what its host slots must hold before the
@@ -18,15 +21,20 @@
 //! (polled after every hook by the driver), stops the rank with a typed error the engine
 //! reports.
 
-use std::collections::{BTreeMap, HashMap};
+mod watch;
+
+pub use self::watch::{Hazard, Watch};
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvrelay_core::{
-    BlockId, GroupKind, JobId, KvLayout, Mode, OffloadingConnectorMeta, OffloadingWorker,
-    OffloadingWorkerConfig, RankAction, RankConfig, RankDriver, RequestId, ScheduledStep, StepId,
-    Token, Transfer, TransferDirection, TransferDone, WorkerCall, WorkerOutput, copy_plan,
+    BlockAccess, BlockId, GroupKind, JobId, KvLayout, Mode, OffloadingConnectorMeta,
+    OffloadingWorker, OffloadingWorkerConfig, RankAction, RankConfig, RankDriver, RequestId,
+    ScheduledStep, StepId, Token, Transfer, TransferDirection, TransferDone, WorkerCall,
+    WorkerOutput, copy_plan, tables_reset,
 };
 use tokio::sync::{Notify, mpsc};
 
@@ -71,8 +79,11 @@ pub struct RankStats {
     pub copies: u64,
     /// Blocks of completed loads checked against their host slots.
     pub loaded_blocks_verified: u64,
-    /// Token slots (per layer) checked before a forward read them.
-    pub slots_read_verified: u64,
+    /// Token slots (per layer) whose bytes were checked right after a forward wrote them.
+    pub written_slots_verified: u64,
+    /// Blocks a request read for the first time, checked against its tokens (the blocks it
+    /// had checked before are trusted: see `watch`).
+    pub read_blocks_checked: u64,
     /// Stores waited for in `handle_preemptions` before their blocks were rewritten.
     pub flushed_stores: u64,
     /// Transfers that failed part-way (injected by the simulation), stores and loads.
@@ -114,6 +125,27 @@ pub struct RankSetup {
     pub check: bool,
     /// Record steps and transfers for the timeline (`--timeline`).
     pub timeline: bool,
+    /// When the driver hears of a completed transfer.
+    pub completions: Completions,
+}
+
+/// When a rank's driver hears that a transfer completed.
+#[derive(Clone, Copy, Debug, Eq, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Completions {
+    /// At the `Collect` of the step `n` steps after the one that started it (or sooner, when a
+    /// step waits for it), whenever its copies really finished: every run of a workload then
+    /// takes the same steps, whatever the machine's speed. 0: the step that started it.
+    AfterSteps(u32),
+    /// As soon as its copies finish (fed at the next `Collect` or wait): what a real engine
+    /// sees; the simulation's order.
+    AsArrived,
+}
+
+impl Default for Completions {
+    fn default() -> Self {
+        Self::AfterSteps(1)
+    }
 }
 
 impl RankSetup {
@@ -193,12 +225,10 @@ impl RankSetup {
             self.check,
         );
         task.stats.timeline = Recorder::new(self.timeline);
+        task.completions = self.completions;
         task
     }
 }
-
-/// Slots a forward collects before it checks them.
-const CHECK_BATCH: usize = 4096;
 
 /// A checked slot, as an error names it.
 #[derive(Clone, Copy, Debug)]
@@ -220,8 +250,19 @@ pub struct RankTask {
     /// Per host slot and token slot, the prefix hash it holds.
     host_shadow: Vec<u64>,
     loads: HashMap<JobId, Transfer>,
-    /// The host slots of each store in flight.
-    stores: HashMap<JobId, Vec<u64>>,
+    stores: HashMap<JobId, Transfer>,
+    /// What each GPU block may be trusted for.
+    watch: Watch,
+    /// When the driver hears of completions.
+    completions: Completions,
+    /// Transfers started, in start order, with the step that started them; and those whose
+    /// copies finished and that the driver has not heard of yet (with [`Completions::AfterSteps`]).
+    started: VecDeque<(JobId, u64)>,
+    arrived: HashMap<JobId, CopyDone>,
+    /// What the step waits for before the driver can go on (with [`Completions::AfterSteps`]).
+    blocked: Option<Due>,
+    /// The running step's number.
+    step_no: u64,
     book: TokenBook,
     engine: Box<dyn TransferEngine>,
     done: mpsc::Receiver<CopyDone>,
@@ -260,6 +301,7 @@ impl RankTask {
     ) -> Self {
         let bs = shape.block_size as usize;
         let slot_bytes = (shape.gpu.block_bytes() as usize) / bs;
+        let watch = Watch::new(shape.gpu.blocks());
         Self {
             rank,
             driver,
@@ -270,6 +312,12 @@ impl RankTask {
             shape,
             loads: HashMap::new(),
             stores: HashMap::new(),
+            watch,
+            completions: Completions::default(),
+            started: VecDeque::new(),
+            arrived: HashMap::new(),
+            blocked: None,
+            step_no: 0,
             book: TokenBook::default(),
             engine,
             done,
@@ -295,7 +343,7 @@ impl RankTask {
             let progressed = tokio::select! {
                 biased;
                 d = self.done.recv() => match d {
-                    Some(d) => self.complete(d).map(|()| current.is_some()),
+                    Some(d) => self.arrive(d).map(|()| current.is_some()),
                     // The copy thread is gone: said to the engine, never a silent exit.
                     None => Err(RunError::Transfer { rank: self.rank, error: TransferError::Stopped }),
                 },
@@ -308,7 +356,9 @@ impl RankTask {
                 },
             };
             let result = match progressed {
-                Ok(true) => self.drive(),
+                Ok(true) => self
+                    .unblock()
+                    .and_then(|go| if go { self.drive() } else { Ok(None) }),
                 Ok(false) => Ok(None),
                 Err(e) => Err(e),
             };
@@ -341,7 +391,11 @@ impl RankTask {
         for (r, t) in m.tokens.iter() {
             self.book.extend(*r, t);
         }
+        for r in tables_reset(&m.step.output) {
+            self.watch.reset(r);
+        }
         self.flush_counted = false;
+        self.step_no = m.step.output.step.0;
         if self.stats.timeline.is_on() {
             self.step_started = now_us();
         }
@@ -372,29 +426,94 @@ impl RankTask {
                         self.flush_counted = true;
                         self.stats.flushed_stores += jobs.len() as u64;
                     }
+                    if self.block_on(Due::Jobs(jobs.iter().copied().collect()))? {
+                        continue;
+                    }
                     return Ok(None);
                 }
                 RankAction::Collect => {
-                    while let Ok(d) = self.done.try_recv() {
-                        self.complete(d)?;
+                    if !self.block_on(Due::Collect)? {
+                        return Ok(None);
                     }
                 }
-                RankAction::Done(out) => {
-                    let hooks = std::mem::take(&mut self.hook_time);
-                    self.stats.hook_us.push(hooks.as_secs_f32() * 1e6);
-                    if self.check {
-                        self.driver.check_invariants()?;
-                        self.stats.invariant_checks += 1;
-                    }
-                    let step = self.driver.steps_done().saturating_sub(1);
-                    let (start, pid) = (self.step_started, self.rank + 1);
-                    self.stats
-                        .timeline
-                        .span(|| format!("step {step}"), start, pid, 0);
-                    return Ok(Some(out));
-                }
+                RankAction::Done(out) => return self.done_step(out).map(Some),
                 RankAction::Idle => return Ok(None),
             }
+        }
+    }
+
+    /// The step's output is ready: its figures, its invariants, its timeline span.
+    fn done_step(&mut self, out: WorkerOutput) -> Result<WorkerOutput, RunError> {
+        let hooks = std::mem::take(&mut self.hook_time);
+        self.stats.hook_us.push(hooks.as_secs_f32() * 1e6);
+        if self.check {
+            self.driver.check_invariants()?;
+            self.stats.invariant_checks += 1;
+        }
+        let step = self.driver.steps_done().saturating_sub(1);
+        let (start, pid) = (self.step_started, self.rank + 1);
+        self.stats
+            .timeline
+            .span(|| format!("step {step}"), start, pid, 0);
+        Ok(out)
+    }
+
+    /// A transfer's copies finished: the driver hears of it now ([`Completions::AsArrived`]), or
+    /// when it is due.
+    fn arrive(&mut self, d: CopyDone) -> Result<(), RunError> {
+        match self.completions {
+            Completions::AsArrived => self.complete(d),
+            Completions::AfterSteps(_) => {
+                self.arrived.insert(d.job, d);
+                Ok(())
+            }
+        }
+    }
+
+    /// Waits (as far as the driver is concerned) for what `due` names: `true` when the driver
+    /// may go on now, `false` when the rank must wait for more copies to finish first.
+    fn block_on(&mut self, due: Due) -> Result<bool, RunError> {
+        if self.completions == Completions::AsArrived {
+            if due == Due::Collect {
+                while let Ok(d) = self.done.try_recv() {
+                    self.complete(d)?;
+                }
+            }
+            return Ok(due == Due::Collect);
+        }
+        self.blocked = Some(due);
+        self.unblock()
+    }
+
+    /// Feeds the driver, in start order, the completions the blocked step is due to hear of:
+    /// at a collect, every transfer started `n` steps before or earlier; at a wait, every
+    /// transfer started up to the last one waited for. `true` when all of them were fed (or
+    /// nothing is blocked).
+    fn unblock(&mut self) -> Result<bool, RunError> {
+        let Some(due) = self.blocked.take() else {
+            return Ok(true);
+        };
+        let lag = match self.completions {
+            Completions::AfterSteps(n) => u64::from(n),
+            Completions::AsArrived => 0,
+        };
+        loop {
+            let next = self.started.front().copied();
+            let is_due = match (&due, next) {
+                (_, None) => false,
+                (Due::Collect, Some((_, step))) => step + lag <= self.step_no,
+                (Due::Jobs(jobs), Some(_)) => self.started.iter().any(|(j, _)| jobs.contains(j)),
+            };
+            if !is_due {
+                return Ok(true);
+            }
+            let (job, _) = next.expect("checked");
+            let Some(d) = self.arrived.remove(&job) else {
+                self.blocked = Some(due);
+                return Ok(false);
+            };
+            self.started.pop_front();
+            self.complete(d)?;
         }
     }
 
@@ -409,6 +528,16 @@ impl RankTask {
             self.transfer_started.insert(t.job, now_us());
         }
         tracing::trace!(rank = self.rank, job = t.job.0, direction = ?t.direction, blocks = t.gpu_blocks.len(), copies = runs.len(), "transfer started");
+        let hazard = match t.direction {
+            TransferDirection::Store => self.watch.start_store(&t.gpu_blocks),
+            TransferDirection::Load => self.watch.start_load(t.job, &t.gpu_blocks),
+        };
+        hazard.map_err(|hazard| RunError::Hazard {
+            rank: self.rank,
+            request: t.request,
+            block: hazard_block(&hazard, &t.gpu_blocks),
+            hazard,
+        })?;
         match t.direction {
             TransferDirection::Store => {
                 for (b, &slot) in t.gpu_blocks.iter().zip(&t.external) {
@@ -416,11 +545,14 @@ impl RankTask {
                     let (src, dst) = (g..g + bs, h..h + bs);
                     self.host_shadow[dst].copy_from_slice(&self.gpu_shadow[src]);
                 }
-                self.stores.insert(t.job, t.external.clone());
+                self.stores.insert(t.job, t.clone());
             }
             TransferDirection::Load => {
                 self.loads.insert(t.job, t.clone());
             }
+        }
+        if self.completions != Completions::AsArrived {
+            self.started.push_back((t.job, self.step_no));
         }
         self.engine
             .start(CopyJob {
@@ -462,8 +594,10 @@ impl RankTask {
             TransferDirection::Store => {
                 self.stats.bytes_stored += d.bytes;
                 self.stats.store_time += d.elapsed;
-                self.stats.blocks_stored +=
-                    self.stores.remove(&d.job).map_or(0, |s| s.len() as u64);
+                if let Some(t) = self.stores.remove(&d.job) {
+                    self.stats.blocks_stored += t.gpu_blocks.len() as u64;
+                    self.watch.end_store(&t.gpu_blocks);
+                }
             }
             TransferDirection::Load => {
                 self.stats.bytes_loaded += d.bytes;
@@ -475,6 +609,7 @@ impl RankTask {
                         *self.stats.loaded_tokens.entry(t.request).or_default() += tokens;
                     }
                     self.check_load(&t)?;
+                    self.watch.end_load(&t.gpu_blocks);
                 }
             }
         }
@@ -504,11 +639,12 @@ impl RankTask {
         let bs = self.shape.block_size as usize;
         match d.direction {
             TransferDirection::Store => {
-                if let Some(slots) = self.stores.remove(&d.job) {
-                    for slot in slots {
+                if let Some(t) = self.stores.remove(&d.job) {
+                    for &slot in &t.external {
                         let h = slot as usize * bs;
                         self.host_shadow[h..h + bs].fill(POISON);
                     }
+                    self.watch.end_store(&t.gpu_blocks);
                 }
             }
             TransferDirection::Load => {
@@ -517,6 +653,7 @@ impl RankTask {
                         let g = b.0 as usize * bs;
                         self.gpu_shadow[g..g + bs].fill(POISON);
                     }
+                    self.watch.end_load(&t.gpu_blocks);
                 }
             }
         }
@@ -604,16 +741,35 @@ impl RankTask {
         }
     }
 
+    /// One layer of a forward: its writes, then (at the group's last layer) its reads.
     fn forward(&mut self, pass: &kvrelay_core::ForwardPass) -> Result<(), RunError> {
         let layer = pass.layer;
         let Some(group) = self.shape.gpu.group_of(layer) else {
             return Ok(());
         };
-        let bs = self.shape.block_size;
-        let mut slots = std::mem::take(&mut self.slots);
+        self.write(pass, group)?;
+        // Reads are checked once the group's last layer wrote: a request may read a block
+        // another one writes in the same step (a prefix hit on a block cached when the step was
+        // scheduled), layer after layer, and trusts it only once every layer was written.
+        if self.shape.gpu.layers_of(group).last() == Some(layer) {
+            self.read(pass, group)?;
+        }
+        Ok(())
+    }
+
+    /// Writes every new token's word into its slot, then checks the bytes written. A block
+    /// someone else trusts, or that a transfer uses, is not written ([`Watch::may_write`]).
+    fn write(&mut self, pass: &kvrelay_core::ForwardPass, group: u32) -> Result<(), RunError> {
+        let (layer, bs) = (pass.layer, self.shape.block_size);
+        let (mut slots, mut whose) = (
+            std::mem::take(&mut self.slots),
+            std::mem::take(&mut self.whose),
+        );
         slots.clear();
+        whose.clear();
         let (sb, rank) = (self.slot_bytes, self.rank);
         for a in pass.writes.iter().filter(|a| a.group as u32 == group) {
+            self.watch.may_write(a).map_err(|h| self.hazard(a, h))?;
             let base = self.slot(layer, a.block, 0)?;
             let prefixes = prefixes(&self.book, rank, a.request, &a.tokens)?;
             let shadow = a.block.0 as usize * bs as usize;
@@ -623,51 +779,87 @@ impl RankTask {
                     at: base + i * sb,
                     word: word(prefix, layer, group, rank),
                 });
+                whose.push(SlotName {
+                    request: a.request,
+                    block: a.block,
+                    layer,
+                    slot: i as u32,
+                });
                 self.gpu_shadow[shadow + i] = prefix;
             }
         }
-        // Reads are checked in batches that stay in cache.
-        let mut bad = self.arena.fill(&slots).map(|()| None);
-        slots.clear();
-        let mut read = 0usize;
-        let mut check = |slots: &mut Vec<Slot>, arena: &mut Box<dyn KvArena>| {
-            if let Ok(None) = bad {
-                bad = arena.first_mismatch(slots).map(|m| m.map(|i| read + i));
-            }
-            read += slots.len();
-            slots.clear();
+        let bad = match self.arena.fill(&slots) {
+            Ok(()) => self.arena.first_mismatch(&slots),
+            Err(e) => Err(e),
         };
-        let reads = || pass.reads.iter().filter(|a| a.group as u32 == group);
-        for a in reads() {
-            let base = self.slot(layer, a.block, 0)?;
-            let prefixes = prefixes(&self.book, rank, a.request, &a.tokens)?;
-            for (p, &prefix) in a.tokens.clone().zip(prefixes) {
-                slots.push(Slot {
-                    at: base + (p % bs) as usize * sb,
-                    word: word(prefix, layer, group, rank),
-                });
-                if slots.len() == CHECK_BATCH {
-                    check(&mut slots, &mut self.arena);
+        let named = self.mismatch("written", bad, |i| whose.get(i).copied());
+        self.stats.written_slots_verified += slots.len() as u64;
+        (self.slots, self.whose) = (slots, whose);
+        named
+    }
+
+    /// Checks, in the shadow, every block the layer reads that its request has not checked
+    /// yet; the request trusts it from then on ([`Watch`]).
+    fn read(&mut self, pass: &kvrelay_core::ForwardPass, group: u32) -> Result<(), RunError> {
+        let bs = self.shape.block_size;
+        for span in pass.reads.iter().filter(|s| s.group as u32 == group) {
+            let (r, g) = (span.request, span.group);
+            self.watch.window_from(r, g, span.tokens.start / bs);
+            let from = self.watch.checked_up_to(r, g);
+            let new: Vec<BlockAccess> = self.driver.read_blocks(span, from).collect();
+            for a in &new {
+                self.watch.may_read(a).map_err(|h| self.hazard(a, h))?;
+                let want = prefixes(&self.book, self.rank, r, &a.tokens)?;
+                let base = a.block.0 as usize * bs as usize;
+                let held = a
+                    .tokens
+                    .clone()
+                    .map(|p| self.gpu_shadow[base + (p % bs) as usize]);
+                if let Some(p) = a
+                    .tokens
+                    .clone()
+                    .zip(held.zip(want))
+                    .find_map(|(p, (h, w))| (h != *w).then_some(p))
+                {
+                    return Err(RunError::Corrupt {
+                        what: "read",
+                        rank: self.rank,
+                        request: r,
+                        block: a.block,
+                        layer: pass.layer,
+                        slot: p % bs,
+                    });
                 }
+                self.watch.trust(a);
+                self.stats.read_blocks_checked += 1;
             }
         }
-        check(&mut slots, &mut self.arena);
-        let read = read as u64;
-        self.slots = slots;
-        // The i-th slot read, named only when one mismatched.
-        let name = |i: usize| {
-            let mut all = reads().flat_map(|a| a.tokens.clone().map(move |p| (a, p)));
-            all.nth(i).map(|(a, p)| SlotName {
-                request: a.request,
-                block: a.block,
-                layer,
-                slot: p % bs,
-            })
-        };
-        self.mismatch("read", bad, name)?;
-        self.stats.slots_read_verified += read;
         Ok(())
     }
+
+    fn hazard(&self, a: &BlockAccess, hazard: Hazard) -> RunError {
+        RunError::Hazard {
+            rank: self.rank,
+            request: a.request,
+            block: a.block,
+            hazard,
+        }
+    }
+}
+
+/// What the blocked step waits for before its driver can go on.
+#[derive(Debug, Eq, PartialEq)]
+enum Due {
+    /// The step's collect: the transfers due by now ([`Completions`]).
+    Collect,
+    /// A wait for these jobs.
+    Jobs(Vec<JobId>),
+}
+
+/// The block a transfer's hazard is about: the first of `blocks` (a transfer's hazards are
+/// checked block by block; the message names the transfer's request).
+fn hazard_block(_: &Hazard, blocks: &[BlockId]) -> BlockId {
+    blocks.first().copied().unwrap_or(kvrelay_core::NULL_BLOCK)
 }
 
 /// The prefix hashes of `request`'s tokens at `positions`, or the error naming the first
