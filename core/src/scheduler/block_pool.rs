@@ -25,6 +25,10 @@ use alloc::vec::Vec;
 use crate::ids::{BlockId, NULL_BLOCK};
 use crate::tokens::BlockHash;
 
+mod hit_index;
+
+use self::hit_index::HitIndex;
+
 /// A prefix-cache key: a block hash within one KV cache group.
 type CacheKey = (BlockHash, u8);
 
@@ -47,6 +51,9 @@ pub struct BlockPool {
     /// them all); the hit is the earliest inserted. One flat map, so caching a block allocates
     /// nothing beyond the tree node.
     cached: BTreeMap<(BlockHash, u8, u64), BlockId>,
+    /// Per key, the block [`BlockPool::get_cached`] answers (the earliest inserted): a hash
+    /// lookup for the hot path, derived from `cached` and ignored by `Hash` and `Eq`.
+    first: HitIndex,
     inserted: u64,
 }
 
@@ -63,6 +70,7 @@ impl BlockPool {
             tail: NIL,
             num_free: 0,
             cached: BTreeMap::new(),
+            first: HitIndex::default(),
             inserted: 0,
         };
         for b in 1..num_blocks {
@@ -98,10 +106,7 @@ impl BlockPool {
 
     /// The cached block for `hash` in `group`, if any.
     pub fn get_cached(&self, hash: BlockHash, group: u8) -> Option<BlockId> {
-        self.cached
-            .range((hash, group, 0)..=(hash, group, u64::MAX))
-            .next()
-            .map(|(_, &b)| b)
+        self.first.get(hash, group)
     }
 
     /// Take one more reference on each block (a prefix-cache hit, or a connector pin). A free
@@ -215,6 +220,7 @@ impl BlockPool {
         self.inserted += 1;
         self.hash[b.0 as usize] = Some(((hash, group), n));
         self.cached.insert((hash, group, n), b);
+        self.first.insert_if_absent(hash, group, b);
     }
 
     /// Remove the cache keys of these blocks (vLLM's `evict_blocks`, used by the `fail` load
@@ -251,6 +257,16 @@ impl BlockPool {
     fn evict_hash(&mut self, i: u32) {
         if let Some(((h, g), n)) = self.hash[i as usize].take() {
             self.cached.remove(&(h, g, n));
+            if self.first.get(h, g) == Some(BlockId(u64::from(i))) {
+                // The next earliest block of the key, if another carries it.
+                let next = self
+                    .cached
+                    .range((h, g, 0)..)
+                    .next()
+                    .filter(|(k, _)| k.0 == h && k.1 == g)
+                    .map(|(_, &b)| b);
+                self.first.set(h, g, next);
+            }
         }
     }
 
@@ -342,6 +358,28 @@ impl BlockPool {
                 b.0
             );
         }
+        // Keys in order: the first entry of each is its earliest block, the index's answer.
+        let mut keys = 0;
+        let mut last = None;
+        for (&(h, g, _), &b) in &self.cached {
+            if last == Some((h, g)) {
+                continue;
+            }
+            last = Some((h, g));
+            keys += 1;
+            ensure_invariant!(
+                self.first.get(h, g) == Some(b),
+                "I-20",
+                "the hit index does not answer block {} for its key",
+                b.0
+            );
+        }
+        ensure_invariant!(
+            keys == self.first.len(),
+            "I-20",
+            "the hit index holds {} keys, the cache {keys}",
+            self.first.len()
+        );
         let keyed = self.hash.iter().filter(|h| h.is_some()).count();
         ensure_invariant!(
             keyed == self.num_cached(),

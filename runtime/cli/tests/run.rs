@@ -117,7 +117,7 @@ fn a_rank_that_vanishes_stops_the_run_instead_of_hanging_it() {
 #[test]
 fn bad_configurations_are_errors() {
     let c = RunConfig {
-        block_bytes: 100,
+        block_bytes: Some(100),
         ..small()
     };
     let records = requests(&small()).unwrap();

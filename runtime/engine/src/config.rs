@@ -41,11 +41,15 @@ pub struct RunConfig {
     pub layers: u32,
     /// Tokens per block.
     pub block_size: u32,
-    /// Bytes of one block of one layer on one rank (a multiple of 8 × `block_size`).
-    pub block_bytes: u64,
+    /// Bytes of one block of one layer on one rank (a multiple of 8 × `block_size`). Default:
+    /// 2,048 (128 bytes a token slot) for the generated workload; with a trace 8 × `block_size`,
+    /// one 8-byte word a token slot — a trace's hundreds of millions of tokens would otherwise
+    /// be hundreds of GB to write, check and copy, and every byte is still checked.
+    pub block_bytes: Option<u64>,
     /// GPU blocks per rank (the null block included). Default ([`RunConfig::gpu_blocks_for`]):
-    /// 320 — small, so that the generated workload's requests are preempted and offloaded
-    /// blocks are loaded back — or room for two requests of `max_model_len`, if more.
+    /// with a trace, room for eight requests of `max_model_len`; without, 320 — small, so that
+    /// the generated workload's requests are preempted and offloaded blocks are loaded back —
+    /// or room for two requests of `max_model_len`, if more.
     pub gpu_blocks: Option<u32>,
     /// CPU offload blocks per rank. Default ([`RunConfig::cpu_blocks_for`]): 4,096, or four
     /// times the GPU pool, if more.
@@ -61,10 +65,12 @@ pub struct RunConfig {
     /// `compat` (vLLM 0.33.0's semantics: a failed transfer stops the engine, as vLLM asserts)
     /// or `strict` (kvrelay's departures, a failed transfer absorbed: see `docs/COMPAT.md`).
     pub mode: Mode,
-    /// Running requests at most.
-    pub max_num_seqs: u32,
-    /// Tokens per step at most.
-    pub max_num_batched_tokens: u32,
+    /// Running requests at most. Default: 16 for the generated workload (small, so that
+    /// requests wait and are preempted), 256 with a trace (vLLM's server default).
+    pub max_num_seqs: Option<u32>,
+    /// Tokens per step at most. Default: 1,024 for the generated workload, 8,192 with a trace
+    /// (vLLM's server default with chunked prefill).
+    pub max_num_batched_tokens: Option<u32>,
     /// Steps scheduled ahead of their output: 1 = synchronous, 2 = async scheduling (the next
     /// step is scheduled while the ranks run this one).
     pub async_depth: u32,
@@ -102,15 +108,15 @@ impl Default for RunConfig {
             worker_exe: None,
             layers: 4,
             block_size: 16,
-            block_bytes: 2048,
+            block_bytes: None,
             gpu_blocks: None,
             cpu_blocks: None,
             max_model_len: None,
             blocks_per_chunk: 1,
             policy: PolicyKind::Lru,
             mode: Mode::Compat,
-            max_num_seqs: 16,
-            max_num_batched_tokens: 1024,
+            max_num_seqs: None,
+            max_num_batched_tokens: None,
             async_depth: 1,
             step_ms: 25.0,
             hash_block_tokens: None,
@@ -126,6 +132,28 @@ impl Default for RunConfig {
 }
 
 impl RunConfig {
+    /// Bytes of one block of one layer on one rank: as given, else 2,048, or one word a token
+    /// slot with a trace.
+    pub fn block_bytes(&self) -> u64 {
+        self.block_bytes.unwrap_or(if self.trace.is_some() {
+            8 * u64::from(self.block_size)
+        } else {
+            2048
+        })
+    }
+
+    /// Running requests at most: as given, else 256 with a trace, 16 without.
+    pub fn max_seqs(&self) -> u32 {
+        self.max_num_seqs
+            .unwrap_or(if self.trace.is_some() { 256 } else { 16 })
+    }
+
+    /// Tokens per step at most: as given, else 8,192 with a trace, 1,024 without.
+    pub fn max_batched_tokens(&self) -> u32 {
+        self.max_num_batched_tokens
+            .unwrap_or(if self.trace.is_some() { 8192 } else { 1024 })
+    }
+
     /// Tokens per trace hash block: as given, else 512 with a trace, 64 without.
     pub fn hash_block(&self) -> u32 {
         self.hash_block_tokens
@@ -133,12 +161,16 @@ impl RunConfig {
             .max(1)
     }
 
-    /// GPU blocks per rank for requests of at most `max_model_len` tokens: as given, else 320
-    /// or room for two such requests (and the null block), if more.
+    /// GPU blocks per rank for requests of at most `max_model_len` tokens: as given, else room
+    /// for eight such requests with a trace (a production pool, where a request waits for
+    /// compute rather than for memory), and without one 320 (small, so that the generated
+    /// workload's requests are preempted and offloaded blocks loaded back) or room for two,
+    /// if more. The null block comes on top.
     pub fn gpu_blocks_for(&self, max_model_len: u32) -> u32 {
         self.gpu_blocks.unwrap_or_else(|| {
             let one = max_model_len.div_ceil(self.block_size.max(1));
-            320u32.max(one.saturating_mul(2).saturating_add(1))
+            let times = if self.trace.is_some() { 8 } else { 2 };
+            320u32.max(one.saturating_mul(times).saturating_add(1))
         })
     }
 

@@ -11,7 +11,9 @@
 //!   [`StepOutcome`] carries the requests' new tokens and finishes, and says whether the step
 //!   was idle; then [`Engine::wait_idle`] waits for a transfer completion (or a short timeout)
 //!   instead of spinning.
-//! * [`Engine::shutdown`] at the end: stops the ranks and returns their figures.
+//! * [`Engine::shutdown`] at the end: stops the ranks and returns their figures;
+//!   [`Engine::shutdown_on`] instead when a [`crate::stop::StopSignal`] may cut the wait short
+//!   (it kills the ranks still running at the stop's deadline).
 //!
 //! The engine loop of `kvrelay run` ([`crate::run()`]) and the embedding API
 //! ([`crate::api::EngineHandle`]) both drive this type.
@@ -31,6 +33,7 @@ use tokio::task::JoinHandle;
 use crate::rank::{Completions, RankReport, RankSetup, RankStats, StepMsg};
 use crate::report::perfetto::{Recorder, now_us};
 use crate::report::samples::Samples;
+use crate::stop::{STOP_GRACE, StopSignal};
 use crate::transport::{self, Clock, TokioClock, Transport};
 use crate::{RunConfig, RunError, workload};
 
@@ -119,16 +122,17 @@ fn layouts(
     cpu_blocks: u32,
 ) -> Result<(KvLayout, KvLayout), RunError> {
     let bad = |e: LayoutError| RunError::Config(e.to_string());
-    if c.block_size == 0 || !c.block_bytes.is_multiple_of(8 * u64::from(c.block_size)) {
+    let block_bytes = c.block_bytes();
+    if c.block_size == 0 || !block_bytes.is_multiple_of(8 * u64::from(c.block_size)) {
         return Err(RunError::Config(format!(
             "block_bytes ({}) must be a positive multiple of 8 × block_size ({})",
-            c.block_bytes, c.block_size
+            block_bytes, c.block_size
         )));
     }
     let gpu = KvLayout::new(
         vec![0; c.layers as usize],
         gpu_blocks,
-        c.block_bytes,
+        block_bytes,
         LayoutOrder::LayerMajor,
     )
     .map_err(bad)?;
@@ -189,8 +193,8 @@ impl Engine {
             block_size: c.block_size,
             num_gpu_blocks: gpu_blocks,
             groups: vec![GroupKind::FullAttention],
-            max_num_batched_tokens: c.max_num_batched_tokens,
-            max_num_seqs: c.max_num_seqs,
+            max_num_batched_tokens: c.max_batched_tokens(),
+            max_num_seqs: c.max_seqs(),
             max_model_len,
             enable_prefix_caching: true,
             enable_chunked_prefill: true,
@@ -548,18 +552,71 @@ impl Engine {
 
     /// Stops the ranks; returns their figures (default figures for a rank that failed).
     pub async fn shutdown(self) -> (Figures, Vec<RankStats>) {
+        let stopped = self.shutdown_on(&mut StopSignal::never(), STOP_GRACE).await;
+        (stopped.figures, stopped.ranks)
+    }
+
+    /// Stops the ranks as [`Engine::shutdown`] does — closes their links and waits for each
+    /// to exit — but kills what is left `grace` after `stop` asked for a graceful stop (at
+    /// once if it already had, before this call), or as soon as it asks for an immediate one
+    /// (see [`crate::stop`]). A killed rank's figures are the default ones.
+    pub async fn shutdown_on(self, stop: &mut StopSignal, grace: Duration) -> Stopped {
         let Engine {
             to_ranks,
-            handles,
+            mut handles,
             figures,
+            clock,
             ..
         } = self;
         drop(to_ranks);
-        let mut ranks = Vec::new();
-        for h in handles {
-            ranks.push(h.await.unwrap_or_default());
+        let mut ranks = Vec::with_capacity(handles.len());
+        tokio::select! {
+            () = join_in_order(&mut handles, &mut ranks) => {}
+            () = stop.deadline(&*clock, grace) => {}
         }
-        (figures, ranks)
+        // The ranks not joined yet: killed (a worker process's link kills its process when
+        // its task is dropped), unless they ended meanwhile.
+        let mut ranks_killed = 0;
+        for h in handles.iter().skip(ranks.len()) {
+            h.abort();
+        }
+        for h in handles.iter_mut().skip(ranks.len()) {
+            match h.await {
+                Ok(stats) => ranks.push(stats),
+                Err(_) => {
+                    ranks_killed += 1;
+                    ranks.push(RankStats::default());
+                }
+            }
+        }
+        if ranks_killed > 0 {
+            tracing::warn!(ranks_killed, "ranks killed after the stop's grace period");
+        }
+        Stopped {
+            figures,
+            ranks,
+            ranks_killed,
+        }
+    }
+}
+
+/// What [`Engine::shutdown_on`] leaves.
+#[derive(Debug)]
+pub struct Stopped {
+    /// The engine's figures.
+    pub figures: Figures,
+    /// Each rank's figures, in rank order (default figures for a rank that failed or was
+    /// killed).
+    pub ranks: Vec<RankStats>,
+    /// Ranks still running at the stop's deadline, and killed.
+    pub ranks_killed: u32,
+}
+
+/// Joins `handles` in order, pushing each rank's figures; cancel-safe (a handle joined is
+/// pushed before the next is awaited, so `ranks.len()` says how many were).
+async fn join_in_order(handles: &mut [JoinHandle<RankStats>], ranks: &mut Vec<RankStats>) {
+    for h in handles.iter_mut() {
+        ranks.push(h.await.unwrap_or_default());
     }
 }
 

@@ -187,7 +187,7 @@ fn config_for(seed: u64, r: &mut SimRng, faults: &FaultMix) -> RunConfig {
         ranks: r.range(1, 3) as u32,
         layers: r.range(1, 2) as u32,
         block_size,
-        block_bytes: 8 * u64::from(block_size) * r.range(1, 2),
+        block_bytes: Some(8 * u64::from(block_size) * r.range(1, 2)),
         gpu_blocks: Some(r.range(28, 48) as u32),
         cpu_blocks: Some(r.range(16, 64) as u32),
         blocks_per_chunk: 1,
@@ -203,8 +203,8 @@ fn config_for(seed: u64, r: &mut SimRng, faults: &FaultMix) -> RunConfig {
         } else {
             Mode::Strict
         },
-        max_num_seqs: r.range(3, 8) as u32,
-        max_num_batched_tokens: r.range(24, 96) as u32,
+        max_num_seqs: Some(r.range(3, 8) as u32),
+        max_num_batched_tokens: Some(r.range(24, 96) as u32),
         async_depth: r.range(1, 2) as u32,
         check: true,
         // The simulated transfer engine decides when each copy finishes.

@@ -497,12 +497,21 @@ impl RankTask {
             Completions::AfterSteps(n) => u64::from(n),
             Completions::AsArrived => 0,
         };
+        // At a wait: how many of the started transfers lead up to the last one waited for.
+        let mut upto = match &due {
+            Due::Collect => 0,
+            Due::Jobs(jobs) => self
+                .started
+                .iter()
+                .rposition(|(j, _)| jobs.contains(j))
+                .map_or(0, |i| i + 1),
+        };
         loop {
             let next = self.started.front().copied();
             let is_due = match (&due, next) {
                 (_, None) => false,
                 (Due::Collect, Some((_, step))) => step + lag <= self.step_no,
-                (Due::Jobs(jobs), Some(_)) => self.started.iter().any(|(j, _)| jobs.contains(j)),
+                (Due::Jobs(_), Some(_)) => upto > 0,
             };
             if !is_due {
                 return Ok(true);
@@ -513,6 +522,7 @@ impl RankTask {
                 return Ok(false);
             };
             self.started.pop_front();
+            upto = upto.saturating_sub(1);
             self.complete(d)?;
         }
     }
