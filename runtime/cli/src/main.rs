@@ -4,7 +4,8 @@
 //! A thin shell: each subcommand's work is in a library crate (`kvrelay-engine` for `run` and
 //! `worker`, `kvrelay-sim`, `kvrelay-conformance` for `conformance` and `bench`,
 //! `kvrelay-model-check` for `check`); this crate parses the command line and prints. Each
-//! subcommand's flags and printing are a module of their own: [`run`], [`sim`], [`check`].
+//! subcommand's flags and printing are a module of their own: [`run`], [`sim`], [`check`],
+//! [`sweep`] (its chart: [`plot`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,12 +14,15 @@ use clap::{Parser, Subcommand};
 use kvrelay_conformance::{self as conformance, bench};
 
 mod check;
+mod plot;
 mod run;
 mod sim;
+mod sweep;
 
 use check::CheckArgs;
 use run::{self as run_args, RunArgs};
 use sim::{self as sim_args, SimArgs};
+use sweep::SweepArgs;
 
 /// The binary's allocator: mimalloc. The model checker clones and drops a state per transition
 /// and the manager's calls allocate small vectors; with glibc's allocator, malloc and free were
@@ -93,6 +97,11 @@ enum Command {
     /// replays it.
     #[command(after_long_help = sim_args::HELP)]
     Sim(SimArgs),
+    /// What-if sweeps: run one workload under a grid of CPU pools × eviction policies (× GPU
+    /// pools), in parallel; a table (--json for machines) and a plot of prefix reuse and tokens
+    /// computed against the CPU pool (--plot OUT.svg|png).
+    #[command(after_long_help = sweep::HELP)]
+    Sweep(Box<SweepArgs>),
 }
 
 fn main() -> ExitCode {
@@ -110,6 +119,10 @@ fn main() -> ExitCode {
         Command::Bench { case, repeat, json } => run_bench(&case, repeat, json),
         Command::Check(args) => check::run(&args),
         Command::Sim(args) => sim_args::run(&args),
+        Command::Sweep(args) => {
+            init_tracing();
+            sweep::run(&args)
+        }
     }
 }
 

@@ -42,10 +42,10 @@ Progress: a bar on a terminal; otherwise a plain line on stderr every 5 seconds.
 Exit status: 0 when every request finished and every check held, 1 when the run stopped on an
 error (a wrong byte, a rank or engine error, a broken invariant), 2 on bad flags or files.";
 
-/// `kvrelay run` flags. Each overrides the config file (`--config`), which overrides the
-/// defaults.
+/// The flags `kvrelay run` shares with `kvrelay sweep`: the workload, the engine's shape and its
+/// semantics. Each overrides the config file (`--config`), which overrides the defaults.
 #[derive(Args, Debug, Clone, Default)]
-pub(crate) struct RunArgs {
+pub(crate) struct EngineArgs {
     /// A TOML file with any of the settings below (snake_case keys; `[workload]` for the
     /// generated workload).
     #[arg(long, value_name = "FILE")]
@@ -53,9 +53,6 @@ pub(crate) struct RunArgs {
     /// Replay this Mooncake-format trace instead of the generated workload.
     #[arg(long, value_name = "FILE.jsonl")]
     pub trace: Option<PathBuf>,
-    /// Write the requests of this run (the generated workload) as a trace, then run them.
-    #[arg(long, value_name = "FILE.jsonl")]
-    pub write_trace: Option<PathBuf>,
     /// Seed of the generated workload and the sampled tokens [default: 0].
     #[arg(long)]
     pub seed: Option<u64>,
@@ -74,13 +71,6 @@ pub(crate) struct RunArgs {
     /// Conversations of the generated workload [default: 160].
     #[arg(long)]
     pub conversations: Option<u32>,
-    /// GPU blocks per rank, the null block included [default: 320, or room for two
-    /// requests of --max-model-len if more].
-    #[arg(long)]
-    pub gpu_blocks: Option<u32>,
-    /// CPU offload blocks per rank [default: 4096, or four times the GPU pool if more].
-    #[arg(long)]
-    pub cpu_blocks: Option<u32>,
     /// The longest request admitted, prompt and output tokens (vLLM's max_model_len)
     /// [default: the workload's longest request].
     #[arg(long)]
@@ -101,9 +91,6 @@ pub(crate) struct RunArgs {
     /// the generated workload].
     #[arg(long)]
     pub hash_block_tokens: Option<u32>,
-    /// CPU eviction policy [default: lru].
-    #[arg(long, value_parser = ["lru", "arc"])]
-    pub policy: Option<String>,
     /// Semantics: compat (vLLM 0.33.0's) or strict (kvrelay's departures where vLLM loses
     /// something) [default: compat].
     #[arg(long, value_parser = ["compat", "strict"])]
@@ -117,17 +104,10 @@ pub(crate) struct RunArgs {
     /// Check every machine's invariants after every step.
     #[arg(long)]
     pub check: bool,
-    /// Write a Chrome / Perfetto timeline of the engine's and every rank's steps and transfers
-    /// (open in ui.perfetto.dev).
-    #[arg(long, value_name = "FILE.json")]
-    pub timeline: Option<PathBuf>,
-    /// Print the report as JSON on stdout (no progress bar).
-    #[arg(long)]
-    pub json: bool,
 }
 
-impl RunArgs {
-    /// The run's configuration: defaults, then `--config`, then the flags.
+impl EngineArgs {
+    /// The configuration these flags give: defaults, then `--config`, then the flags.
     pub(crate) fn config(&self) -> Result<RunConfig, String> {
         let mut c = match &self.config {
             Some(p) => {
@@ -140,17 +120,11 @@ impl RunArgs {
         macro_rules! set {
             ($($f:ident),*) => { $( if let Some(v) = self.$f.clone() { c.$f = v; } )* };
         }
-        set!(seed, ranks, layers, block_bytes, step_ms, async_depth);
+        set!(seed, ranks, layers, step_ms, async_depth);
         macro_rules! set_some {
             ($($f:ident),*) => { $( if let Some(v) = self.$f.clone() { c.$f = Some(v); } )* };
         }
-        set_some!(
-            gpu_blocks,
-            cpu_blocks,
-            max_model_len,
-            hash_block_tokens,
-            requests
-        );
+        set_some!(max_model_len, hash_block_tokens, requests, block_bytes);
         if let Some(s) = self.until {
             c.until_s = Some(s);
         }
@@ -174,13 +148,6 @@ impl RunArgs {
                 _ => Backend::Host,
             };
         }
-        if let Some(p) = &self.policy {
-            c.policy = if p == "arc" {
-                PolicyKind::Arc
-            } else {
-                PolicyKind::Lru
-            };
-        }
         if let Some(m) = &self.mode {
             c.mode = if m == "strict" {
                 kvrelay_core::Mode::Strict
@@ -189,6 +156,59 @@ impl RunArgs {
             };
         }
         c.check |= self.check;
+        Ok(c)
+    }
+}
+
+/// The eviction policy a `--policy` value names (`lru` or `arc`).
+pub(crate) fn policy(name: &str) -> Option<PolicyKind> {
+    match name {
+        "lru" => Some(PolicyKind::Lru),
+        "arc" => Some(PolicyKind::Arc),
+        _ => None,
+    }
+}
+
+/// `kvrelay run` flags: [`EngineArgs`], the pools, the policy and the outputs.
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct RunArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Write the requests of this run (the generated workload) as a trace, then run them.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub write_trace: Option<PathBuf>,
+    /// GPU blocks per rank, the null block included [default: 320, or room for two
+    /// requests of --max-model-len if more; with --trace room for eight].
+    #[arg(long)]
+    pub gpu_blocks: Option<u32>,
+    /// CPU offload blocks per rank [default: 4096, or four times the GPU pool if more].
+    #[arg(long)]
+    pub cpu_blocks: Option<u32>,
+    /// CPU eviction policy [default: lru].
+    #[arg(long, value_parser = ["lru", "arc"])]
+    pub policy: Option<String>,
+    /// Write a Chrome / Perfetto timeline of the engine's and every rank's steps and transfers
+    /// (open in ui.perfetto.dev).
+    #[arg(long, value_name = "FILE.json")]
+    pub timeline: Option<PathBuf>,
+    /// Print the report as JSON on stdout (no progress bar).
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl RunArgs {
+    /// The run's configuration: defaults, then `--config`, then the flags.
+    pub(crate) fn config(&self) -> Result<RunConfig, String> {
+        let mut c = self.engine.config()?;
+        if let Some(n) = self.gpu_blocks {
+            c.gpu_blocks = Some(n);
+        }
+        if let Some(n) = self.cpu_blocks {
+            c.cpu_blocks = Some(n);
+        }
+        if let Some(p) = self.policy.as_deref().and_then(policy) {
+            c.policy = p;
+        }
         if let Some(p) = &self.timeline {
             c.timeline = Some(p.clone());
         }
@@ -320,7 +340,7 @@ mod tests {
             ("gpu_blocks", c.gpu_blocks_for(100).to_string(), "320"),
             ("cpu_blocks", c.cpu_blocks_for(320).to_string(), "4096"),
             ("layers", c.layers.to_string(), "4"),
-            ("block_bytes", c.block_bytes.to_string(), "2048"),
+            ("block_bytes", c.block_bytes().to_string(), "2048"),
             ("hash_block_tokens", c.hash_block().to_string(), "64"),
             ("async_depth", c.async_depth.to_string(), "1"),
             ("step_ms", c.step_ms.to_string(), "25"),

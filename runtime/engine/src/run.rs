@@ -8,7 +8,7 @@ use kvrelay_core::RequestId;
 
 use std::sync::Arc;
 
-use crate::report::{self, Report, perfetto};
+use crate::report::{self, Latency, Report, perfetto};
 use crate::transport::{self, TokioClock, Transport};
 use crate::workload::{self, TraceRecord};
 use crate::{Engine, RunConfig, RunError};
@@ -96,7 +96,8 @@ pub fn run_with(
         let clock = Arc::new(TokioClock::default());
         let mut engine = Engine::start_with(config, max_model_len, transport, clock).await?;
         let started = Instant::now();
-        let outcome = replay(config, records, &mut engine, progress).await;
+        let mut latency = Latency::new(records);
+        let outcome = replay(config, records, &mut engine, progress, &mut latency).await;
         let (figures, ranks) = engine.shutdown().await;
         outcome?;
         if let Some(path) = &config.timeline {
@@ -112,18 +113,21 @@ pub fn run_with(
             records,
             &figures,
             &ranks,
+            &latency,
             started.elapsed(),
         ))
     })
 }
 
 /// Submits each record when the virtual clock reaches its timestamp, and steps the engine
-/// until every request finished.
+/// until every request finished; records when each request's first token and finish came out
+/// in `latency`.
 async fn replay(
     c: &RunConfig,
     records: &[TraceRecord],
     engine: &mut Engine,
     progress: &mut dyn Progress,
+    latency: &mut Latency,
 ) -> Result<(), RunError> {
     let total = records.len() as u64;
     let mut pending: VecDeque<(usize, &TraceRecord)> = records.iter().enumerate().collect();
@@ -153,6 +157,7 @@ async fn replay(
         }
         let outcome = engine.step().await?;
         now += c.step_ms;
+        latency.record(now, &outcome.outputs);
         let f = &engine.figures;
         progress.step(
             f.finished + f.refused,

@@ -1,7 +1,9 @@
 //! The figures of a run: [`Report`], built from the engine's and ranks' figures (`build`),
 //! printed for people (`Display`, in `text.rs`) or as JSON (`--json`, its serde form); the
-//! run's Perfetto timeline ([`perfetto`]); bounded per-step samples ([`samples`]).
+//! run's Perfetto timeline ([`perfetto`]); bounded per-step samples ([`samples`]); requests'
+//! times on the virtual clock (`latency`).
 
+mod latency;
 pub mod perfetto;
 pub mod samples;
 mod text;
@@ -14,6 +16,9 @@ use crate::RunConfig;
 use crate::engine::Figures;
 use crate::rank::RankStats;
 use crate::workload::TraceRecord;
+
+pub(crate) use self::latency::Latency;
+pub use self::text::bytes;
 
 /// What a run did. Every figure is counted by the run itself; none is estimated.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -60,6 +65,10 @@ pub struct Report {
     pub blocks_offloaded: u64,
     /// Blocks loaded from the CPU pool, over all ranks.
     pub blocks_loaded: u64,
+    /// Bytes stored to the CPU pool, over all ranks.
+    pub bytes_stored: u64,
+    /// Bytes loaded from the CPU pool, over all ranks.
+    pub bytes_loaded: u64,
     /// Store throughput of the copy threads, GB/s (bytes / time copying).
     pub store_gb_per_s: f64,
     /// Load throughput of the copy threads, GB/s.
@@ -75,6 +84,15 @@ pub struct Report {
     /// Blocks checked when a request first read them (against its tokens; bytes were
     /// checked when written or loaded, and cannot change while a request trusts them).
     pub read_blocks_checked: u64,
+    /// Time to first token on the virtual clock (from the request's trace timestamp to the end
+    /// of the step that produced its first token; `step_ms` per step): median over the
+    /// requests that produced one, ms. The same on every run for a seed.
+    pub ttft_ms_median: f64,
+    /// The same, 99th percentile.
+    pub ttft_ms_p99: f64,
+    /// Time per output token after the first, on the virtual clock: median over the requests
+    /// that finished with two tokens or more, ms.
+    pub tpot_ms_median: f64,
     /// Engine-side time per step (schedule, rank outputs, apply): median, µs.
     pub core_step_us_median: f64,
     /// The same, 99th percentile.
@@ -135,9 +153,11 @@ pub(crate) fn build(
     records: &[TraceRecord],
     f: &Figures,
     ranks: &[RankStats],
+    latency: &Latency,
     wall: Duration,
 ) -> Report {
     let s = sum_ranks(ranks);
+    let times = latency.figures();
     let mut us = f.core_us.values().to_vec();
     us.sort_by(f64::total_cmp);
     let mut hooks: Vec<f64> = s.hook_us.values().iter().map(|&x| f64::from(x)).collect();
@@ -175,6 +195,8 @@ pub(crate) fn build(
         tokens_computed: f.tokens_computed,
         blocks_offloaded: s.blocks_stored,
         blocks_loaded: s.blocks_loaded,
+        bytes_stored: s.bytes_stored,
+        bytes_loaded: s.bytes_loaded,
         store_gb_per_s: gb_per_s(s.bytes_stored, s.store_time),
         load_gb_per_s: gb_per_s(s.bytes_loaded, s.load_time),
         copies: s.copies,
@@ -182,6 +204,9 @@ pub(crate) fn build(
         loaded_blocks_verified: s.loaded_blocks_verified,
         written_slots_verified: s.written_slots_verified,
         read_blocks_checked: s.read_blocks_checked,
+        ttft_ms_median: times.ttft_ms_median,
+        ttft_ms_p99: times.ttft_ms_p99,
+        tpot_ms_median: times.tpot_ms_median,
         core_step_us_median: quantile(&us, 0.5),
         core_step_us_p99: quantile(&us, 0.99),
         rank_hooks_us_median: quantile(&hooks, 0.5),

@@ -4,6 +4,20 @@ use std::fmt;
 
 use super::Report;
 
+/// A byte count for people: `512 B`, `3.2 KB`, `44.4 MB`, `5.51 GB` (powers of 1000).
+pub fn bytes(n: u64) -> String {
+    let x = n as f64;
+    if n < 1000 {
+        format!("{n} B")
+    } else if x < 1e6 {
+        format!("{:.1} KB", x / 1e3)
+    } else if x < 1e9 {
+        format!("{:.1} MB", x / 1e6)
+    } else {
+        format!("{:.2} GB", x / 1e9)
+    }
+}
+
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let pct = |a: u64, b: u64| {
@@ -52,12 +66,19 @@ impl fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "offload         {} blocks stored ({:.2} GB/s), {} blocks loaded ({:.2} GB/s), {} copies",
+            "offload         {} blocks stored ({}, {:.2} GB/s), {} blocks loaded ({}, {:.2} GB/s), {} copies",
             self.blocks_offloaded,
+            bytes(self.bytes_stored),
             self.store_gb_per_s,
             self.blocks_loaded,
+            bytes(self.bytes_loaded),
             self.load_gb_per_s,
             self.copies
+        )?;
+        writeln!(
+            f,
+            "latency         {:.0} ms to first token median, {:.0} ms p99; {:.1} ms per output token median (virtual clock)",
+            self.ttft_ms_median, self.ttft_ms_p99, self.tpot_ms_median
         )?;
         writeln!(
             f,
