@@ -19,7 +19,6 @@
 //! The free queue is an intrusive doubly linked list over block indices, so touching, freeing and
 //! allocating are O(1) and the state stays plain data (it derives `Hash` for the model checker).
 
-use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
 
 use crate::ids::{BlockId, NULL_BLOCK};
@@ -47,13 +46,12 @@ pub struct BlockPool {
     head: u32,
     tail: u32,
     num_free: u32,
-    /// (hash, group, insertion number) → block. Several blocks may carry one key (vLLM keeps
-    /// them all); the hit is the earliest inserted. One flat map, so caching a block allocates
-    /// nothing beyond the tree node.
-    cached: BTreeMap<(BlockHash, u8, u64), BlockId>,
-    /// Per key, the block [`BlockPool::get_cached`] answers (the earliest inserted): a hash
-    /// lookup for the hot path, derived from `cached` and ignored by `Hash` and `Eq`.
-    first: HitIndex,
+    /// Key → the blocks carrying it, by insertion number. Several blocks may carry one key
+    /// (vLLM keeps them all); the hit is the earliest inserted. Derived from `hash` (the state
+    /// of record) and ignored by `Hash` and `Eq`: a hash lookup for the hot path.
+    index: HitIndex,
+    /// Blocks carrying a key.
+    num_keyed: usize,
     inserted: u64,
 }
 
@@ -69,8 +67,8 @@ impl BlockPool {
             head: NIL,
             tail: NIL,
             num_free: 0,
-            cached: BTreeMap::new(),
-            first: HitIndex::default(),
+            index: HitIndex::default(),
+            num_keyed: 0,
             inserted: 0,
         };
         for b in 1..num_blocks {
@@ -106,7 +104,7 @@ impl BlockPool {
 
     /// The cached block for `hash` in `group`, if any.
     pub fn get_cached(&self, hash: BlockHash, group: u8) -> Option<BlockId> {
-        self.first.get(hash, group)
+        self.index.first(hash, group)
     }
 
     /// Take one more reference on each block (a prefix-cache hit, or a connector pin). A free
@@ -219,8 +217,8 @@ impl BlockPool {
         let n = self.inserted;
         self.inserted += 1;
         self.hash[b.0 as usize] = Some(((hash, group), n));
-        self.cached.insert((hash, group, n), b);
-        self.first.insert_if_absent(hash, group, b);
+        self.index.insert(hash, group, n, b);
+        self.num_keyed += 1;
     }
 
     /// Remove the cache keys of these blocks (vLLM's `evict_blocks`, used by the `fail` load
@@ -251,22 +249,13 @@ impl BlockPool {
 
     /// Number of blocks that carry a prefix-cache key.
     pub fn num_cached(&self) -> usize {
-        self.cached.len()
+        self.num_keyed
     }
 
     fn evict_hash(&mut self, i: u32) {
         if let Some(((h, g), n)) = self.hash[i as usize].take() {
-            self.cached.remove(&(h, g, n));
-            if self.first.get(h, g) == Some(BlockId(u64::from(i))) {
-                // The next earliest block of the key, if another carries it.
-                let next = self
-                    .cached
-                    .range((h, g, 0)..)
-                    .next()
-                    .filter(|(k, _)| k.0 == h && k.1 == g)
-                    .map(|(_, &b)| b);
-                self.first.set(h, g, next);
-            }
+            self.index.remove(h, g, n);
+            self.num_keyed -= 1;
         }
     }
 
@@ -350,35 +339,21 @@ impl BlockPool {
                 "block {b} has no owner but is not in the free queue"
             );
         }
-        for (&(h, g, n), b) in &self.cached {
-            ensure_invariant!(
-                self.hash[b.0 as usize] == Some(((h, g), n)),
-                "I-20",
-                "cache map and block {} disagree",
-                b.0
-            );
-        }
-        // Keys in order: the first entry of each is its earliest block, the index's answer.
-        let mut keys = 0;
-        let mut last = None;
-        for (&(h, g, _), &b) in &self.cached {
-            if last == Some((h, g)) {
-                continue;
+        for (b, key) in self.hash.iter().enumerate() {
+            if let Some(((h, g), n)) = *key {
+                ensure_invariant!(
+                    self.index.holds(h, g, n, BlockId(b as u64)),
+                    "I-20",
+                    "block {b} carries a key the hit index does not hold"
+                );
             }
-            last = Some((h, g));
-            keys += 1;
-            ensure_invariant!(
-                self.first.get(h, g) == Some(b),
-                "I-20",
-                "the hit index does not answer block {} for its key",
-                b.0
-            );
         }
         ensure_invariant!(
-            keys == self.first.len(),
+            self.index.len() == self.num_keyed,
             "I-20",
-            "the hit index holds {} keys, the cache {keys}",
-            self.first.len()
+            "the hit index holds {} blocks, {} carry a key",
+            self.index.len(),
+            self.num_keyed
         );
         let keyed = self.hash.iter().filter(|h| h.is_some()).count();
         ensure_invariant!(

@@ -174,6 +174,18 @@ fn the_command_line_reports_json_and_replays_its_own_trace() {
         t,
         "--hash-block-tokens",
         "64",
+        // A trace gets production defaults; the generated workload's shape, given, makes
+        // the replay the same run.
+        "--gpu-blocks",
+        "320",
+        "--cpu-blocks",
+        "4096",
+        "--max-num-seqs",
+        "16",
+        "--max-num-batched-tokens",
+        "1024",
+        "--block-bytes",
+        "2048",
         "--json",
         "--timeline",
         perfetto.to_str().unwrap(),
@@ -265,4 +277,44 @@ fn worker_processes_serve_verify_and_fail_cleanly() {
         Err(RunError::Worker { rank: 0, why }) => assert!(why.contains("cannot start"), "{why}"),
         other => panic!("expected a worker start error, got {other:?}"),
     }
+}
+
+// Protects admission as vLLM does it: a GPU pool that cannot hold one request of max_model_len
+// is refused at start with the numbers (exit 2), and prompts of max_model_len or more are
+// refused at submit, counted, while the rest of the run goes on.
+#[test]
+fn admission_refuses_what_cannot_fit_and_counts_it() {
+    let out = kvrelay(&["run", "--conversations", "8", "--gpu-blocks", "50"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("cannot hold one request of max_model_len"),
+        "{err}"
+    );
+    assert!(err.contains("--gpu-blocks"), "{err}");
+
+    let out = kvrelay(&[
+        "run",
+        "--conversations",
+        "8",
+        "--max-model-len",
+        "700",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (refused, finished) = (
+        v["refused"].as_u64().unwrap(),
+        v["finished"].as_u64().unwrap(),
+    );
+    assert!(
+        refused > 0 && finished > 0,
+        "{refused} refused, {finished} finished"
+    );
+    assert_eq!(refused + finished, v["requests"].as_u64().unwrap());
+    assert_eq!(v["max_model_len"], 700);
 }

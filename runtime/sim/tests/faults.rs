@@ -1,16 +1,19 @@
-//! The fault seams (`kvrelay_sim::faults`) make the engine's checks fail, and the engine says
-//! so: a load that moved the wrong bytes is caught in-process and inside a worker process, and a
-//! rank that goes silent stops the engine on its own clock.
+//! The fault seams (`kvrelay_sim::faults`, `kvrelay_sim::tamper`) make the engine's checks fail,
+//! and the engine says so: a load that moved the wrong bytes is caught in-process and inside a
+//! worker process, a block reused while a transfer or another request still uses it is refused,
+//! and a rank that goes silent stops the engine on its own clock.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvrelay_core::RequestId;
 use kvrelay_engine::engine::RANK_CHECK;
+use kvrelay_engine::rank::Hazard;
 use kvrelay_engine::transport::{BoxFuture, Clock, InProcess};
 use kvrelay_engine::workload::WorkloadConfig;
 use kvrelay_engine::{Engine, RunConfig, RunError, Workers, requests, run, run_with};
 use kvrelay_sim::faults::{CorruptingInProcess, LoseRank};
+use kvrelay_sim::tamper::{DropLoadCompletions, StepFault, TamperSteps};
 
 fn small() -> RunConfig {
     RunConfig {
@@ -103,4 +106,69 @@ async fn the_engine_waits_for_a_lost_rank_on_its_clock() {
     assert!(clock.slept.lock().unwrap().contains(&RANK_CHECK));
     assert!(wall.elapsed() < RANK_CHECK / 2, "{:?}", wall.elapsed());
     e.stop().await;
+}
+
+// Protects the checks that make skipping already-checked blocks sound: a load retargeted into a
+// block a running request has read (a block reused while a transfer writes it) stops the run,
+// naming the block — the rank refuses the transfer, or catches the read of the wrong content.
+#[test]
+fn a_load_into_a_block_a_forward_reads_is_refused() {
+    let c = small();
+    let records = requests(&c).unwrap();
+    let tampered = TamperSteps {
+        inner: InProcess,
+        fault: StepFault::LoadIntoReadBlock,
+    };
+    match run_with(&c, &records, &mut (), &tampered) {
+        Err(RunError::Hazard { hazard, .. }) => {
+            assert!(matches!(hazard, Hazard::LoadWhileRead { .. }), "{hazard:?}")
+        }
+        other => panic!("expected the load to be refused, got {other:?}"),
+    }
+    run(&c, &records, &mut ()).expect("the same workload, untampered, passes");
+}
+
+// Protects the same from the forward's side: a block handed to a second request while the first
+// still reads it is refused at the second request's write, naming the reader.
+#[test]
+fn a_block_in_two_tables_is_refused_at_the_write() {
+    let c = small();
+    let records = requests(&c).unwrap();
+    let tampered = TamperSteps {
+        inner: InProcess,
+        fault: StepFault::HandOutReadBlock,
+    };
+    match run_with(&c, &records, &mut (), &tampered) {
+        Err(RunError::Hazard {
+            hazard: Hazard::WriteWhileRead { reader: Some(r) },
+            request,
+            ..
+        }) => assert_ne!(r, request),
+        other => panic!("expected the write to be refused, got {other:?}"),
+    }
+}
+
+// Protects "never a hang": loads whose completions never come back leave their requests waiting
+// with nothing runnable; the run stops as stalled within about a second, naming them.
+#[test]
+fn lost_load_completions_are_a_named_stall_not_a_hang() {
+    let c = small();
+    let records = requests(&c).unwrap();
+    let started = std::time::Instant::now();
+    let lossy = DropLoadCompletions { inner: InProcess };
+    match run_with(&c, &records, &mut (), &lossy) {
+        Err(e @ RunError::Stalled { .. }) => {
+            let RunError::Stalled { requests, .. } = &e else {
+                unreachable!()
+            };
+            assert!(!requests.is_empty(), "{e}");
+            assert!(e.to_string().contains("stuck"), "{e}");
+        }
+        other => panic!("expected a stall, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "stopped after {:?}",
+        started.elapsed()
+    );
 }
