@@ -10,7 +10,7 @@
 //! A token's slot is `block_bytes / block_size` bytes of its block in each layer, filled with its
 //! word repeated (little-endian).
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 
 use kvrelay_core::{RequestId, Token};
@@ -37,7 +37,17 @@ pub fn roll(prefix: u64, token: Token) -> u64 {
 
 /// The word a token with prefix hash `prefix` has in `layer` of `group` on `rank`.
 pub fn word(prefix: u64, layer: u32, group: u32, rank: u32) -> u64 {
-    mix(prefix ^ mix((u64::from(layer) << 40) | (u64::from(group) << 20) | u64::from(rank)))
+    salted(prefix, salt(layer, group, rank))
+}
+
+/// What [`word`] mixes in for `layer` of `group` on `rank`: computed once per layer.
+pub fn salt(layer: u32, group: u32, rank: u32) -> u64 {
+    mix((u64::from(layer) << 40) | (u64::from(group) << 20) | u64::from(rank))
+}
+
+/// [`word`] given its [`salt`].
+pub fn salted(prefix: u64, salt: u64) -> u64 {
+    mix(prefix ^ salt)
 }
 
 /// Fills `slot` with `w`.

@@ -41,6 +41,7 @@
 pub mod faults;
 mod mix;
 mod sweep;
+pub mod tamper;
 mod world;
 
 use std::collections::VecDeque;

@@ -49,11 +49,16 @@ impl SimTransport {
     /// An engine of `config` over this transport, on tokio's (paused) clock.
     pub(super) async fn start(&self, config: &RunConfig) -> Result<Engine, String> {
         let clock: Arc<dyn Clock> = Arc::new(TokioClock::default());
-        Engine::start_with(config, 256, self, clock)
+        // The longest simulated request: a 70-token prompt and 24 output tokens (`arrivals`);
+        // the smallest simulated pool (27 usable blocks of 4) holds it.
+        Engine::start_with(config, MAX_MODEL_LEN, self, clock)
             .await
             .map_err(|e| format!("engine start: {e}"))
     }
 }
+
+/// The simulated engines' `max_model_len`.
+pub(super) const MAX_MODEL_LEN: u32 = 96;
 
 impl Transport for SimTransport {
     fn connect(

@@ -25,7 +25,9 @@ mod watch;
 
 pub use self::watch::{Hazard, Watch};
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
+
+use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,7 +41,7 @@ use kvrelay_core::{
 use tokio::sync::{Notify, mpsc};
 
 use crate::RunError;
-use crate::content::{POISON, TokenBook, UNWRITTEN, word};
+use crate::content::{POISON, TokenBook, UNWRITTEN, salt, salted, word};
 use crate::report::perfetto::{Recorder, now_us};
 use crate::report::samples::Samples;
 use crate::transfer::cuda::{CudaArena, CudaEngine, Device};
@@ -310,12 +312,12 @@ impl RankTask {
             gpu_shadow: vec![UNWRITTEN; shape.gpu.blocks() as usize * bs],
             host_shadow: vec![UNWRITTEN; shape.host.blocks() as usize * bs],
             shape,
-            loads: HashMap::new(),
-            stores: HashMap::new(),
+            loads: HashMap::default(),
+            stores: HashMap::default(),
             watch,
             completions: Completions::default(),
             started: VecDeque::new(),
-            arrived: HashMap::new(),
+            arrived: HashMap::default(),
             blocked: None,
             step_no: 0,
             book: TokenBook::default(),
@@ -326,7 +328,7 @@ impl RankTask {
             flush_counted: false,
             check,
             step_started: 0,
-            transfer_started: HashMap::new(),
+            transfer_started: HashMap::default(),
             hook_time: Duration::ZERO,
             stats: RankStats::default(),
         }
@@ -771,14 +773,12 @@ impl RankTask {
     /// someone else trusts, or that a transfer uses, is not written ([`Watch::may_write`]).
     fn write(&mut self, pass: &kvrelay_core::ForwardPass, group: u32) -> Result<(), RunError> {
         let (layer, bs) = (pass.layer, self.shape.block_size);
-        let (mut slots, mut whose) = (
-            std::mem::take(&mut self.slots),
-            std::mem::take(&mut self.whose),
-        );
+        let mut slots = std::mem::take(&mut self.slots);
         slots.clear();
-        whose.clear();
         let (sb, rank) = (self.slot_bytes, self.rank);
-        for a in pass.writes.iter().filter(|a| a.group as u32 == group) {
+        let salt = salt(layer, group, rank);
+        let writes = || pass.writes.iter().filter(|a| a.group as u32 == group);
+        for a in writes() {
             self.watch.may_write(a).map_err(|h| self.hazard(a, h))?;
             let base = self.slot(layer, a.block, 0)?;
             let prefixes = prefixes(&self.book, rank, a.request, &a.tokens)?;
@@ -787,13 +787,7 @@ impl RankTask {
                 let i = (p % bs) as usize;
                 slots.push(Slot {
                     at: base + i * sb,
-                    word: word(prefix, layer, group, rank),
-                });
-                whose.push(SlotName {
-                    request: a.request,
-                    block: a.block,
-                    layer,
-                    slot: i as u32,
+                    word: salted(prefix, salt),
                 });
                 self.gpu_shadow[shadow + i] = prefix;
             }
@@ -802,9 +796,19 @@ impl RankTask {
             Ok(()) => self.arena.first_mismatch(&slots),
             Err(e) => Err(e),
         };
-        let named = self.mismatch("written", bad, |i| whose.get(i).copied());
+        // The i-th slot written, named only when one mismatched.
+        let name = |i: usize| {
+            let mut all = writes().flat_map(|a| a.tokens.clone().map(move |p| (a, p)));
+            all.nth(i).map(|(a, p)| SlotName {
+                request: a.request,
+                block: a.block,
+                layer,
+                slot: p % bs,
+            })
+        };
+        let named = self.mismatch("written", bad, name);
         self.stats.written_slots_verified += slots.len() as u64;
-        (self.slots, self.whose) = (slots, whose);
+        self.slots = slots;
         named
     }
 

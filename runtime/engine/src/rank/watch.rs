@@ -20,7 +20,7 @@
 //! (`kvrelay_core::tables_reset`) before the step begins; the rest as the forward and the
 //! transfers happen.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 use kvrelay_core::{BlockAccess, BlockId, JobId, NULL_BLOCK, RequestId};
 
@@ -95,7 +95,7 @@ impl Watch {
             readers: vec![0; n],
             loading: vec![None; n],
             storing: vec![0; n],
-            checked: HashMap::new(),
+            checked: HashMap::default(),
         }
     }
 
