@@ -9,7 +9,9 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvrelay_core::PolicyKind;
 
-use kvrelay_engine::{Backend, Progress, RunConfig, Workers, workload};
+use kvrelay_engine::{Backend, Progress, RunConfig, RunError, Workers, workload};
+
+mod interrupt;
 
 /// The long help's epilogue of `kvrelay run --help`.
 pub(crate) const HELP: &str = "\
@@ -39,8 +41,15 @@ trace is refused, its hash ids too many for its prompts).
 
 Progress: a bar on a terminal; otherwise a plain line on stderr every 5 seconds.
 
+Stopping: SIGINT (Ctrl-C) or SIGTERM stops the run cleanly: it stops stepping, closes its
+ranks' links (a worker process finishes its step and exits), kills what is still running 2 s
+later, removes its socket files, prints one line saying how far it got and exits. A second
+signal kills the ranks at once; a third exits at once. A worker process whose engine dies
+exits too (its link closes; on Linux, its parent-death signal).
+
 Exit status: 0 when every request finished and every check held, 1 when the run stopped on an
-error (a wrong byte, a rank or engine error, a broken invariant), 2 on bad flags or files.";
+error (a wrong byte, a rank or engine error, a broken invariant), 2 on bad flags or files, 130
+when interrupted by SIGINT, 143 by SIGTERM.";
 
 /// The flags `kvrelay run` shares with `kvrelay sweep`: the workload, the engine's shape and its
 /// semantics. Each overrides the config file (`--config`), which overrides the defaults.
@@ -289,39 +298,55 @@ pub(crate) fn run(args: &RunArgs) -> ExitCode {
         started: now,
         last: now,
     };
-    let outcome = kvrelay_engine::run(&config, &records, &mut progress);
+    let interrupts = match interrupt::listen() {
+        Ok(i) => i,
+        Err(e) => {
+            eprintln!("kvrelay run: cannot listen for SIGINT and SIGTERM: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let outcome = kvrelay_engine::run_until(&config, &records, &mut progress, interrupts.signal());
     bar.finish_and_clear();
     match outcome {
-        Ok(report) => {
-            if args.json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report).expect("a report serializes")
-                );
-            } else {
-                println!("{report}");
-            }
-            if report.refused > 0 {
-                eprintln!(
-                    "kvrelay run: {} request(s) refused: prompts of max_model_len ({}) tokens or more",
-                    report.refused, report.max_model_len
-                );
-            }
-            if report.finished + report.refused == report.requests {
-                ExitCode::SUCCESS
-            } else {
-                eprintln!(
-                    "kvrelay run: {} of {} requests unfinished",
-                    report.requests - report.finished - report.refused,
-                    report.requests
-                );
-                ExitCode::from(1)
-            }
+        Ok(report) => print_report(args, &report),
+        Err(e @ RunError::Interrupted { .. }) => {
+            let signal = interrupts.first();
+            let by = signal.map_or("stop requested", interrupt::Signal::name);
+            eprintln!("kvrelay run: {by}: {e}");
+            ExitCode::from(signal.map_or(1, interrupt::Signal::exit_code))
         }
         Err(e) => {
             eprintln!("kvrelay run: stopped: {e}");
             ExitCode::from(1)
         }
+    }
+}
+
+/// Prints the report of a run that ended; its exit status.
+fn print_report(args: &RunArgs, report: &kvrelay_engine::Report) -> ExitCode {
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(report).expect("a report serializes")
+        );
+    } else {
+        println!("{report}");
+    }
+    if report.refused > 0 {
+        eprintln!(
+            "kvrelay run: {} request(s) refused: prompts of max_model_len ({}) tokens or more",
+            report.refused, report.max_model_len
+        );
+    }
+    if report.finished + report.refused == report.requests {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!(
+            "kvrelay run: {} of {} requests unfinished",
+            report.requests - report.finished - report.refused,
+            report.requests
+        );
+        ExitCode::from(1)
     }
 }
 

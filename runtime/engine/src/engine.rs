@@ -590,7 +590,7 @@ impl Engine {
             }
         }
         if ranks_killed > 0 {
-            tracing::warn!(ranks_killed, "ranks killed after the stop's grace period");
+            tracing::info!(ranks_killed, "ranks killed after the stop's grace period");
         }
         Stopped {
             figures,

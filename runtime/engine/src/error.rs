@@ -127,6 +127,22 @@ pub enum RunError {
     /// [`crate::api::EngineHandle`] cannot be served.
     #[error("the engine stopped")]
     EngineStopped,
+    /// The run was asked to stop before its end ([`crate::stop`]); its ranks are stopped.
+    #[error(
+        "interrupted after {steps} steps, {finished} of {requests} requests finished; ranks \
+         stopped ({ranks_killed} killed after the grace period)"
+    )]
+    Interrupted {
+        /// Engine steps taken.
+        steps: u64,
+        /// Requests finished.
+        finished: u64,
+        /// Requests of the run.
+        requests: u64,
+        /// Ranks still running when the grace period ended (or an immediate stop was asked),
+        /// and killed.
+        ranks_killed: u32,
+    },
     /// The arena has no such block (a block id beyond the configured GPU blocks).
     #[error("rank {rank}: block {block:?} of layer {layer} is outside the KV arena")]
     OutOfArena {

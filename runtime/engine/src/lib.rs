@@ -26,6 +26,7 @@
 //! | --- | --- |
 //! | [`config`] | [`RunConfig`]: what a run is, its defaults the embedded workload |
 //! | [`mod@run`] | [`run()`]: a workload to its end on its virtual clock; [`requests`] |
+//! | [`stop`] | stopping a run before its end: [`Stopper`] asks, [`StopSignal`] hears; the grace period |
 //! | [`api`] | the embedding API: submit a request and stream its tokens, abort, reset |
 //! | [`engine`] | [`Engine`]: the core's engine step with W ranks attached, one step at a time |
 //! | [`rank`] | the rank task: a `RankDriver` over the offloading worker, the arena, the transfer engine |
@@ -48,13 +49,15 @@ pub mod error;
 pub mod rank;
 pub mod report;
 pub mod run;
+pub mod stop;
 pub mod transfer;
 pub mod transport;
 pub mod workload;
 
 pub use self::config::{RunConfig, Workers};
-pub use self::engine::{Engine, StepOutcome};
+pub use self::engine::{Engine, StepOutcome, Stopped};
 pub use self::error::RunError;
 pub use self::report::Report;
-pub use self::run::{Progress, requests, run, run_with, runtime};
+pub use self::run::{Progress, requests, run, run_until, run_with, runtime};
+pub use self::stop::{StopRequest, StopSignal, Stopper, stop_channel};
 pub use self::transfer::{Backend, TransferError};

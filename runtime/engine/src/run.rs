@@ -1,5 +1,6 @@
 //! Running a workload to its end: [`run`] replays its requests on their virtual clock through a
 //! fresh [`Engine`] and returns the [`Report`]; [`requests`] reads or generates them.
+//! [`run_until`] is [`run`] that a [`StopSignal`] can interrupt ([`crate::stop`]).
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -8,7 +9,9 @@ use kvrelay_core::RequestId;
 
 use std::sync::Arc;
 
+use crate::engine::{Figures, Stopped};
 use crate::report::{self, Latency, Report, perfetto};
+use crate::stop::{STOP_GRACE, StopRequest, StopSignal};
 use crate::transport::{self, TokioClock, Transport};
 use crate::workload::{self, TraceRecord};
 use crate::{Engine, RunConfig, RunError};
@@ -90,16 +93,67 @@ pub fn run_with(
     progress: &mut dyn Progress,
     transport: &dyn Transport,
 ) -> Result<Report, RunError> {
+    run_on(config, records, progress, transport, StopSignal::never())
+}
+
+/// [`run()`], unless `stop` asks first (see [`crate::stop`]): then the run stops stepping,
+/// stops its ranks (killing those still running [`STOP_GRACE`] later, or at once when an
+/// immediate stop is asked) and returns [`RunError::Interrupted`]. A stop asked while the
+/// ranks start kills those started at once.
+pub fn run_until(
+    config: &RunConfig,
+    records: &[TraceRecord],
+    progress: &mut dyn Progress,
+    stop: StopSignal,
+) -> Result<Report, RunError> {
+    run_on(
+        config,
+        records,
+        progress,
+        &*transport::for_config(config),
+        stop,
+    )
+}
+
+/// [`run_until`] over `transport`, on a runtime of its own ([`runtime`]). Dropping the runtime
+/// on the way out, whatever the way (the report, an error, a panic), drops every rank task
+/// still there: a worker process's link kills its process when dropped.
+fn run_on(
+    config: &RunConfig,
+    records: &[TraceRecord],
+    progress: &mut dyn Progress,
+    transport: &dyn Transport,
+    mut stop: StopSignal,
+) -> Result<Report, RunError> {
     let rt = runtime()?;
     rt.block_on(async {
         let max_model_len = config.max_model_len.unwrap_or_else(|| longest(records));
         let clock = Arc::new(TokioClock::default());
-        let mut engine = Engine::start_with(config, max_model_len, transport, clock).await?;
+        let start = Engine::start_with(config, max_model_len, transport, clock);
+        let mut engine = tokio::select! {
+            biased;
+            () = stop.at_least(StopRequest::Graceful) => {
+                return Err(interrupted(&Figures::default(), records, 0));
+            }
+            e = start => e?,
+        };
         let started = Instant::now();
         let mut latency = Latency::new(records);
-        let outcome = replay(config, records, &mut engine, progress, &mut latency).await;
-        let (figures, ranks) = engine.shutdown().await;
-        outcome?;
+        let outcome = tokio::select! {
+            biased;
+            () = stop.at_least(StopRequest::Graceful) => Err(None),
+            r = replay(config, records, &mut engine, progress, &mut latency) => r.map_err(Some),
+        };
+        // An error that came with the stop (a rank that heard the signal too) is the stop's.
+        let asked = stop.request() != StopRequest::None;
+        let stopped = engine.shutdown_on(&mut stop, STOP_GRACE).await;
+        if let Err(e) = outcome {
+            return Err(match e {
+                Some(e) if !asked => e,
+                _ => interrupted(&stopped.figures, records, stopped.ranks_killed),
+            });
+        }
+        let Stopped { figures, ranks, .. } = stopped;
         if let Some(path) = &config.timeline {
             let mut recorders = vec![&figures.timeline];
             recorders.extend(ranks.iter().map(|r| &r.timeline));
@@ -117,6 +171,16 @@ pub fn run_with(
             started.elapsed(),
         ))
     })
+}
+
+/// The error of a run stopped by its [`StopSignal`], with how far it got.
+fn interrupted(f: &Figures, records: &[TraceRecord], ranks_killed: u32) -> RunError {
+    RunError::Interrupted {
+        steps: f.steps,
+        finished: f.finished,
+        requests: records.len() as u64,
+        ranks_killed,
+    }
 }
 
 /// Submits each record when the virtual clock reaches its timestamp, and steps the engine

@@ -9,8 +9,27 @@
 //! travel. A worker that does not connect within [`CONNECT_TIMEOUT`], a frame that does not
 //! decode, a closed connection: each stops the run with a typed error, and the worker process
 //! is killed rather than left behind.
+//!
+//! # What is left behind: nothing
+//!
+//! * The socket lives in a directory of its own (`$TMPDIR/kvrelay-PID-N/rank-R.sock`, mode
+//!   0700), which a guard removes as soon as the worker has connected, or when the start is
+//!   abandoned (an error, a timeout, the future dropped). Once connected, nothing needs the
+//!   file: even a killed engine leaves none.
+//! * The worker process is held by a guard that kills and reaps it when dropped: the link's
+//!   task ending on an error, aborted by [`crate::Engine::shutdown_on`] after its grace period,
+//!   or dropped with its runtime. On a normal stop the engine closes the link, the worker
+//!   answers with its figures and exits; the engine waits [`EXIT_TIMEOUT`] for that, then kills.
+//! * The worker dies with its engine: at start it asks the kernel (Linux,
+//!   `PR_SET_PDEATHSIG`) for SIGKILL when its parent dies — which the kernel takes to be the
+//!   parent *thread* that started it, so start workers from a thread that lives as long as
+//!   the engine (a runtime's own threads do; `spawn_blocking`'s do not). If the engine died
+//!   before that, connecting fails and the worker exits. And a worker whose link closes
+//!   finishes the step it is on and exits within [`WIND_DOWN`], even if its engine lives on.
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
+use std::pin::pin;
 use std::process::{Child, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -54,22 +73,79 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long the engine waits for a worker's reason to stop once sending to it failed.
 const LAST_WORD_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How long the engine waits for a worker to exit once it sent its figures, before it kills it.
+pub const EXIT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long a worker whose link closed has to finish its step and send its figures before it
+/// exits without them.
+pub const WIND_DOWN: Duration = Duration::from_millis(500);
+
 /// The engine's end of one worker process.
 #[derive(Debug)]
 pub(crate) struct WorkerLink {
     rank: u32,
-    child: Child,
+    process: WorkerProcess,
     stream: UnixStream,
-    _socket: SocketFile,
 }
 
-/// Removes the socket file when the link is gone.
+/// A directory holding one worker's socket, removed with everything in it when dropped.
 #[derive(Debug)]
-struct SocketFile(PathBuf);
+struct SocketDir(PathBuf);
 
-impl Drop for SocketFile {
+impl SocketDir {
+    /// A fresh directory `$TMPDIR/kvrelay-PID-N`, readable by this user only.
+    fn create() -> std::io::Result<Self> {
+        use std::os::unix::fs::DirBuilderExt;
+        // One directory per worker started: two engines of one process (tests running side by
+        // side, an embedder with two) must not take each other's socket.
+        static STARTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("kvrelay-{}-{n}", std::process::id()));
+        let mut builder = std::fs::DirBuilder::new();
+        builder.mode(0o700);
+        if let Err(e) = builder.create(&path) {
+            if e.kind() != std::io::ErrorKind::AlreadyExists {
+                return Err(e);
+            }
+            // Left by an engine of this pid that was killed while a worker connected.
+            std::fs::remove_dir_all(&path)?;
+            builder.create(&path)?;
+        }
+        Ok(Self(path))
+    }
+
+    fn socket(&self, rank: u32) -> PathBuf {
+        self.0.join(format!("rank-{rank}.sock"))
+    }
+}
+
+impl Drop for SocketDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A worker process, killed and reaped when dropped unless it exited.
+#[derive(Debug)]
+struct WorkerProcess(Child);
+
+impl WorkerProcess {
+    /// Waits up to `timeout` for the process to exit by itself (polling: a blocking wait
+    /// could not be cancelled, nor bounded); the drop kills it if it did not.
+    async fn exit_within(mut self, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while matches!(self.0.try_wait(), Ok(None)) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        // After `try_wait` saw it exit, both are no-ops (std keeps its status): no other
+        // process can be hit through a reused pid.
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
@@ -83,62 +159,59 @@ fn worker_exe(configured: Option<&Path>) -> Result<PathBuf, String> {
     }
 }
 
-/// Starts the worker process of `setup.rank` and hands it its setup.
+/// Starts the worker process of `setup.rank` and hands it its setup. Cancel-safe: dropped
+/// midway, it kills the process and removes the socket.
 pub(crate) async fn spawn_worker(
     setup: &RankSetup,
     exe: Option<&Path>,
 ) -> Result<WorkerLink, RunError> {
     let rank = setup.rank;
     let fail = |why: String| RunError::Worker { rank, why };
-    // One socket per worker started: two engines of one process (tests running side by side,
-    // an embedder with two) must not take each other's socket.
-    static STARTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let path = std::env::temp_dir().join(format!("kvrelay-{}-{n}-{rank}.sock", std::process::id()));
-    let _ = std::fs::remove_file(&path);
+    let dir = SocketDir::create().map_err(|e| fail(format!("socket directory: {e}")))?;
+    let path = dir.socket(rank);
     let listener =
         UnixListener::bind(&path).map_err(|e| fail(format!("{}: {e}", path.display())))?;
-    let socket = SocketFile(path.clone());
     let exe = worker_exe(exe).map_err(fail)?;
-    let mut child = std::process::Command::new(&exe)
+    let child = std::process::Command::new(&exe)
         .arg("worker")
         .arg("--socket")
         .arg(&path)
         .arg("--rank")
         .arg(rank.to_string())
         .stdin(Stdio::null())
+        // A process group of its own: a terminal's Ctrl-C reaches the engine alone, which
+        // then stops its workers in order (they would otherwise die mid-step, and the run
+        // stop on a lost rank instead of on the interrupt).
+        .process_group(0)
         .spawn()
         .map_err(|e| fail(format!("cannot start {}: {e}", exe.display())))?;
-    let connected = tokio::time::timeout(CONNECT_TIMEOUT, async {
-        let (mut stream, _) = listener.accept().await.map_err(WireError::Io)?;
-        let hello: Up = read_frame(&mut stream).await?;
-        Ok::<_, WireError>((stream, hello))
-    })
-    .await;
-    let (mut stream, hello) = match connected {
-        Ok(Ok(x)) => x,
-        Ok(Err(e)) => {
-            let _ = child.kill();
-            return Err(fail(format!("handshake: {e}")));
+    let process = WorkerProcess(child);
+    let mut stream = match tokio::time::timeout(CONNECT_TIMEOUT, handshake(&listener)).await {
+        Ok(Ok((stream, Up::Hello { rank: r }))) if r == rank => stream,
+        Ok(Ok((_, hello))) => {
+            return Err(fail(format!(
+                "expected hello from rank {rank}, got {hello:?}"
+            )));
         }
-        Err(_) => {
-            let _ = child.kill();
-            return Err(fail(format!("did not connect within {CONNECT_TIMEOUT:?}")));
-        }
+        Ok(Err(e)) => return Err(fail(format!("handshake: {e}"))),
+        Err(_) => return Err(fail(format!("did not connect within {CONNECT_TIMEOUT:?}"))),
     };
-    if hello != (Up::Hello { rank }) {
-        let _ = child.kill();
-        return Err(fail(format!(
-            "expected hello from rank {rank}, got {hello:?}"
-        )));
-    }
+    // Connected: the socket file has served its purpose.
+    drop(listener);
+    drop(dir);
     write_frame(&mut stream, &Down::Setup(setup.clone())).await?;
     Ok(WorkerLink {
         rank,
-        child,
+        process,
         stream,
-        _socket: socket,
     })
+}
+
+/// Accepts the worker's connection and reads its hello.
+async fn handshake(listener: &UnixListener) -> Result<(UnixStream, Up), WireError> {
+    let (mut stream, _) = listener.accept().await.map_err(WireError::Io)?;
+    let hello: Up = read_frame(&mut stream).await?;
+    Ok((stream, hello))
 }
 
 /// Reads frames into a channel (reading is not cancel-safe, so it has a task of its own).
@@ -160,7 +233,7 @@ fn reader<T: serde::de::DeserializeOwned + Send + 'static>(
 
 impl WorkerLink {
     /// Forwards steps to the worker and its outputs to the engine until the engine hangs up;
-    /// returns the worker's figures.
+    /// returns the worker's figures. Dropped (the task aborted), it kills the worker.
     pub(crate) async fn run(
         self,
         mut steps: mpsc::Receiver<StepMsg>,
@@ -168,9 +241,8 @@ impl WorkerLink {
     ) -> RankStats {
         let WorkerLink {
             rank,
-            mut child,
+            process,
             stream,
-            _socket,
         } = self;
         let (rd, mut wr): (OwnedReadHalf, OwnedWriteHalf) = stream.into_split();
         let mut frames = reader::<Up>(rd);
@@ -180,25 +252,7 @@ impl WorkerLink {
                 m = steps.recv() => match m {
                     Some(m) => {
                         current = Some(m.step.output.step);
-                        let frame = Down::Step {
-                            step: (*m.step).clone(),
-                            tokens: (*m.tokens).clone(),
-                            forget: (*m.forget).clone(),
-                        };
-                        if let Err(e) = write_frame(&mut wr, &frame).await {
-                            // A worker that stopped on an error sent its reason before it closed
-                            // the connection: report that, not the broken pipe it left behind.
-                            let report = match last_word(&mut frames).await {
-                                Some((step, message)) => RankReport {
-                                    rank,
-                                    step,
-                                    output: Err(RunError::Remote { rank, message }),
-                                },
-                                None => failed(rank, current, RunError::Worker {
-                                    rank,
-                                    why: format!("sending a step: {e}"),
-                                }),
-                            };
+                        if let Err(report) = send_step(rank, &m, &mut wr, &mut frames).await {
                             let _ = reports.send(report).await;
                             break None;
                         }
@@ -211,26 +265,10 @@ impl WorkerLink {
                     }
                 },
                 f = frames.recv() => {
-                    let report = match f {
-                        Some(Ok(Up::Output { step, output })) => {
-                            current = None;
-                            RankReport { rank, step, output: Ok(output) }
-                        }
-                        Some(Ok(Up::Failed { step, message })) => RankReport {
-                            rank,
-                            step,
-                            output: Err(RunError::Remote { rank, message }),
-                        },
-                        Some(Ok(other)) => failed(rank, current, RunError::Worker {
-                            rank,
-                            why: format!("unexpected frame {other:?}"),
-                        }),
-                        Some(Err(e)) => failed(rank, current, RunError::Worker {
-                            rank,
-                            why: format!("connection: {e}"),
-                        }),
-                        None => failed(rank, current, RunError::RankGone { rank }),
-                    };
+                    let report = report_of(rank, current, f);
+                    if report.output.is_ok() {
+                        current = None;
+                    }
                     let stop = report.output.is_err();
                     if reports.send(report).await.is_err() || stop {
                         break None;
@@ -240,15 +278,83 @@ impl WorkerLink {
         };
         match stats {
             Some(s) => {
-                let _ = tokio::task::spawn_blocking(move || child.wait()).await;
+                process.exit_within(EXIT_TIMEOUT).await;
                 s
             }
-            None => {
-                let _ = child.kill();
-                let _ = child.wait();
-                RankStats::default()
-            }
+            // Dropping the process kills it.
+            None => RankStats::default(),
         }
+    }
+}
+
+/// Sends one step to the worker; on failure, the report to make: the worker's own reason to
+/// stop if it sent one before it closed the connection, else the broken pipe.
+async fn send_step(
+    rank: u32,
+    m: &StepMsg,
+    wr: &mut OwnedWriteHalf,
+    frames: &mut mpsc::Receiver<Result<Up, WireError>>,
+) -> Result<(), RankReport> {
+    let frame = Down::Step {
+        step: (*m.step).clone(),
+        tokens: (*m.tokens).clone(),
+        forget: (*m.forget).clone(),
+    };
+    let Err(e) = write_frame(wr, &frame).await else {
+        return Ok(());
+    };
+    let step = m.step.output.step;
+    Err(match last_word(frames).await {
+        Some((step, message)) => RankReport {
+            rank,
+            step,
+            output: Err(RunError::Remote { rank, message }),
+        },
+        None => failed(
+            rank,
+            Some(step),
+            RunError::Worker {
+                rank,
+                why: format!("sending a step: {e}"),
+            },
+        ),
+    })
+}
+
+/// The report a frame from the worker (or the end of its frames) makes.
+fn report_of(
+    rank: u32,
+    current: Option<kvrelay_core::StepId>,
+    f: Option<Result<Up, WireError>>,
+) -> RankReport {
+    match f {
+        Some(Ok(Up::Output { step, output })) => RankReport {
+            rank,
+            step,
+            output: Ok(output),
+        },
+        Some(Ok(Up::Failed { step, message })) => RankReport {
+            rank,
+            step,
+            output: Err(RunError::Remote { rank, message }),
+        },
+        Some(Ok(other)) => failed(
+            rank,
+            current,
+            RunError::Worker {
+                rank,
+                why: format!("unexpected frame {other:?}"),
+            },
+        ),
+        Some(Err(e)) => failed(
+            rank,
+            current,
+            RunError::Worker {
+                rank,
+                why: format!("connection: {e}"),
+            },
+        ),
+        None => failed(rank, current, RunError::RankGone { rank }),
     }
 }
 
@@ -292,7 +398,7 @@ async fn drain_stats(frames: &mut mpsc::Receiver<Result<Up, WireError>>) -> Opti
 
 /// `kvrelay worker --socket PATH --rank R`: one rank as a process of its own, started by
 /// `kvrelay run --workers process`. Exits 0 when the engine closed the connection after the
-/// last step, 1 on any error (printed on stderr).
+/// last step, 1 on any error (printed on stderr); dies with its engine (see the module docs).
 pub fn worker_main(socket: &Path, rank: u32) -> ExitCode {
     worker_main_with(socket, rank, std::convert::identity)
 }
@@ -300,6 +406,10 @@ pub fn worker_main(socket: &Path, rank: u32) -> ExitCode {
 /// [`worker_main`] with the backend's transfer engine passed through `wrap` (the transfer-engine
 /// seam, as [`RankSetup::build_with`]): a worker binary of a test or a simulation.
 pub fn worker_main_with(socket: &Path, rank: u32, wrap: EngineWrap) -> ExitCode {
+    if let Err(e) = die_with_parent() {
+        eprintln!("kvrelay worker {rank}: parent-death signal: {e}");
+        return ExitCode::from(1);
+    }
     // One thread for the link, the frame reader and the rank task: a step's frames then hop
     // between tasks, not threads (copies run on the rank's copy thread).
     let rt = match tokio::runtime::Builder::new_current_thread()
@@ -321,30 +431,28 @@ pub fn worker_main_with(socket: &Path, rank: u32, wrap: EngineWrap) -> ExitCode 
     }
 }
 
+/// Asks the kernel to SIGKILL this process when the thread that started it ends (Linux).
+/// Called before connecting: an engine that died before this call is not there to connect to.
+#[cfg(target_os = "linux")]
+fn die_with_parent() -> Result<(), String> {
+    nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).map_err(|e| e.to_string())
+}
+
+/// Elsewhere a worker notices its engine's death through its link alone.
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent() -> Result<(), String> {
+    Ok(())
+}
+
 /// What a worker does to its backend's transfer engine before its rank uses it.
 pub type EngineWrap = fn(Box<dyn TransferEngine>) -> Box<dyn TransferEngine>;
 
 async fn worker(socket: &Path, rank: u32, wrap: EngineWrap) -> Result<(), RunError> {
-    let stream = UnixStream::connect(socket)
-        .await
-        .map_err(|e| RunError::Worker {
-            rank,
-            why: format!("{}: {e}", socket.display()),
-        })?;
-    let (rd, mut wr) = stream.into_split();
-    write_frame(&mut wr, &Up::Hello { rank }).await?;
-    let mut frames = reader::<Down>(rd);
-    let setup = match frames.recv().await {
-        Some(Ok(Down::Setup(s))) if s.rank == rank => s,
-        Some(Ok(other)) => {
-            return Err(RunError::Worker {
-                rank,
-                why: format!("expected the setup of rank {rank}, got {other:?}"),
-            });
-        }
-        Some(Err(e)) => return Err(e.into()),
-        None => return Err(RunError::RankGone { rank }),
-    };
+    let Linked {
+        mut wr,
+        mut frames,
+        setup,
+    } = connect(socket, rank).await?;
     let task = match setup.build_with(Arc::new(Notify::new()), wrap) {
         Ok(task) => task,
         Err(e) => {
@@ -355,31 +463,100 @@ async fn worker(socket: &Path, rank: u32, wrap: EngineWrap) -> Result<(), RunErr
         }
     };
     let (step_tx, step_rx) = mpsc::channel(1);
-    let (rep_tx, mut rep_rx) = mpsc::channel::<RankReport>(1);
+    let (rep_tx, rep_rx) = mpsc::channel::<RankReport>(1);
     let handle = tokio::spawn(task.run(step_rx, rep_tx));
+    let error = match serve(rank, &mut wr, &mut frames, step_tx, rep_rx).await {
+        Served::Done(error) => error,
+        Served::Abandoned(e) => {
+            handle.abort();
+            return Err(e);
+        }
+    };
+    let stats = handle.await.unwrap_or_default();
+    write_frame(&mut wr, &Up::Stats(stats)).await?;
+    error.map_or(Ok(()), Err)
+}
+
+/// A worker's end of its link, set up.
+#[derive(Debug)]
+struct Linked {
+    wr: OwnedWriteHalf,
+    frames: mpsc::Receiver<Result<Down, WireError>>,
+    setup: RankSetup,
+}
+
+/// Connects to the engine, says hello and reads the setup of `rank`.
+async fn connect(socket: &Path, rank: u32) -> Result<Linked, RunError> {
+    let stream = UnixStream::connect(socket)
+        .await
+        .map_err(|e| RunError::Worker {
+            rank,
+            why: format!("{}: {e}", socket.display()),
+        })?;
+    let (rd, mut wr) = stream.into_split();
+    write_frame(&mut wr, &Up::Hello { rank }).await?;
+    let mut frames = reader::<Down>(rd);
+    match frames.recv().await {
+        Some(Ok(Down::Setup(setup))) if setup.rank == rank => Ok(Linked { wr, frames, setup }),
+        Some(Ok(other)) => Err(RunError::Worker {
+            rank,
+            why: format!("expected the setup of rank {rank}, got {other:?}"),
+        }),
+        Some(Err(e)) => Err(e.into()),
+        None => Err(RunError::RankGone { rank }),
+    }
+}
+
+/// How [`serve`] ended.
+#[derive(Debug)]
+enum Served {
+    /// The rank task ended (after the link closed, or on its own error); the link's error, if
+    /// one closed it.
+    Done(Option<RunError>),
+    /// The rank task is left running: a report could not be sent, or the link closed and it
+    /// was still busy [`WIND_DOWN`] later.
+    Abandoned(RunError),
+}
+
+/// Feeds the engine's steps to the rank task and its reports back until the rank task ends:
+/// when the link closes, the rank finishes the step it is on, within [`WIND_DOWN`].
+async fn serve(
+    rank: u32,
+    wr: &mut OwnedWriteHalf,
+    frames: &mut mpsc::Receiver<Result<Down, WireError>>,
+    step_tx: mpsc::Sender<StepMsg>,
+    mut rep_rx: mpsc::Receiver<RankReport>,
+) -> Served {
     let mut step_tx = Some(step_tx);
     let mut error = None;
+    // Armed when the link closes (or fails).
+    let mut wind_down = pin!(tokio::time::sleep(Duration::MAX));
     loop {
         tokio::select! {
-            f = frames.recv(), if step_tx.is_some() => match f {
-                Some(Ok(Down::Step { step, tokens, forget })) => {
-                    let m = StepMsg {
-                        step: Arc::new(step),
-                        tokens: Arc::new(tokens),
-                        forget: Arc::new(forget),
-                    };
-                    if let Some(tx) = &step_tx && tx.send(m).await.is_err() {
+            f = frames.recv(), if step_tx.is_some() => {
+                match f {
+                    Some(Ok(Down::Step { step, tokens, forget })) => {
+                        let m = StepMsg {
+                            step: Arc::new(step),
+                            tokens: Arc::new(tokens),
+                            forget: Arc::new(forget),
+                        };
+                        if let Some(tx) = &step_tx && tx.send(m).await.is_err() {
+                            step_tx = None;
+                        }
+                    }
+                    Some(Ok(Down::Setup(_))) => {
+                        error = Some(RunError::Worker { rank, why: "a second setup".into() });
+                        step_tx = None;
+                    }
+                    Some(Err(WireError::Closed)) | None => step_tx = None,
+                    Some(Err(e)) => {
+                        error = Some(e.into());
                         step_tx = None;
                     }
                 }
-                Some(Ok(Down::Setup(_))) => {
-                    error = Some(RunError::Worker { rank, why: "a second setup".into() });
-                    step_tx = None;
-                }
-                Some(Err(WireError::Closed)) | None => step_tx = None,
-                Some(Err(e)) => {
-                    error = Some(e.into());
-                    step_tx = None;
+                if step_tx.is_none() {
+                    wind_down.as_mut().reset(tokio::time::Instant::now() + WIND_DOWN);
                 }
             },
             r = rep_rx.recv() => match r {
@@ -388,16 +565,16 @@ async fn worker(socket: &Path, rank: u32, wrap: EngineWrap) -> Result<(), RunErr
                         Ok(output) => Up::Output { step: rep.step, output },
                         Err(e) => Up::Failed { step: rep.step, message: e.to_string() },
                     };
-                    write_frame(&mut wr, &frame).await?;
+                    if let Err(e) = write_frame(wr, &frame).await {
+                        return Served::Abandoned(e.into());
+                    }
                 }
-                None => break,
+                None => return Served::Done(error),
             },
+            () = &mut wind_down => return Served::Abandoned(RunError::Worker {
+                rank,
+                why: format!("the rank was still busy {WIND_DOWN:?} after its link closed"),
+            }),
         }
-    }
-    let stats = handle.await.unwrap_or_default();
-    write_frame(&mut wr, &Up::Stats(stats)).await?;
-    match error {
-        Some(e) => Err(e),
-        None => Ok(()),
     }
 }
