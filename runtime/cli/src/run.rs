@@ -48,7 +48,7 @@ signal kills the ranks at once; a third exits at once. A worker process whose en
 exits too (its link closes; on Linux, its parent-death signal).
 
 Exit status: 0 when every request finished and every check held, 1 when the run stopped on an
-error (a wrong byte, a rank or engine error, a broken invariant), 2 on bad flags or files, 130
+error (a wrong byte, a rank or engine error, a broken invariant), 2 on bad flags or files (a pool that cannot hold max_model_len included), 130
 when interrupted by SIGINT, 143 by SIGTERM.";
 
 /// The flags `kvrelay run` shares with `kvrelay sweep`: the workload, the engine's shape and its
@@ -84,6 +84,12 @@ pub(crate) struct EngineArgs {
     /// [default: the workload's longest request].
     #[arg(long)]
     pub max_model_len: Option<u32>,
+    /// Running requests at most [default: 16, 256 with --trace (vLLM's)].
+    #[arg(long)]
+    pub max_num_seqs: Option<u32>,
+    /// Tokens per engine step at most [default: 1024, 8192 with --trace (vLLM's)].
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<u32>,
     /// Replay only the first N requests.
     #[arg(long, value_name = "N")]
     pub requests: Option<usize>,
@@ -93,7 +99,8 @@ pub(crate) struct EngineArgs {
     /// Layers [default: 4].
     #[arg(long)]
     pub layers: Option<u32>,
-    /// Bytes of one block of one layer on one rank, a multiple of 8 × 16 [default: 2048].
+    /// Bytes of one block of one layer on one rank, a multiple of 8 × 16 [default: 2048;
+    /// with --trace 128, one 8-byte word a token slot].
     #[arg(long)]
     pub block_bytes: Option<u64>,
     /// Tokens per trace hash block [default: 512 with --trace (the Mooncake traces'), 64 for
@@ -133,7 +140,14 @@ impl EngineArgs {
         macro_rules! set_some {
             ($($f:ident),*) => { $( if let Some(v) = self.$f.clone() { c.$f = Some(v); } )* };
         }
-        set_some!(max_model_len, hash_block_tokens, requests, block_bytes);
+        set_some!(
+            max_model_len,
+            hash_block_tokens,
+            requests,
+            block_bytes,
+            max_num_seqs,
+            max_num_batched_tokens
+        );
         if let Some(s) = self.until {
             c.until_s = Some(s);
         }
@@ -314,6 +328,11 @@ pub(crate) fn run(args: &RunArgs) -> ExitCode {
             let by = signal.map_or("stop requested", interrupt::Signal::name);
             eprintln!("kvrelay run: {by}: {e}");
             ExitCode::from(signal.map_or(1, interrupt::Signal::exit_code))
+        }
+        // Refused at start: the flags asked for an engine that cannot be built.
+        Err(e @ (RunError::Config(_) | RunError::PoolTooSmall { .. })) => {
+            eprintln!("kvrelay run: {e}");
+            ExitCode::from(2)
         }
         Err(e) => {
             eprintln!("kvrelay run: stopped: {e}");

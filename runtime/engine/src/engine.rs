@@ -496,13 +496,18 @@ impl Engine {
         if busy || !sched.has_requests() {
             return None;
         }
-        let view = sched.view();
+        Some(self.live_requests())
+    }
+
+    /// The scheduler's requests, waiting and running, in id order.
+    pub fn live_requests(&self) -> Vec<RequestId> {
+        let view = self.core.scheduler().view();
         let mut ids: Vec<RequestId> = view
             .waiting()
             .chain(view.running().iter().copied())
             .collect();
         ids.sort();
-        Some(ids)
+        ids
     }
 
     /// What is not back to empty, each as a sentence (empty when nothing is): to call once

@@ -16,12 +16,41 @@ use crate::transport::{self, TokioClock, Transport};
 use crate::workload::{self, TraceRecord};
 use crate::{Engine, RunConfig, RunError};
 
-/// Idle engine steps in a row after which a run is declared stalled even with transfers in
-/// flight (a transfer that never completes).
-const MAX_IDLE_STEPS: u64 = 100_000;
-
 /// Idle steps in a row with nothing in flight after which the engine is stuck.
 const STUCK_STEPS: u64 = 2;
+
+/// Wall time of idle steps in a row after which a run is stalled even with something in flight
+/// (a transfer whose completion never comes).
+const STALL_WALL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The idle steps in a row of a run, watched for a stall.
+#[derive(Debug, Default)]
+struct Stall {
+    idle: u64,
+    stuck: u64,
+    since: Option<Instant>,
+}
+
+impl Stall {
+    /// After an idle step: `Err(Stalled)` naming the requests when the engine is stuck
+    /// (nothing runnable, nothing in flight, nothing arriving) for [`STUCK_STEPS`], or has been
+    /// idle for [`STALL_WALL`].
+    fn idle_step(&mut self, engine: &Engine, arriving: bool) -> Result<(), RunError> {
+        self.idle += 1;
+        let since = *self.since.get_or_insert_with(Instant::now);
+        self.stuck = match engine.stuck() {
+            Some(_) if !arriving => self.stuck + 1,
+            _ => 0,
+        };
+        if self.stuck >= STUCK_STEPS || (!arriving && since.elapsed() > STALL_WALL) {
+            return Err(RunError::Stalled {
+                steps: self.idle,
+                requests: engine.live_requests(),
+            });
+        }
+        Ok(())
+    }
+}
 
 /// What the run is told as it goes (e.g. a progress bar).
 pub trait Progress: Send {
@@ -64,9 +93,8 @@ pub fn longest(records: &[TraceRecord]) -> u32 {
         .unwrap_or(2)
 }
 
-/// The tokio runtime a run uses: one thread for the engine and its in-process rank tasks
-/// (a step's messages then hop between tasks, not threads; copies run on the ranks' copy
-/// threads, worker processes on their own).
+/// The tokio runtime a run uses: one thread for the engine (in-process ranks run on threads of
+/// their own, copies on the ranks' copy threads, worker processes on their own).
 pub fn runtime() -> Result<tokio::runtime::Runtime, RunError> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -196,8 +224,7 @@ async fn replay(
     let total = records.len() as u64;
     let mut pending: VecDeque<(usize, &TraceRecord)> = records.iter().enumerate().collect();
     let mut now = 0.0f64;
-    let mut idle_in_a_row = 0u64;
-    let mut stuck_in_a_row = 0u64;
+    let mut stall = Stall::default();
     loop {
         while let Some(&(i, r)) = pending.front()
             && r.timestamp as f64 <= now
@@ -231,24 +258,13 @@ async fn replay(
             f.loads_reported,
         );
         if !outcome.idle {
-            idle_in_a_row = 0;
-            stuck_in_a_row = 0;
+            stall = Stall::default();
             continue;
         }
-        idle_in_a_row += 1;
         let arriving = pending
             .front()
             .is_some_and(|(_, r)| r.timestamp as f64 <= now);
-        match engine.stuck() {
-            Some(_) if !arriving => stuck_in_a_row += 1,
-            _ => stuck_in_a_row = 0,
-        }
-        if stuck_in_a_row >= STUCK_STEPS || idle_in_a_row > MAX_IDLE_STEPS {
-            return Err(RunError::Stalled {
-                steps: idle_in_a_row,
-                requests: engine.stuck().unwrap_or_default(),
-            });
-        }
+        stall.idle_step(engine, arriving)?;
         if !pending
             .front()
             .is_some_and(|(_, r)| r.timestamp as f64 <= now)

@@ -10,7 +10,7 @@
 //!   wrote, then checks every block the layer's attention reads that its request has not
 //!   checked yet (prefix-cache hits and loaded blocks included) against the request's own
 //!   tokens, in the rank's shadow ([`crate::content`]). What a request has checked it trusts
-//!   while the block cannot change ([`watch`]): a decode step costs its new tokens, not its
+//!   while the block cannot change ([`Watch`]): a decode step costs its new tokens, not its
 //!   context.
 //! * `Wait` — returns to the task loop, which feeds completions until the driver moves on.
 //! * `Collect` — feeds the completions the step is due to hear of ([`Completions`]).
@@ -41,7 +41,7 @@ use kvrelay_core::{
 use tokio::sync::{Notify, mpsc};
 
 use crate::RunError;
-use crate::content::{POISON, TokenBook, UNWRITTEN, salt, salted, word};
+use crate::content::{POISON, TokenBook, UNWRITTEN, salt, salted};
 use crate::report::perfetto::{Recorder, now_us};
 use crate::report::samples::Samples;
 use crate::transfer::cuda::{CudaArena, CudaEngine, Device};
@@ -686,17 +686,20 @@ impl RankTask {
         );
         slots.clear();
         whose.clear();
+        let mut checked = 0u64;
         for ((&b, &slot), &group) in t.gpu_blocks.iter().zip(&t.external).zip(&t.groups) {
             let (g, h) = (b.0 as usize * bs, slot as usize * bs);
             self.gpu_shadow[g..g + bs].copy_from_slice(&self.host_shadow[h..h + bs]);
+            let before = slots.len();
             for layer in self.shape.gpu.layers_of(group) {
+                let salt = salt(layer, group, self.rank);
                 for (i, &prefix) in self.gpu_shadow[g..g + bs].iter().enumerate() {
                     if prefix == UNWRITTEN {
                         continue;
                     }
                     slots.push(Slot {
                         at: self.slot(layer, b, i as u32)?,
-                        word: word(prefix, layer, group, self.rank),
+                        word: salted(prefix, salt),
                     });
                     whose.push(SlotName {
                         request: t.request,
@@ -706,13 +709,13 @@ impl RankTask {
                     });
                 }
             }
+            checked += u64::from(slots.len() > before);
         }
         let bad = self.arena.first_mismatch(&slots);
-        let checked: std::collections::BTreeSet<BlockId> = whose.iter().map(|w| w.block).collect();
         let named = self.mismatch("loaded", bad, |i| whose.get(i).copied());
         (self.slots, self.whose) = (slots, whose);
         named?;
-        self.stats.loaded_blocks_verified += checked.len() as u64;
+        self.stats.loaded_blocks_verified += checked;
         Ok(())
     }
 

@@ -55,6 +55,9 @@ pub struct Report {
     /// Prompt tokens a request did not compute when first scheduled: GPU prefix hits plus
     /// tokens loaded from the CPU pool.
     pub reused_tokens: u64,
+    /// What an unbounded cache of the workload's hash blocks would reuse, in % of prompt
+    /// tokens: the most any pool could ([`crate::workload::unbounded_reuse`]).
+    pub reuse_bound_pct: f64,
     /// Of those, tokens found in the GPU prefix cache.
     pub gpu_prefix_hit_tokens: u64,
     /// Tokens loaded from the CPU pool.
@@ -190,6 +193,7 @@ pub(crate) fn build(
         scheduled_ahead: f.scheduled_ahead,
         preemptions: f.preemptions,
         reused_tokens: reused,
+        reuse_bound_pct: crate::workload::unbounded_reuse(records, c.hash_block()).token_pct(),
         gpu_prefix_hit_tokens: gpu_hits,
         cpu_loaded_tokens: cpu_loaded,
         tokens_computed: f.tokens_computed,

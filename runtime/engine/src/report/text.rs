@@ -49,9 +49,10 @@ impl fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "prefix reuse    {} tokens ({:.1} % of prompts): {} GPU prefix hits, {} loaded from CPU",
+            "prefix reuse    {} tokens ({:.1} % of prompts; at most {:.1} %): {} GPU prefix hits, {} loaded from CPU",
             self.reused_tokens,
             pct(self.reused_tokens, self.prompt_tokens),
+            self.reuse_bound_pct,
             self.gpu_prefix_hit_tokens,
             self.cpu_loaded_tokens
         )?;
