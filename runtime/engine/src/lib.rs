@@ -16,9 +16,9 @@
 //! ```
 //!
 //! Requests arrive on a virtual clock: each engine step advances it by `step_ms`, and an empty
-//! engine jumps to the next arrival, so a run is the same workload on any machine. An engine
-//! step that was idle (nothing scheduled, nothing reported) waits for a transfer to complete (or
-//! a short timeout) before stepping again instead of spinning.
+//! engine jumps to the next arrival, so a run is the same workload on any machine; a transfer
+//! completes a fixed number of steps after it started (`rank::Completions`), so a run also takes
+//! the same steps on any machine. A run that can make no progress stops, naming the requests.
 //!
 //! # Rooms
 //!

@@ -21,8 +21,9 @@
 //! * **Inputs**: requests (shared prefixes, preemption under a small GPU pool), aborts at any
 //!   step, cache resets with jobs in flight.
 //!
-//! After every step every machine's `check_invariants()` runs (`check`), and every load and every
-//! forward read is verified byte for byte (always on in the rank). After the fault phase, a
+//! After every step every machine's `check_invariants()` runs (`check`); every load and every
+//! forward write is verified byte for byte, and every block a request reads is checked the first
+//! time it reads it and guarded while it trusts it (always on in the rank). After the fault phase, a
 //! quiescence phase with every fault off must finish every request and leave nothing behind
 //! ([`Engine::leaks`]). A run that ends otherwise — an unexpected error, a hang, a leak — fails
 //! with the seed that replays it: `KVRELAY_SEED=<seed> kvrelay sim`.
@@ -97,7 +98,7 @@ pub struct SimReport {
     pub reports_rejected: u64,
     /// Every machine's invariants were checked after every step (engine and ranks).
     pub invariant_checks: u64,
-    /// Loaded blocks and read token slots verified byte for byte.
+    /// Loaded blocks, written token slots and first reads of blocks checked.
     pub blocks_verified: u64,
     /// How the run ended: `quiescent` (every request finished, nothing left behind), or the
     /// expected stop (`rank N lost`, `transfer failed under compat`).
