@@ -196,24 +196,7 @@ fn the_command_line_reports_json_and_replays_its_own_trace() {
         String::from_utf8_lossy(&out.stderr)
     );
     let w: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    // The same requests, and (a run's steps do not depend on the machine's speed) the same
-    // run, count for count.
-    for k in [
-        "requests",
-        "prompt_tokens",
-        "generated_tokens",
-        "tokens_computed",
-        "reused_tokens",
-        "cpu_loaded_tokens",
-        "steps",
-        "preemptions",
-        "blocks_offloaded",
-        "blocks_loaded",
-        "written_slots_verified",
-        "read_blocks_checked",
-    ] {
-        assert_eq!(w[k], v[k], "{k}");
-    }
+    assert_same_run(&w, &v);
     let events: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&perfetto).unwrap()).unwrap();
     let spans = events["traceEvents"]
@@ -317,4 +300,25 @@ fn admission_refuses_what_cannot_fit_and_counts_it() {
     );
     assert_eq!(refused + finished, v["requests"].as_u64().unwrap());
     assert_eq!(v["max_model_len"], 700);
+}
+
+/// The same requests, and (a run's steps do not depend on the machine's speed) the same run,
+/// count for count.
+fn assert_same_run(w: &serde_json::Value, v: &serde_json::Value) {
+    for k in [
+        "requests",
+        "prompt_tokens",
+        "generated_tokens",
+        "tokens_computed",
+        "reused_tokens",
+        "cpu_loaded_tokens",
+        "steps",
+        "preemptions",
+        "blocks_offloaded",
+        "blocks_loaded",
+        "written_slots_verified",
+        "read_blocks_checked",
+    ] {
+        assert_eq!(w[k], v[k], "{k}");
+    }
 }

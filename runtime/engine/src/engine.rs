@@ -142,6 +142,28 @@ fn layouts(
     Ok((gpu, host))
 }
 
+/// The GPU and CPU pools per rank for requests of at most `max_model_len` tokens: refused when
+/// the GPU pool cannot hold one (as vLLM refuses it at start-up).
+fn pools(c: &RunConfig, max_model_len: u32) -> Result<(u32, u32), RunError> {
+    let gpu_blocks = c.gpu_blocks_for(max_model_len);
+    let cpu_blocks = c.cpu_blocks_for(gpu_blocks);
+    if c.blocks_per_chunk == 0 || !cpu_blocks.is_multiple_of(c.blocks_per_chunk) {
+        return Err(RunError::Config(
+            "cpu_blocks must be a positive multiple of blocks_per_chunk".into(),
+        ));
+    }
+    let needed = max_model_len.div_ceil(c.block_size.max(1));
+    if gpu_blocks.saturating_sub(1) < needed {
+        return Err(RunError::PoolTooSmall {
+            max_model_len,
+            block_size: c.block_size,
+            needed,
+            gpu_blocks,
+        });
+    }
+    Ok((gpu_blocks, cpu_blocks))
+}
+
 /// The token sampled for `request` at `position` (seeded, no model).
 fn sample(seed: u64, request: RequestId, position: u32) -> Token {
     let mut r = workload::Rng::new(seed ^ (u64::from(request.0) << 32) ^ u64::from(position));
@@ -171,22 +193,7 @@ impl Engine {
             return Err(RunError::Config("async_depth: 1 or 2".into()));
         }
         let max_model_len = max_model_len.max(2);
-        let gpu_blocks = c.gpu_blocks_for(max_model_len);
-        let cpu_blocks = c.cpu_blocks_for(gpu_blocks);
-        if c.blocks_per_chunk == 0 || !cpu_blocks.is_multiple_of(c.blocks_per_chunk) {
-            return Err(RunError::Config(
-                "cpu_blocks must be a positive multiple of blocks_per_chunk".into(),
-            ));
-        }
-        let needed = max_model_len.div_ceil(c.block_size.max(1));
-        if gpu_blocks.saturating_sub(1) < needed {
-            return Err(RunError::PoolTooSmall {
-                max_model_len,
-                block_size: c.block_size,
-                needed,
-                gpu_blocks,
-            });
-        }
+        let (gpu_blocks, cpu_blocks) = pools(c, max_model_len)?;
         let (gpu, host) = layouts(c, gpu_blocks, cpu_blocks)?;
         let backend = c.backend.resolve().map_err(RunError::Backend)?;
         let sc = SchedulerConfig {
