@@ -50,8 +50,6 @@ pub struct BlockPool {
     /// (vLLM keeps them all); the hit is the earliest inserted. Derived from `hash` (the state
     /// of record) and ignored by `Hash` and `Eq`: a hash lookup for the hot path.
     index: HitIndex,
-    /// Blocks carrying a key.
-    num_keyed: usize,
     inserted: u64,
 }
 
@@ -68,7 +66,6 @@ impl BlockPool {
             tail: NIL,
             num_free: 0,
             index: HitIndex::default(),
-            num_keyed: 0,
             inserted: 0,
         };
         for b in 1..num_blocks {
@@ -218,7 +215,6 @@ impl BlockPool {
         self.inserted += 1;
         self.hash[b.0 as usize] = Some(((hash, group), n));
         self.index.insert(hash, group, n, b);
-        self.num_keyed += 1;
     }
 
     /// Remove the cache keys of these blocks (vLLM's `evict_blocks`, used by the `fail` load
@@ -249,13 +245,12 @@ impl BlockPool {
 
     /// Number of blocks that carry a prefix-cache key.
     pub fn num_cached(&self) -> usize {
-        self.num_keyed
+        self.index.len()
     }
 
     fn evict_hash(&mut self, i: u32) {
         if let Some(((h, g), n)) = self.hash[i as usize].take() {
             self.index.remove(h, g, n);
-            self.num_keyed -= 1;
         }
     }
 
@@ -348,13 +343,6 @@ impl BlockPool {
                 );
             }
         }
-        ensure_invariant!(
-            self.index.len() == self.num_keyed,
-            "I-20",
-            "the hit index holds {} blocks, {} carry a key",
-            self.index.len(),
-            self.num_keyed
-        );
         let keyed = self.hash.iter().filter(|h| h.is_some()).count();
         ensure_invariant!(
             keyed == self.num_cached(),

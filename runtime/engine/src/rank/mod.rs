@@ -544,10 +544,10 @@ impl RankTask {
             TransferDirection::Store => self.watch.start_store(&t.gpu_blocks),
             TransferDirection::Load => self.watch.start_load(t.job, &t.gpu_blocks),
         };
-        hazard.map_err(|hazard| RunError::Hazard {
+        hazard.map_err(|(block, hazard)| RunError::Hazard {
             rank: self.rank,
             request: t.request,
-            block: hazard_block(&hazard, &t.gpu_blocks),
+            block,
             hazard,
         })?;
         match t.direction {
@@ -871,12 +871,6 @@ enum Due {
     Collect,
     /// A wait for these jobs.
     Jobs(Vec<JobId>),
-}
-
-/// The block a transfer's hazard is about: the first of `blocks` (a transfer's hazards are
-/// checked block by block; the message names the transfer's request).
-fn hazard_block(_: &Hazard, blocks: &[BlockId]) -> BlockId {
-    blocks.first().copied().unwrap_or(kvrelay_core::NULL_BLOCK)
 }
 
 /// The prefix hashes of `request`'s tokens at `positions`, or the error naming the first

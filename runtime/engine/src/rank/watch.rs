@@ -209,19 +209,18 @@ impl Watch {
         ids.first().copied()
     }
 
-    /// A load `job` into `blocks` starts.
-    pub fn start_load(&mut self, job: JobId, blocks: &[BlockId]) -> Result<(), Hazard> {
-        for b in blocks {
+    /// A load `job` into `blocks` starts; refused with the first block it may not fill.
+    pub fn start_load(&mut self, job: JobId, blocks: &[BlockId]) -> Result<(), (BlockId, Hazard)> {
+        for &b in blocks {
             let i = b.0 as usize;
             if self.readers.get(i).is_some_and(|&n| n > 0) {
-                return Err(Hazard::LoadWhileRead {
-                    reader: self.reader_of(*b, None),
-                });
+                let reader = self.reader_of(b, None);
+                return Err((b, Hazard::LoadWhileRead { reader }));
             }
             if self.loading.get(i).copied().flatten().is_some()
                 || self.storing.get(i).is_some_and(|&n| n > 0)
             {
-                return Err(Hazard::LoadWhileTransferring);
+                return Err((b, Hazard::LoadWhileTransferring));
             }
         }
         for b in blocks {
@@ -241,13 +240,12 @@ impl Watch {
         }
     }
 
-    /// A store from `blocks` starts.
-    pub fn start_store(&mut self, blocks: &[BlockId]) -> Result<(), Hazard> {
-        if let Some(job) = blocks
-            .iter()
-            .find_map(|b| self.loading.get(b.0 as usize).copied().flatten())
-        {
-            return Err(Hazard::StoreWhileLoading { job });
+    /// A store from `blocks` starts; refused with the first block a load is filling.
+    pub fn start_store(&mut self, blocks: &[BlockId]) -> Result<(), (BlockId, Hazard)> {
+        for &b in blocks {
+            if let Some(job) = self.loading.get(b.0 as usize).copied().flatten() {
+                return Err((b, Hazard::StoreWhileLoading { job }));
+            }
         }
         for b in blocks {
             if let Some(n) = self.storing.get_mut(b.0 as usize) {
@@ -298,7 +296,7 @@ mod tests {
         );
         assert!(matches!(
             w.start_load(JobId(7), &[BlockId(5), BlockId(3)]),
-            Err(Hazard::LoadWhileRead { .. })
+            Err((BlockId(3), Hazard::LoadWhileRead { .. }))
         ));
         w.reset(RequestId(1));
         assert_eq!(w.may_write(&access(2, 0, 4)), Ok(()));
