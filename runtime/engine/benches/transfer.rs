@@ -9,9 +9,7 @@
 
 use divan::counter::BytesCount;
 use divan::{Bencher, black_box};
-use kvrelay_core::{
-    BlockId, JobId, KvLayout, LayoutOrder, RequestId, Transfer, TransferDirection, copy_plan,
-};
+use kvrelay_core::{KvLayout, Transfer, copy_plan};
 use kvrelay_engine::transfer::host;
 
 fn main() {
@@ -22,6 +20,9 @@ fn main() {
 const TOTAL: usize = 32 << 20;
 const SIZES: [usize; 4] = [2 << 20, 256 << 10, 32 << 10, 8 << 10];
 
+#[path = "common/plans.rs"]
+mod plans;
+
 struct Setup {
     gpu: KvLayout,
     host: KvLayout,
@@ -31,33 +32,7 @@ struct Setup {
 }
 
 fn setup(block: usize, churned: bool) -> Setup {
-    let n = TOTAL / block;
-    // Twice the blocks moved, so that a shuffled order spans the whole arena.
-    let blocks = (2 * n) as u32;
-    let gpu = KvLayout::new(vec![0], blocks, block as u64, LayoutOrder::LayerMajor).unwrap();
-    let host = gpu.with_blocks(n as u32, LayoutOrder::LayerMajor).unwrap();
-    let mut ids: Vec<u64> = (0..n as u64).collect();
-    if churned {
-        // A fixed shuffle over twice the range (xorshift), as blocks come back from an LRU
-        // free queue after churn.
-        let mut x = 0x9e37_79b9u64;
-        let mut pool: Vec<u64> = (0..2 * n as u64).collect();
-        for i in (1..pool.len()).rev() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            pool.swap(i, (x % (i as u64 + 1)) as usize);
-        }
-        ids = pool[..n].to_vec();
-    }
-    let transfer = Transfer {
-        job: JobId(1),
-        direction: TransferDirection::Store,
-        request: RequestId(0),
-        gpu_blocks: ids.into_iter().map(BlockId).collect(),
-        groups: vec![0; n],
-        external: (0..n as u64).collect(),
-    };
+    let (gpu, host, transfer) = plans::plan(block, TOTAL, churned);
     Setup {
         gpu_mem: vec![1u8; gpu.total_bytes() as usize],
         host_mem: vec![0u8; host.total_bytes() as usize],

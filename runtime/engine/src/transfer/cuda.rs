@@ -26,12 +26,17 @@
 //! Every device and host range is checked against its allocation before a copy is issued: a bad
 //! plan is a [`TransferError`], never an out-of-bounds DMA.
 //!
+//! Copies go as batched driver calls (`cuMemcpyBatchAsync`, CUDA 12.8 and later; one call a
+//! copy before that): scattered 8 KiB blocks move 5 times faster than one call each.
+//!
 //! Not run in this repository's CI (no GPU there): the code is compiled and type-checked on
-//! every build, and `probe` runs (and says there is no driver).
+//! every build, and `probe` runs (and says there is no driver). Run on an H200 (issue 34's
+//! session): `tests/cuda.rs` of the CLI and `benches/cuda.rs` here; figures in docs/FIGURES.md.
 
 #![allow(unsafe_code)]
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -83,6 +88,9 @@ pub(crate) struct Device {
     len: usize,
     /// Recorded on the compute stream after every forward write; transfers wait for it.
     forward_done: CudaEvent,
+    /// Copies go as `cuMemcpyBatchAsync` calls: the driver has it (CUDA 12.8 and later) and
+    /// it has not failed (then it is switched off, with a line on stderr).
+    batch: AtomicBool,
 }
 
 impl Device {
@@ -107,6 +115,7 @@ impl Device {
             base,
             len,
             forward_done,
+            batch: AtomicBool::new(has_batch_copies()),
         }))
     }
 
@@ -119,6 +128,99 @@ impl Device {
             ))),
         }
     }
+}
+
+/// Whether the driver library exports `cuMemcpyBatchAsync` (asked before the first call: cudarc
+/// panics on a missing symbol).
+fn has_batch_copies() -> bool {
+    // SAFETY: `culib` is the driver library `probe` found; looking a symbol up calls nothing.
+    unsafe {
+        sys::culib()
+            .get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync")
+            .is_ok()
+    }
+}
+
+/// Copies per batched driver call, at most.
+const BATCH: usize = 1 << 14;
+
+/// Issues one copy per `(dst, src, bytes)` on `stream` — device or pinned host addresses
+/// (unified addressing gives the direction) — as batched calls while `batch` holds, else one
+/// `cuMemcpyAsync` each. A small scattered copy costs about 2 µs of driver time on its own
+/// (`benches/cuda.rs`), so batching is what keeps decode steps and churned blocks cheap. A
+/// batched call that fails switches batching off (said on stderr) and its copies are issued one
+/// by one: a copy is idempotent, since no source changes before the stream passes it.
+///
+/// # Safety
+/// Every range lies in its allocation, and neither side is touched by the host, nor the
+/// destination by another stream, until the stream passes this point.
+unsafe fn copy_runs(
+    batch: &AtomicBool,
+    runs: &[(u64, u64, usize)],
+    stream: &CudaStream,
+) -> Result<(), TransferError> {
+    for chunk in runs.chunks(BATCH) {
+        if chunk.len() > 1 && batch.load(Ordering::Relaxed) {
+            // SAFETY: the caller's contract.
+            match unsafe { copy_batch(chunk, stream) } {
+                Ok(()) => continue,
+                Err(e) => {
+                    batch.store(false, Ordering::Relaxed);
+                    eprintln!("kvrelay: cuMemcpyBatchAsync failed ({e}); copying run by run");
+                }
+            }
+        }
+        for &(dst, src, len) in chunk {
+            // SAFETY: the caller's contract.
+            unsafe { sys::cuMemcpyAsync(dst, src, len, stream.cu_stream()) }
+                .result()
+                .map_err(cuda)?;
+        }
+    }
+    Ok(())
+}
+
+/// One `cuMemcpyBatchAsync` of `chunk`, ordered on `stream`.
+///
+/// # Safety
+/// As [`copy_runs`].
+unsafe fn copy_batch(chunk: &[(u64, u64, usize)], stream: &CudaStream) -> Result<(), DriverError> {
+    let device = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: 0,
+    };
+    let mut attrs = sys::CUmemcpyAttributes {
+        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        // Hints matter for managed memory only (ours is not).
+        srcLocHint: device,
+        dstLocHint: device,
+        flags: 0,
+    };
+    let mut dsts: Vec<u64> = chunk.iter().map(|r| r.0).collect();
+    let mut srcs: Vec<u64> = chunk.iter().map(|r| r.1).collect();
+    let mut sizes: Vec<usize> = chunk.iter().map(|r| r.2).collect();
+    let (mut first, mut fail) = (0usize, usize::MAX);
+    // SAFETY: the caller's contract; the arrays hold `chunk.len()` entries and one attribute
+    // that applies from copy 0 on.
+    unsafe {
+        sys::cuMemcpyBatchAsync(
+            dsts.as_mut_ptr(),
+            srcs.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            chunk.len(),
+            &mut attrs,
+            &mut first,
+            1,
+            &mut fail,
+            stream.cu_stream(),
+        )
+    }
+    .result()
+}
+
+/// The device address of `at` in pinned host memory (unified addressing).
+fn host_addr(slice: &[u8], at: usize) -> u64 {
+    slice.as_ptr() as u64 + at as u64
 }
 
 /// The compute side of a rank on CUDA: the forward's writes and the checks' reads.
@@ -172,15 +274,14 @@ impl KvArena for CudaArena {
             for (i, s) in round.iter().enumerate() {
                 fill(&mut staging[i * sb..(i + 1) * sb], s.word);
             }
+            let mut copies = Vec::with_capacity(runs.len());
             for &(at, from, len) in &runs {
-                let dst = self.dev.check(at, len)?;
-                // SAFETY: `dst..dst+len` lies in the arena (checked); the source is pinned
-                // memory this struct owns and does not touch until the stream is synchronized.
-                unsafe {
-                    result::memcpy_htod_async(dst, &staging[from..from + len], stream.cu_stream())
-                }
-                .map_err(cuda)?;
+                copies.push((self.dev.check(at, len)?, host_addr(staging, from), len));
             }
+            // SAFETY: every destination lies in the arena (checked); the sources lie in the
+            // pinned staging buffer this struct owns and does not touch until the stream is
+            // synchronized.
+            unsafe { copy_runs(&self.dev.batch, &copies, &stream) }?;
         }
         self.dev.forward_done.record(&stream).map_err(cuda)
     }
@@ -191,19 +292,13 @@ impl KvArena for CudaArena {
             let runs = self.runs(round);
             stream.synchronize().map_err(cuda)?;
             let staging = self.staging.as_mut_slice().map_err(cuda)?;
+            let mut copies = Vec::with_capacity(runs.len());
             for &(at, into, len) in &runs {
-                let src = self.dev.check(at, len)?;
-                // SAFETY: the source lies in the arena (checked); the destination is this
-                // struct's pinned buffer, read only after the synchronize below.
-                unsafe {
-                    result::memcpy_dtoh_async(
-                        &mut staging[into..into + len],
-                        src,
-                        stream.cu_stream(),
-                    )
-                }
-                .map_err(cuda)?;
+                copies.push((host_addr(staging, into), self.dev.check(at, len)?, len));
             }
+            // SAFETY: every source lies in the arena (checked); the destinations lie in this
+            // struct's pinned buffer, read only after the synchronize below.
+            unsafe { copy_runs(&self.dev.batch, &copies, &stream) }?;
             stream.synchronize().map_err(cuda)?;
             if let Some(i) = round
                 .iter()
@@ -334,22 +429,20 @@ fn issue(
     stream.wait(&dev.forward_done).map_err(cuda)?;
     start.record(stream).map_err(cuda)?;
     let host = pool.as_mut_slice().map_err(cuda)?;
+    let mut copies = Vec::with_capacity(out.job.runs.len());
     for r in &out.job.runs {
-        let h = host_range(r)?;
+        let h = host_addr(host, host_range(r)?.start);
         let g = dev.check(r.gpu as usize, r.len as usize)?;
-        // SAFETY: both ranges lie in their allocations (checked above); the pool is pinned and
-        // owned by this thread, which keeps it until the stream is synchronized; the device
-        // range is not written by the compute stream while the transfer runs (the core's fences).
-        match out.job.direction {
-            TransferDirection::Store => unsafe {
-                result::memcpy_dtoh_async(&mut host[h], g, stream.cu_stream())
-            },
-            TransferDirection::Load => unsafe {
-                result::memcpy_htod_async(g, &host[h], stream.cu_stream())
-            },
-        }
-        .map_err(cuda)?;
+        copies.push(match out.job.direction {
+            TransferDirection::Store => (h, g, r.len as usize),
+            TransferDirection::Load => (g, h, r.len as usize),
+        });
     }
+    // SAFETY: both ranges of every copy lie in their allocations (checked above); the pool is
+    // pinned and owned by this thread, which keeps it until the stream is synchronized; the
+    // device range is not written by the compute stream while the transfer runs (the core's
+    // fences).
+    unsafe { copy_runs(&dev.batch, &copies, stream) }?;
     end.record(stream).map_err(cuda)?;
     out.start = Some(start);
     out.end = Some(end);
@@ -388,5 +481,81 @@ fn complete_loop(
             return;
         }
         wake.notify_one();
+    }
+}
+
+/// One rank's CUDA copy path alone — a device arena, a pinned pool and the transfer engine
+/// between them — for benchmarks (`benches/cuda.rs`): [`CudaCopier::copy`] runs one job through
+/// the same issue and completion threads a rank uses and waits for it; [`CudaCopier::one_copy`]
+/// is the practical limit it is compared to, one `cuMemcpy` of the same bytes.
+#[derive(Debug)]
+pub struct CudaCopier {
+    dev: Arc<Device>,
+    engine: CudaEngine,
+    done: mpsc::Receiver<CopyDone>,
+    /// The baseline's pinned buffer (the engine owns its own pool).
+    pinned: PinnedHostSlice<u8>,
+}
+
+impl CudaCopier {
+    /// An arena of `arena_bytes` on device 0 and a pinned pool of `host_bytes`; fails with the
+    /// probe's reason where there is no CUDA.
+    pub fn open(arena_bytes: usize, host_bytes: usize) -> Result<Self, TransferError> {
+        let dev = Device::open(arena_bytes)?;
+        let (tx, done) = mpsc::channel(COPY_QUEUE_BOUND);
+        let engine = CudaEngine::spawn(0, dev.clone(), host_bytes, tx, Arc::new(Notify::new()))?;
+        // SAFETY: only ever a copy's destination or source; its content is never read here.
+        let pinned =
+            unsafe { dev.ctx.alloc_pinned_with_flags::<u8>(host_bytes.max(1), 0) }.map_err(cuda)?;
+        Ok(Self {
+            dev,
+            engine,
+            done,
+            pinned,
+        })
+    }
+
+    /// Batched copies on (where the driver has them, the default) or off: the benchmark
+    /// compares the two in one run.
+    pub fn set_batched(&mut self, on: bool) {
+        self.dev
+            .batch
+            .store(on && has_batch_copies(), Ordering::Relaxed);
+    }
+
+    /// Runs `job` and waits for its completion (its result, or the engine's error).
+    pub fn copy(&mut self, job: CopyJob) -> Result<CopyDone, TransferError> {
+        self.engine.start(job)?;
+        let done = self.done.blocking_recv().ok_or(TransferError::Stopped)?;
+        done.result.clone().map(|()| done)
+    }
+
+    /// One copy of the first `bytes` of the arena to (store) or from (load) a pinned buffer, on
+    /// the compute stream, waited for.
+    pub fn one_copy(
+        &mut self,
+        direction: TransferDirection,
+        bytes: usize,
+    ) -> Result<(), TransferError> {
+        let g = self.dev.check(0, bytes)?;
+        let stream = self.dev.compute.clone();
+        let host = self.pinned.as_mut_slice().map_err(cuda)?;
+        let Some(host) = host.get_mut(..bytes) else {
+            return Err(TransferError::Cuda(format!(
+                "{bytes} bytes outside the pinned buffer"
+            )));
+        };
+        // SAFETY: both ranges lie in their allocations (checked above); the stream is
+        // synchronized before the pinned buffer is touched again.
+        match direction {
+            TransferDirection::Store => unsafe {
+                result::memcpy_dtoh_async(host, g, stream.cu_stream())
+            },
+            TransferDirection::Load => unsafe {
+                result::memcpy_htod_async(g, host, stream.cu_stream())
+            },
+        }
+        .map_err(cuda)?;
+        stream.synchronize().map_err(cuda)
     }
 }
