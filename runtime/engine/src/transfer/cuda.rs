@@ -30,8 +30,7 @@
 //! copy before that): scattered 8 KiB blocks move 5 times faster than one call each.
 //!
 //! Not run in this repository's CI (no GPU there): the code is compiled and type-checked on
-//! every build, and `probe` runs (and says there is no driver). Run on an H200 (issue 34's
-//! session): `tests/cuda.rs` of the CLI and `benches/cuda.rs` here; figures in docs/FIGURES.md.
+//! every build, and `probe` runs (and says there is no driver). Run on an H200 on 2026-11-27: `tests/cuda.rs` of the CLI and `benches/cuda.rs` here; figures in docs/FIGURES.md.
 
 #![allow(unsafe_code)]
 
