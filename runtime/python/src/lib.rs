@@ -1,0 +1,27 @@
+//! The native half of the Python package `kvrelay` (`kvrelay._kvrelay`): kvrelay-core's
+//! aggregator and CPU offloading manager behind classes that take and return vLLM 0.33's own
+//! Python objects. The Python half (`python/kvrelay/`) re-exports them under vLLM's class names
+//! and holds what must be Python (the vLLM connector class).
+//!
+//! | file | what |
+//! | --- | --- |
+//! | `ids.rs` | request-id strings ↔ the core's dense ids, keeping the Python string objects |
+//! | `aggregator.rs` | `KVOutputAggregator`: vLLM's outputs in, the core's counts, vLLM's output out |
+//! | `manager.rs` | the offloading manager's native class (the Python wrapper converts its results) |
+//!
+//! The counting and chunk logic is the core's, never repeated here; this crate only converts,
+//! and calls the Python methods vLLM calls (worker metadata's and KV events' own folding).
+
+use pyo3::prelude::*;
+
+mod aggregator;
+mod ids;
+mod manager;
+
+/// The module `kvrelay._kvrelay`.
+#[pymodule]
+fn _kvrelay(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<aggregator::KvOutputAggregator>()?;
+    manager::register(m)?;
+    Ok(())
+}
