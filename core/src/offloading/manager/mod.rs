@@ -298,7 +298,9 @@ impl CpuOffloadingManager {
     fn learn_positions(ctx: &mut RequestAccess, at: &[u32], access: Access<'_>) {
         if let Some(pos) = access.positions {
             for (&i, &p) in at.iter().zip(pos) {
-                ctx.at(i).position = Some(p);
+                if p != Access::NO_POSITION {
+                    ctx.at(i).position = Some(p);
+                }
             }
         }
     }
@@ -712,6 +714,12 @@ impl CpuOffloadingManager {
     /// Ready, unpinned keys (evictable).
     pub fn num_evictable(&self) -> u32 {
         self.evictable
+    }
+
+    /// How many offers of `key` the store-threshold tracker counts (0: untracked; always 0
+    /// below a threshold of 2). Read-only: for callers reporting vLLM's skipped-store figures.
+    pub fn offer_count(&self, key: OffloadKey) -> u32 {
+        self.tracker.get(&key).map_or(0, |e| e.0)
     }
 
     /// Keys whose store is in flight.

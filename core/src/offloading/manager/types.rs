@@ -75,8 +75,14 @@ impl ManagerConfig {
 pub struct Access<'a> {
     /// The request on whose behalf the keys are accessed.
     pub request: Option<RequestId>,
-    /// Each key's end-token position in the request, parallel to the keys.
+    /// Each key's end-token position in the request, parallel to the keys
+    /// ([`Access::NO_POSITION`]: this key's is unknown).
     pub positions: Option<&'a [u32]>,
+}
+
+impl Access<'_> {
+    /// In [`Access::positions`], a key whose position is unknown (vLLM's `None`).
+    pub const NO_POSITION: u32 = u32::MAX;
 }
 
 /// What [`CpuOffloadingManager::prepare_store`](super::CpuOffloadingManager::prepare_store) decided.
