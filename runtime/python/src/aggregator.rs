@@ -12,7 +12,7 @@
 //! a `ValueError` (vLLM would never emit an id); request ids must be `str` (`TypeError`); a call
 //! that raises leaves the counts as they were (vLLM may have counted part of it).
 
-use kvrelay_core::{Aggregator, Mode, Rank, RequestId, SortedSet, WorkerOutput};
+use kvrelay_core::{Aggregator, Direction, Mode, Rank, RequestId, SortedSet, WorkerOutput};
 use pyo3::exceptions::{PyAssertionError, PyIndexError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
@@ -88,6 +88,19 @@ impl KvOutputAggregator {
         self.core.quorum()
     }
 
+    /// `{request id: reports still needed}` of the open send counts (vLLM's private dict, as a
+    /// snapshot of the core's counts: for inspection and vLLM's own tests, not for the hot path).
+    #[getter]
+    fn _send_remaining_count<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.remaining(py, Direction::Send)
+    }
+
+    /// The same for the open receive counts.
+    #[getter]
+    fn _recv_remaining_count<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.remaining(py, Direction::Recv)
+    }
+
     /// Request ids the aggregator holds state for (open counts, pending failures).
     #[getter]
     fn live_request_ids(&self) -> usize {
@@ -127,10 +140,9 @@ impl KvOutputAggregator {
             }
             kv.push(o.getattr(pyo3::intern!(py, "kv_connector_output"))?);
         }
-        let mut touched = Vec::new();
         let converted = kv
             .iter()
-            .map(|k| self.convert(k, &mut touched))
+            .map(|k| self.convert(k))
             .collect::<PyResult<Vec<_>>>()?;
         let folded = Folded::of(
             py,
@@ -146,7 +158,7 @@ impl KvOutputAggregator {
         self.salvaged.clear();
         let kv_out = self.build_output(py, &out, folded)?;
         chosen.setattr(pyo3::intern!(py, "kv_connector_output"), kv_out)?;
-        self.release_idle(py, touched);
+        self.release_idle();
         Ok(Some(chosen))
     }
 
@@ -158,7 +170,6 @@ impl KvOutputAggregator {
     ) -> PyResult<()> {
         let py = kv_connector_outputs.py();
         let mut stashed = Vec::new();
-        let mut touched = Vec::new();
         for o in kv_connector_outputs.try_iter()? {
             let o = o?;
             if o.is_none() {
@@ -168,7 +179,7 @@ impl KvOutputAggregator {
             if !o.is_truthy()? {
                 continue;
             }
-            stashed.push(Some(self.convert(&o, &mut touched)?.unwrap_or_default()));
+            stashed.push(Some(self.convert(&o)?.unwrap_or_default()));
             self.salvaged.push(o.unbind());
         }
         self.core.salvage(stashed);
@@ -178,13 +189,8 @@ impl KvOutputAggregator {
 
 impl KvOutputAggregator {
     /// One rank's `KVConnectorOutput` as the core's worker output (`None` or a falsy one: an
-    /// empty output, which counts nothing — vLLM skips it); the ids it names are interned and
-    /// remembered in `touched`.
-    fn convert(
-        &mut self,
-        kv: &Bound<'_, PyAny>,
-        touched: &mut Vec<RequestId>,
-    ) -> PyResult<Option<WorkerOutput>> {
+    /// empty output, which counts nothing — vLLM skips it); the ids it names are interned.
+    fn convert(&mut self, kv: &Bound<'_, PyAny>) -> PyResult<Option<WorkerOutput>> {
         if kv.is_none() || !kv.is_truthy()? {
             return Ok(Some(WorkerOutput::default()));
         }
@@ -197,7 +203,6 @@ impl KvOutputAggregator {
             let mut v = Vec::with_capacity(set.len().unwrap_or(0));
             for s in set.try_iter()? {
                 let id = self.ids.intern(&s?)?;
-                touched.push(id);
                 v.push(id);
             }
             Ok(Some(SortedSet::from_vec(v)))
@@ -267,13 +272,24 @@ impl KvOutputAggregator {
         PySet::new(py, v)
     }
 
-    /// Releases the ids of this call that the core no longer holds anything for.
-    fn release_idle(&mut self, py: Python<'_>, touched: Vec<RequestId>) {
-        for id in touched {
-            if self.core.is_idle(id) {
-                self.ids.release(py, id);
+    fn remaining<'py>(
+        &self,
+        py: Python<'py>,
+        direction: Direction,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for id in self.ids.ids() {
+            if let Some(n) = self.core.remaining(direction, id) {
+                d.set_item(self.ids.name(py, id)?, n)?;
             }
         }
+        Ok(d)
+    }
+
+    /// Releases, now and then, the ids the core no longer holds anything for.
+    fn release_idle(&mut self) {
+        let core = &self.core;
+        self.ids.sweep_if_large(|id| core.is_idle(id));
     }
 }
 

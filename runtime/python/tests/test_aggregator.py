@@ -1,0 +1,186 @@
+"""kvrelay.KVOutputAggregator against vLLM 0.33.0's own KVOutputAggregator, loaded from vLLM's
+sources (conftest.py), on the same outputs.
+
+Each test names the property it protects. The differential test drives both with random steps:
+any number of ranks, ids finished by some ranks and not others, duplicates, quorum changes
+(`expected_finished_count`), failed loads, invalid blocks, worker metadata and KV events folded
+by their own methods, salvaged outputs of failed steps, a falsy output rank.
+"""
+
+import random
+
+import pytest
+
+import kvrelay
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator as VllmAggregator
+from vllm.v1.outputs import KVConnectorOutput
+
+
+class Meta:
+    """Worker metadata folded by its own `aggregate` (vLLM calls it; so must kvrelay)."""
+
+    def __init__(self, tags):
+        self.tags = frozenset(tags)
+
+    def aggregate(self, other):
+        return Meta(self.tags | other.tags)
+
+
+class Events:
+    """KV events as vLLM's KVConnectorKVEvents are folded: add_events + increment_workers."""
+
+    def __init__(self, events, workers=1):
+        self.events, self.workers = list(events), workers
+
+    def get_all_events(self):
+        return list(self.events)
+
+    def add_events(self, events):
+        self.events += events
+
+    def increment_workers(self, n):
+        self.workers += n
+
+
+class RankOutput:
+    """What the executor hands the aggregator per rank (a ModelRunnerOutput's field)."""
+
+    def __init__(self, kv):
+        self.kv_connector_output = kv
+
+
+def random_kv(rng, ids):
+    pick = lambda: set(rng.sample(ids, rng.randint(0, 3)))  # noqa: E731
+    return KVConnectorOutput(
+        finished_sending=pick() if rng.random() < 0.7 else None,
+        finished_recving=pick() if rng.random() < 0.7 else None,
+        invalid_block_ids=set(rng.sample(range(20), rng.randint(0, 2))),
+        failed_recving=pick() if rng.random() < 0.2 else set(),
+        expected_finished_count=rng.choice([0, 0, 0, 0, 1, 2, 3]),
+        kv_connector_worker_meta=Meta({rng.randint(0, 9)}) if rng.random() < 0.5 else None,
+        kv_cache_events=Events([rng.randint(0, 99)]) if rng.random() < 0.5 else None,
+    )
+
+
+def view(out):
+    """A comparable form of one aggregate result."""
+    if out is None:
+        return None
+    kv = out.kv_connector_output
+    meta, ev = kv.kv_connector_worker_meta, kv.kv_cache_events
+    return (
+        kv.finished_sending,
+        kv.finished_recving,
+        kv.invalid_block_ids,
+        kv.failed_recving,
+        kv.expected_finished_count,
+        meta.tags if meta else None,
+        (sorted(ev.events), ev.workers) if ev else None,
+    )
+
+
+def replay(make, script):
+    """Runs one script (a list of calls with pre-drawn randomness) on a fresh aggregator."""
+    agg, seen = make(), []
+    for call in script:
+        kvs = call["build"]()
+        if call["kind"] == "defer":
+            agg.ft_defer_kv_connector_outputs(kvs)
+            seen.append("deferred")
+        else:
+            outputs = [RankOutput(kv) for kv in kvs]
+            seen.append(view(agg.aggregate(outputs, call["rank"])))
+    return seen
+
+
+def script_for(seed):
+    rng = random.Random(seed)
+    world = rng.randint(1, 4)
+    ids = [f"req-{i}" for i in range(6)]
+    calls = []
+    for _ in range(rng.randint(1, 25)):
+        step_seed = rng.random()
+        kind = "defer" if rng.random() < 0.15 else "aggregate"
+        calls.append(
+            {
+                "kind": kind,
+                # Each side builds its own objects from the same seed: the aggregator mutates them.
+                "build": (lambda s=step_seed: [random_kv(random.Random(s), ids) if random.Random(s + i).random() < 0.9 else None for i in range(world)]),
+                "rank": rng.randrange(world),
+            }
+        )
+    return world, calls
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_counts_and_folds_like_vllm_on_random_steps(seed):
+    """Protects compat: every aggregate returns what vLLM 0.33.0's returns, call for call."""
+    world, script = script_for(seed)
+    for call in script:
+        if call["kind"] == "aggregate":
+            # vLLM asserts every rank's ModelRunnerOutput is present: keep them present.
+            call["build"] = (lambda b=call["build"]: [kv if kv is not None else KVConnectorOutput() for kv in b()])
+    quorum = random.Random(seed).randint(1, world)
+    ours = replay(lambda: kvrelay.KVOutputAggregator(quorum), script)
+    theirs = replay(lambda: VllmAggregator(quorum), script)
+    assert ours == theirs
+
+
+def test_a_falsy_output_rank_returns_none_and_counts_nothing():
+    """Protects I-27: the execute_model phase of async scheduling consumes nothing."""
+    agg = kvrelay.KVOutputAggregator(2)
+    done = RankOutput(KVConnectorOutput(finished_sending={"a"}))
+    assert agg.aggregate([None, done], 0) is None
+    assert agg._send_remaining_count == {}
+
+
+def test_an_id_is_emitted_once_every_rank_reported_it():
+    """Protects I-21: a completion is not counted before every rank finished."""
+    agg = kvrelay.KVOutputAggregator(3)
+    step = lambda ids: [RankOutput(KVConnectorOutput(finished_recving=set(i))) for i in ids]  # noqa: E731
+    assert agg.aggregate(step([{"a"}, {"a"}, set()]), 0).kv_connector_output.finished_recving is None
+    assert agg._recv_remaining_count == {"a": 1}
+    out = agg.aggregate(step([set(), set(), {"a"}]), 0).kv_connector_output
+    assert out.finished_recving == {"a"} and agg._recv_remaining_count == {}
+
+
+def test_strict_refuses_a_rank_reporting_twice_and_changes_nothing():
+    """Protects strict mode's departure: a duplicate report is an error, not a premature emission."""
+    # Rank 0 reports "a" in two steps; rank 1 never does.
+    step = lambda: [RankOutput(KVConnectorOutput(finished_sending={"a"})), RankOutput(KVConnectorOutput())]  # noqa: E731
+    agg = kvrelay.KVOutputAggregator(2, strict=True)
+    agg.aggregate(step(), 0)
+    with pytest.raises(ValueError, match="twice"):
+        agg.aggregate(step(), 0)
+    assert agg._send_remaining_count == {"a": 1}
+    compat = kvrelay.KVOutputAggregator(2)
+    compat.aggregate(step(), 0)
+    again = compat.aggregate(step(), 0)
+    assert again.kv_connector_output.finished_sending == {"a"}, "compat counts both reports, as vLLM"
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda: kvrelay.KVOutputAggregator(0), ValueError),
+        (lambda: kvrelay.KVOutputAggregator(-1), ValueError),
+        (lambda: kvrelay.KVOutputAggregator(2).aggregate([RankOutput(KVConnectorOutput())], 3), IndexError),
+        (lambda: kvrelay.KVOutputAggregator(2).aggregate([RankOutput(KVConnectorOutput()), None], 0), AssertionError),
+        (lambda: kvrelay.KVOutputAggregator(1).aggregate([RankOutput(KVConnectorOutput(finished_sending={7}))], 0), TypeError),
+        (lambda: kvrelay.KVOutputAggregator(1).aggregate([RankOutput(KVConnectorOutput(invalid_block_ids={-1}))], 0), OverflowError),
+        (lambda: kvrelay.KVOutputAggregator(1).aggregate(5, 0), TypeError),
+    ],
+)
+def test_bad_input_is_a_typed_python_error(call, error):
+    """Protects the boundary: bad input raises a Python exception, never a panic or a hang."""
+    with pytest.raises(error):
+        call()
+
+
+def test_ids_of_finished_requests_are_released():
+    """Protects the bound: the id table does not grow with every request ever seen."""
+    agg = kvrelay.KVOutputAggregator(1)
+    for step in range(2000):
+        ids = {f"req-{step}-{i}" for i in range(16)}
+        agg.aggregate([RankOutput(KVConnectorOutput(finished_sending=ids))], 0)
+    assert agg.live_request_ids < 2 * 16 + 4096 + 16, agg.live_request_ids
