@@ -184,3 +184,37 @@ def test_ids_of_finished_requests_are_released():
         ids = {f"req-{step}-{i}" for i in range(16)}
         agg.aggregate([RankOutput(KVConnectorOutput(finished_sending=ids))], 0)
     assert agg.live_request_ids < 2 * 16 + 4096 + 16, agg.live_request_ids
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_folds_vllms_offloading_metadata_like_vllm(seed):
+    """Protects the one-pass fold of vLLM's OffloadingWorkerMetadata (meta.rs): the same
+    completed-job counts in the same order, and transfer stats folded as vLLM folds them."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        DirectionalTransferStats,
+        OffloadingWorkerMetadata,
+        TransferStats,
+    )
+
+    def step(rng_seed, world):
+        rng = random.Random(rng_seed)
+        outputs = []
+        for _ in range(world):
+            meta = None
+            if rng.random() < 0.8:
+                jobs = {rng.randrange(40): rng.choice([1, 1, 2]) for _ in range(rng.randint(0, 12))}
+                stats = TransferStats(store=DirectionalTransferStats(bytes=rng.randrange(100), sizes=[1]))
+                meta = OffloadingWorkerMetadata(completed_jobs=jobs, transfer_stats=stats)
+            outputs.append(RankOutput(KVConnectorOutput(kv_connector_worker_meta=meta)))
+        return outputs
+
+    world = random.Random(seed).randint(1, 8)
+    ours, theirs = kvrelay.KVOutputAggregator(world), VllmAggregator(world)
+    for s in range(5):
+        a = ours.aggregate(step(seed * 100 + s, world), 0).kv_connector_output.kv_connector_worker_meta
+        b = theirs.aggregate(step(seed * 100 + s, world), 0).kv_connector_output.kv_connector_worker_meta
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert type(a) is type(b)
+            assert list(a.completed_jobs.items()) == list(b.completed_jobs.items())
+            assert a.transfer_stats == b.transfer_stats
