@@ -9,8 +9,8 @@
 //! | vLLM's method | native call |
 //! | --- | --- |
 //! | `on_new_request` (and the first call of a context) | `open_request() -> rid` |
-//! | `lookup` | `lookup(key) -> 0 miss / 1 hit / 2 pending` |
-//! | `prepare_load` | `prepare_load(keys, rid, positions) -> [chunk id]` (`AssertionError`: not loadable) |
+//! | `lookup` | `lookup_result(key, req_context)` is the wrapper's `lookup` (`lookup(key)`: 0/1/2) |
+//! | `prepare_load` | `prepare_load(keys, rid, positions) -> chunk ids` (`AssertionError`: not loadable) |
 //! | `touch` | `touch(keys)` |
 //! | `complete_load` | `complete_load(keys)` (`AssertionError`: not pinned) |
 //! | `prepare_store` | `prepare_store(keys, rid, positions) -> None \| (keys_to_store, chunk ids, evicted)` |
@@ -19,6 +19,9 @@
 //! | `take_events` | `take_events() -> [(keys, removed, metadata_only)]` |
 //! | `reset_cache` | `reset()` |
 //! | `get_stats` | `usage()`, `take_batch_stats()` |
+//! | the attributes `counts`, `stores_skipped_in_current_batch`, ... | `tracked()`, `offer_count(key)`, `batch_stats()` |
+//!
+//! Chunk ids come back as a `bytearray` of int32, for `numpy.frombuffer`.
 //!
 //! Keys are vLLM's `OffloadKey` bytes: a block hash and a 4-byte big-endian group. The hash
 //! bytes are interned to the core's [`BlockHash`] (a dense id; see [`KeyTable`]) and the group is
@@ -35,13 +38,14 @@
 //! forgotten (memory grows with the distinct hashes ever offered for storing), and the
 //! core breaks LRU rank ties between different hashes by first sight, not by the bytes.
 
+use kvrelay_core::ChunkId;
 use kvrelay_core::{
     Access, BlockHash, CpuOffloadingManager, KeyLookup, ManagerConfig, ManagerError, OffloadKey,
     PolicyKind, RequestId,
 };
 use pyo3::exceptions::{PyAssertionError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyTuple};
 use rustc_hash::FxHashMap;
 
 pyo3::create_exception!(
@@ -189,6 +193,17 @@ fn positions_of(
     Ok(any)
 }
 
+/// Chunk ids as a `bytearray` of native-endian int32 (vLLM's `CPULoadStoreSpec` dtype), for
+/// `numpy.frombuffer`.
+fn chunk_array<'py>(py: Python<'py>, chunks: &[ChunkId]) -> Bound<'py, PyByteArray> {
+    let mut raw = Vec::with_capacity(chunks.len() * 4);
+    for c in chunks {
+        // Chunk ids are below the pool size, itself at most what vLLM's int32 array holds.
+        raw.extend_from_slice(&(c.0 as i32).to_ne_bytes());
+    }
+    PyByteArray::new(py, &raw)
+}
+
 /// How [`OffloadManager::collect`] treats a key whose hash was never offered.
 #[derive(Clone, Copy, Debug)]
 enum Keys {
@@ -214,6 +229,8 @@ pub(crate) struct OffloadManager {
     /// `prepare_store`s' allocation sizes and skipped stores since `take_batch_stats`.
     allocation_sizes: Vec<u32>,
     stores_skipped: u64,
+    /// What `lookup_result` returns: vLLM's `LookupResult` members.
+    lookup_results: Option<[Py<PyAny>; 3]>,
     /// Reused per call: the call's keys and positions.
     buf: Vec<OffloadKey>,
     pos: Vec<u32>,
@@ -317,15 +334,19 @@ impl OffloadManager {
 
 #[pymethods]
 impl OffloadManager {
-    /// `_OffloadManager(num_chunks, cache_policy, store_threshold, enable_events)`; a pool of
-    /// no chunks or an unknown policy is [`UnsupportedConfig`].
+    /// `_OffloadManager(num_chunks, cache_policy, store_threshold, enable_events,
+    /// max_tracker_size)`; a pool of no chunks or an unknown policy is [`UnsupportedConfig`].
     #[new]
-    #[pyo3(signature = (num_chunks, cache_policy = "lru", store_threshold = 1, enable_events = false))]
+    #[pyo3(signature = (
+        num_chunks, cache_policy = "lru", store_threshold = 1, enable_events = false,
+        max_tracker_size = 64_000
+    ))]
     fn new(
         num_chunks: i64,
         cache_policy: &str,
         store_threshold: i64,
         enable_events: bool,
+        max_tracker_size: i64,
     ) -> PyResult<Self> {
         let policy = match cache_policy {
             "lru" => PolicyKind::Lru,
@@ -353,8 +374,14 @@ impl OffloadManager {
             policy,
             store_threshold,
         };
+        let max_tracker_size = usize::try_from(max_tracker_size).map_err(|_| {
+            PyValueError::new_err(format!(
+                "max_tracker_size must be at least 0, got {max_tracker_size}"
+            ))
+        })?;
         let core = CpuOffloadingManager::new(config)
-            .map_err(|e| UnsupportedConfig::new_err(e.to_string()))?;
+            .map_err(|e| UnsupportedConfig::new_err(e.to_string()))?
+            .with_max_tracker_size(max_tracker_size);
         Ok(Self {
             core,
             keys: KeyTable::default(),
@@ -364,6 +391,7 @@ impl OffloadManager {
             free_requests: Vec::new(),
             allocation_sizes: Vec::new(),
             stores_skipped: 0,
+            lookup_results: None,
             buf: Vec::new(),
             pos: Vec::new(),
         })
@@ -387,6 +415,29 @@ impl OffloadManager {
         self.free_requests.push(rid);
     }
 
+    /// vLLM's `lookup(key, req_context)`: the `LookupResult` member bound by
+    /// `bind_lookup_results` (the wrapper makes this its `lookup`). Never interns.
+    #[pyo3(signature = (key, req_context = None))]
+    fn lookup_result(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let _ = req_context;
+        let Some(members) = &self.lookup_results else {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err(
+                "bind_lookup_results was not called",
+            ));
+        };
+        Ok(members[usize::from(self.lookup(key)?)].clone_ref(py))
+    }
+
+    /// Binds the values `lookup_result` returns: (miss, hit, hit pending).
+    fn bind_lookup_results(&mut self, members: [Py<PyAny>; 3]) {
+        self.lookup_results = Some(members);
+    }
+
     /// 0 miss, 1 hit, 2 hit pending. Never interns.
     fn lookup(&self, key: &Bound<'_, PyAny>) -> PyResult<u8> {
         Ok(match self.keys.find(key)? {
@@ -408,13 +459,13 @@ impl OffloadManager {
         keys: &Bound<'py, PyAny>,
         rid: Option<u32>,
         positions: Option<&Bound<'py, PyDict>>,
-    ) -> PyResult<Bound<'py, PyList>> {
+    ) -> PyResult<Bound<'py, PyByteArray>> {
         let chunks = self.accessing(keys, Keys::Require, rid, positions, |m, buf, access| {
             m.core
                 .prepare_load(buf, access)
                 .map_err(|e| m.refused(py, e))
         })??;
-        PyList::new(py, chunks.iter().map(|c| c.0))
+        Ok(chunk_array(py, &chunks))
     }
 
     /// Marks the keys recently used (unknown keys are absent: nothing to do for them).
@@ -456,7 +507,7 @@ impl OffloadManager {
             return Ok(None);
         };
         let stored = self.keys.list(py, &out.keys_to_store)?;
-        let chunks = PyList::new(py, out.chunks.iter().map(|c| c.0))?;
+        let chunks = chunk_array(py, &out.chunks);
         let evicted = self.keys.list(py, &out.evicted)?;
         Ok(Some(PyTuple::new(
             py,
@@ -505,6 +556,26 @@ impl OffloadManager {
             self.core.num_evictable(),
             self.core.num_write_pending(),
         )
+    }
+
+    /// The store-threshold tracker: `[(key, offers)]`, least recently offered first.
+    fn tracked<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.core
+                .tracked_offers()
+                .map(|(k, n)| (self.keys.object(py, k), n)),
+        )
+    }
+
+    /// How many offers of `key` the tracker counts (0: not tracked).
+    fn offer_count(&self, key: &Bound<'_, PyAny>) -> PyResult<u32> {
+        Ok(self.keys.find(key)?.map_or(0, |k| self.core.offer_count(k)))
+    }
+
+    /// `(allocation sizes, stores skipped)` so far, without taking them.
+    fn batch_stats(&self) -> (Vec<u32>, u64) {
+        (self.allocation_sizes.clone(), self.stores_skipped)
     }
 
     /// `(allocation sizes, stores skipped)` since the last call.

@@ -57,8 +57,15 @@ def stats_view(manager):
 class Pair:
     """vLLM's manager and kvrelay's, driven alike; every result is compared."""
 
-    def __init__(self, rng: random.Random, policy: str, num_chunks: int, threshold: int):
-        kw = dict(cache_policy=policy, enable_events=True, store_threshold=threshold)
+    def __init__(
+        self, rng: random.Random, policy: str, num_chunks: int, threshold: int, tracker=64_000
+    ):
+        kw = dict(
+            cache_policy=policy,
+            enable_events=True,
+            store_threshold=threshold,
+            max_tracker_size=tracker,
+        )
         self.v = VllmManager(num_chunks, **kw)
         self.k = KvManager(num_chunks, **kw)
         self.rng = rng
@@ -128,6 +135,7 @@ class Pair:
         elif op < 0.97:
             assert events_view(self.v) == events_view(self.k)
         elif op < 0.985:
+            self.check_attributes()
             assert stats_view(self.v) == pytest.approx(stats_view(self.k))
         else:
             self.both("reset_cache")
@@ -136,6 +144,15 @@ class Pair:
             self.loads.clear()
         self.check_lookups()
 
+    def check_attributes(self) -> None:
+        """vLLM's public attributes: the tracker (in its order) and the batch's figures."""
+        if self.v.counts is None:
+            assert self.k.counts is None
+        else:
+            assert list(self.v.counts.items()) == list(self.k.counts.items())
+        for name in ("stores_skipped_in_current_batch", "allocation_sizes_in_current_batch"):
+            assert getattr(self.v, name) == getattr(self.k, name), name
+
     def check_lookups(self) -> None:
         ctx = ReqContext(req_id="lookup")
         for k in self.universe:
@@ -143,14 +160,16 @@ class Pair:
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
-@pytest.mark.parametrize("threshold", [0, 2])
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("threshold", [0, 2, 3])
+@pytest.mark.parametrize("seed", range(30))
 def test_random_sequences_match_vllm(policy, threshold, seed):
     """Protects: the manager is vLLM's, call for call — hits and pending hits, stores with
     eviction and refusals, failed stores, loads and pins, touch, request recency (with and
-    without key positions), events with their metadata-only flag, reset, and the stats."""
+    without key positions), the store threshold with a full tracker, events with their
+    metadata-only flag, reset, and the stats."""
     rng = random.Random(seed * 7919 + threshold)
-    pair = Pair(rng, policy, num_chunks=rng.choice([3, 6, 10]), threshold=threshold)
+    tracker = rng.choice([3, 8, 64_000]) if threshold >= 2 else 64_000
+    pair = Pair(rng, policy, rng.choice([3, 6, 10]), threshold, tracker)
     for _ in range(300):
         pair.step()
     assert events_view(pair.v) == events_view(pair.k)
@@ -235,7 +254,6 @@ def test_unsupported_config_is_refused():
     (UnsupportedConfig, a ValueError), never ignored."""
     for kwargs in (
         dict(num_chunks=0),
-        dict(num_chunks=4, max_tracker_size=10),
         dict(num_chunks=4, cache_policy_module_path="my.policy"),
         dict(num_chunks=4, cache_policy="fifo"),
     ):
@@ -250,7 +268,7 @@ def test_scope_is_per_context_object_and_reset_makes_it_stale():
     another request)."""
     for policy in ("lru", "arc"):
         rng = random.Random(5)
-        pair = Pair(rng, policy, num_chunks=4, threshold=0)
+        pair = Pair(rng, policy, 4, 0)
         a, b = ReqContext(req_id="same"), ReqContext(req_id="same")
         for ctx in (a, b):
             pair.both("on_new_request", ctx)

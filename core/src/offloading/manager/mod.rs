@@ -94,6 +94,8 @@ pub struct CpuOffloadingManager {
     tracker: BTreeMap<OffloadKey, (u32, u64)>,
     tracker_order: BTreeSet<(u64, OffloadKey)>,
     tracker_tick: u64,
+    /// How many keys the tracker keeps (vLLM's `max_tracker_size`).
+    max_tracker_size: usize,
     /// Working buffers reused by every call (not state: see `scratch.rs`).
     #[serde(skip)]
     scratch: ScratchBox,
@@ -120,8 +122,16 @@ impl CpuOffloadingManager {
             tracker: BTreeMap::new(),
             tracker_order: BTreeSet::new(),
             tracker_tick: 0,
+            max_tracker_size: MAX_TRACKER_SIZE,
             scratch: ScratchBox::default(),
         })
+    }
+
+    /// The same manager with a store-threshold tracker of `n` keys (vLLM's
+    /// `max_tracker_size`; default 64 000). Call right after [`Self::new`].
+    pub fn with_max_tracker_size(mut self, n: usize) -> Self {
+        self.max_tracker_size = n;
+        self
     }
 
     /// Whether `key` is stored and readable (`Hit`), being written (`HitPending`), or absent.
@@ -359,7 +369,7 @@ impl CpuOffloadingManager {
             if self.tracker.contains_key(k) {
                 continue;
             }
-            if self.tracker.len() >= MAX_TRACKER_SIZE {
+            if self.tracker.len() >= self.max_tracker_size {
                 if unprotected == 0 {
                     continue;
                 }
@@ -720,6 +730,14 @@ impl CpuOffloadingManager {
     /// below a threshold of 2). Read-only: for callers reporting vLLM's skipped-store figures.
     pub fn offer_count(&self, key: OffloadKey) -> u32 {
         self.tracker.get(&key).map_or(0, |e| e.0)
+    }
+
+    /// The store-threshold tracker's keys with their offer counts, least recently offered
+    /// first (vLLM's `counts`, an `OrderedDict`). Read-only.
+    pub fn tracked_offers(&self) -> impl ExactSizeIterator<Item = (OffloadKey, u32)> + '_ {
+        self.tracker_order
+            .iter()
+            .map(|(_, k)| (*k, self.tracker.get(k).map_or(0, |e| e.0)))
     }
 
     /// Keys whose store is in flight.

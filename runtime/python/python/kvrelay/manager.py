@@ -13,13 +13,14 @@ the context when a key is accessed (vLLM reads them again when the request finis
 scheduler sets them before the first access).
 
 Constructor arguments the core cannot honour raise ``kvrelay.UnsupportedConfig`` (a
-``ValueError``): ``cache_policy_module_path`` (only the built-in "lru" and "arc"),
-``max_tracker_size`` other than vLLM's default 64 000, and ``num_chunks`` below 1.
+``ValueError``): ``cache_policy_module_path`` (only the built-in "lru" and "arc") and
+``num_chunks`` below 1 (the core's pool holds at least one chunk; vLLM allows an empty one).
 """
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -46,12 +47,25 @@ from kvrelay._kvrelay import UnsupportedConfig, _OffloadManager
 
 __all__ = ["CPUOffloadingManager", "UnsupportedConfig"]
 
-# vLLM's max_tracker_size default: the core's store-threshold tracker has this size.
-_TRACKER_SIZE = 64_000
-
 _GET_POSITION = ReqContext.get_offload_key_position
 
 _LOOKUP = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
+
+_frombuffer = np.__dict__.get("frombuffer")
+
+
+def _spec(chunk_ids: bytearray) -> CPULoadStoreSpec:
+    """vLLM's CPULoadStoreSpec of the native int32 chunk ids (the same int32 array vLLM's
+    constructor builds, without going through a list)."""
+    if _frombuffer is None:  # numpy replaced by a stand-in (tests without numpy)
+        return CPULoadStoreSpec(list(memoryview(chunk_ids).cast("i")))
+    spec = _new_spec(CPULoadStoreSpec)
+    spec.block_ids = _frombuffer(chunk_ids, _INT32)
+    return spec
+
+
+_new_spec = object.__new__
+_INT32 = np.dtype(np.int32) if _frombuffer is not None else None
 
 
 @dataclass(slots=True)
@@ -64,6 +78,25 @@ class _Scope:
     finished: bool = False
 
 
+class _Tracker(Mapping):
+    """A read-only view of the native tracker, ordered as vLLM's ``OrderedDict``."""
+
+    def __init__(self, native: _OffloadManager):
+        self._native = native
+
+    def __getitem__(self, key: OffloadKey) -> int:
+        count = self._native.offer_count(key)
+        if count == 0:
+            raise KeyError(key)
+        return count
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        return (key for key, _ in self._native.tracked())
+
+    def __len__(self) -> int:
+        return len(self._native.tracked())
+
+
 class CPUOffloadingManager(OffloadingManager):
     """vLLM's CPUOffloadingManager with kvrelay-core's chunk state machine and policies."""
 
@@ -74,7 +107,7 @@ class CPUOffloadingManager(OffloadingManager):
         cache_policy_module_path: str | None = None,
         enable_events: bool = False,
         store_threshold: int = 1,
-        max_tracker_size: int = _TRACKER_SIZE,
+        max_tracker_size: int = 64_000,
         info: CPUOffloadingInfo | None = None,
     ):
         if cache_policy_module_path is not None:
@@ -82,13 +115,8 @@ class CPUOffloadingManager(OffloadingManager):
                 "cache_policy_module_path: kvrelay's manager has only the built-in "
                 f'"lru" and "arc" policies (got {cache_policy_module_path!r})'
             )
-        if max_tracker_size != _TRACKER_SIZE:
-            raise UnsupportedConfig(
-                f"max_tracker_size {max_tracker_size}: kvrelay's store-threshold tracker "
-                f"holds vLLM's default {_TRACKER_SIZE} keys"
-            )
         self._native = _OffloadManager(
-            num_chunks, cache_policy, store_threshold, enable_events
+            num_chunks, cache_policy, store_threshold, enable_events, max_tracker_size
         )
         self.medium: Medium = Medium.CPU
         self._num_chunks: int = num_chunks
@@ -96,9 +124,28 @@ class CPUOffloadingManager(OffloadingManager):
             info.as_config_info() if info is not None else {}
         )
         self._enable_events = enable_events
+        if type(self).lookup is CPUOffloadingManager.lookup:
+            # The fast path: vLLM's callers call lookup once per key.
+            self._native.bind_lookup_results(_LOOKUP)
+            self.lookup = self._native.lookup_result
         self.store_threshold: int = store_threshold
         self.max_tracker_size: int = max_tracker_size
         self._generation = 0
+
+    # --- vLLM's public attributes, read-only ---
+
+    @property
+    def counts(self) -> "Mapping[OffloadKey, int] | None":
+        """The store-threshold tracker (None below a threshold of 2), as vLLM's ``counts``."""
+        return _Tracker(self._native) if self.store_threshold >= 2 else None
+
+    @property
+    def stores_skipped_in_current_batch(self) -> int:
+        return self._native.batch_stats()[1]
+
+    @property
+    def allocation_sizes_in_current_batch(self) -> list[int]:
+        return self._native.batch_stats()[0]
 
     # --- request scopes ---
 
@@ -110,27 +157,25 @@ class CPUOffloadingManager(OffloadingManager):
             req_context.set_state(state)
         return state
 
-    def _rid(self, req_context: ReqContext) -> int | None:
-        """The scope id for a call (None once finished: the call records no access)."""
-        state = self._scope(req_context)
-        return None if state.finished else state.rid
-
-    @staticmethod
-    def _positions(req_context: ReqContext, keys) -> dict | None:
-        """The context's key -> end-token positions (None: none known). A context class that
-        overrides get_offload_key_position is asked key by key."""
+    def _access(self, keys: Collection[OffloadKey], req_context: ReqContext):
+        """A prepare call's native arguments: (keys, scope id, positions). A finished scope
+        records nothing (None, None); positions are the context's key -> end-token dict (None:
+        none known), asked key by key of a context class that overrides
+        get_offload_key_position; keys the native call reads twice are made a list."""
+        state = req_context._state.get(_Scope)
+        if state is None or state.owner is not self or state.generation != self._generation:
+            state = self._scope(req_context)
+        if state.finished:
+            return keys, None, None
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = list(keys)
         if type(req_context).get_offload_key_position is _GET_POSITION:
-            return req_context._offload_key_positions or None
+            return keys, state.rid, req_context._offload_key_positions or None
         positions = {}
         for key in keys:
             if (p := req_context.get_offload_key_position(key)) is not None:
                 positions[key] = p
-        return positions or None
-
-    @staticmethod
-    def _listed(keys: Collection[OffloadKey]) -> Collection[OffloadKey]:
-        """Keys the native call may read twice (keys and positions)."""
-        return keys if type(keys) is list or type(keys) is tuple else list(keys)
+        return keys, state.rid, positions or None
 
     # --- OffloadingManager interface ---
 
@@ -147,12 +192,7 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> LoadStoreSpec:
-        rid = self._rid(req_context)
-        positions = None
-        if rid is not None:
-            keys = self._listed(keys)
-            positions = self._positions(req_context, keys)
-        return CPULoadStoreSpec(self._native.prepare_load(keys, rid, positions))
+        return _spec(self._native.prepare_load(*self._access(keys, req_context)))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._native.touch(keys)
@@ -163,18 +203,13 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        rid = self._rid(req_context)
-        positions = None
-        if rid is not None:
-            keys = self._listed(keys)
-            positions = self._positions(req_context, keys)
-        out = self._native.prepare_store(keys, rid, positions)
+        out = self._native.prepare_store(*self._access(keys, req_context))
         if out is None:
             return None
         keys_to_store, chunk_ids, evicted = out
         return PrepareStoreOutput(
             keys_to_store=keys_to_store,
-            store_spec=CPULoadStoreSpec(chunk_ids),
+            store_spec=_spec(chunk_ids),
             evicted_keys=evicted,
         )
 
@@ -206,13 +241,9 @@ class CPUOffloadingManager(OffloadingManager):
         if not self._enable_events:
             return
         # A generator, as vLLM's: the batch is taken at the first next().
+        medium = self.medium
         for keys, removed, metadata_only in self._native.take_events():
-            yield OffloadingEvent(
-                keys=keys,
-                medium=self.medium,
-                removed=removed,
-                metadata_only=metadata_only,
-            )
+            yield OffloadingEvent(keys, medium, removed, None, None, False, metadata_only)
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
         return [self._config_info]
