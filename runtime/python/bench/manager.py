@@ -4,7 +4,9 @@ Replays shared/workloads/manager-{lru,arc}.json (400 rounds of 16-key stores on 
 pool, with lookups, loads, request ends and event drains) through the manager's public methods
 as vLLM's offloading scheduler calls them: one ReqContext per request (on_new_request first),
 keys as vLLM's bytes keys (built before timing). Each call's result is compared with the
-other manager's, so a fast wrong answer fails. The times are per method, summed over the run.
+other manager's, so a fast wrong answer fails. The times are per method, summed over the run;
+the same loop over a manager that answers at once gives the loop's own cost (printed, and
+taken off both sides for the second ratio).
 
 Run in an environment with vLLM 0.33.0 and the kvrelay wheel:
     python runtime/python/bench/manager.py [WORKLOAD.json ...] [--repeat 5] [--json]
@@ -93,25 +95,51 @@ def call(manager, method, arg, ctx, contexts, req):
     raise ValueError(f"unknown call {method}")
 
 
+class NullManager:
+    """Answers every call at once: what the replay loop itself costs (the harness)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def _none(self, *args):
+        return None
+
+    on_new_request = lookup = prepare_store = prepare_load = touch = _none
+    complete_load = complete_store = on_request_finished = reset_cache = _none
+
+    def take_events(self):
+        return ()
+
+
 def run(path, repeat):
     case = json.loads(pathlib.Path(path).read_text())
     calls = prepare(case)
     cfg = case["config"]
     kw = dict(cache_policy=cfg.get("policy", "lru"), enable_events=True)
     best = {}
-    for name, cls in (("vllm", VllmManager), ("kvrelay", KvManager)):
+    for name, cls in (("harness", NullManager), ("vllm", VllmManager), ("kvrelay", KvManager)):
         runs = [replay(cls(cfg["capacity_chunks"], **kw), calls) for _ in range(repeat)]
         best[name] = min(runs, key=lambda r: sum(r[0].values()))
     if best["vllm"][1] != best["kvrelay"][1]:
         sys.exit(f"{path}: kvrelay's results differ from vLLM's")
     v, k = best["vllm"][0], best["kvrelay"][0]
+    h = sum(best["harness"][0].values())
     return {
         "workload": pathlib.Path(path).name,
         "calls": len(calls),
         "vllm_s": sum(v.values()),
         "kvrelay_s": sum(k.values()),
+        "harness_s": h,
         "speedup": sum(v.values()) / sum(k.values()),
-        "per_method": {m: {"vllm_us": v[m] * 1e6, "kvrelay_us": k[m] * 1e6} for m in v},
+        "speedup_net": (sum(v.values()) - h) / (sum(k.values()) - h),
+        "per_method": {
+            m: {
+                "vllm_us": v[m] * 1e6,
+                "kvrelay_us": k[m] * 1e6,
+                "harness_us": best["harness"][0][m] * 1e6,
+            }
+            for m in v
+        },
     }
 
 
@@ -131,11 +159,15 @@ def main():
             continue
         print(
             f"{r['workload']}: {r['calls']} calls, vLLM {r['vllm_s'] * 1e3:.2f} ms, "
-            f"kvrelay {r['kvrelay_s'] * 1e3:.2f} ms, {r['speedup']:.1f}x"
+            f"kvrelay {r['kvrelay_s'] * 1e3:.2f} ms, {r['speedup']:.1f}x; the replay loop alone "
+            f"{r['harness_s'] * 1e3:.2f} ms, without it {r['speedup_net']:.1f}x"
         )
         for m, t in sorted(r["per_method"].items()):
             ratio = t["vllm_us"] / t["kvrelay_us"] if t["kvrelay_us"] else float("inf")
-            print(f"  {m:16} vLLM {t['vllm_us']:9.0f} us  kvrelay {t['kvrelay_us']:9.0f} us  {ratio:5.1f}x")
+            print(
+                f"  {m:16} vLLM {t['vllm_us']:9.0f} us  kvrelay {t['kvrelay_us']:9.0f} us  "
+                f"{ratio:5.1f}x  (loop {t['harness_us']:6.0f} us)"
+            )
 
 
 if __name__ == "__main__":

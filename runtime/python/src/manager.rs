@@ -32,16 +32,20 @@
 //! Events are drained from the core after every call that makes them, so that a failed store's
 //! removal keeps vLLM's `metadata_only` flag; with events off they are dropped at once.
 //!
-//! Departures from vLLM (a caller following vLLM's protocol never sees them): a refused
-//! `prepare_load`/`complete_load` changes nothing (vLLM pins or unpins the keys before the bad
-//! one); a key offered twice in one `prepare_store` is stored once; interned hashes are never
-//! forgotten (memory grows with the distinct hashes ever offered for storing), and the
-//! core breaks LRU rank ties between different hashes by first sight, not by the bytes.
+//! Departures from vLLM (a caller following vLLM's protocol never sees the first four): a
+//! refused `prepare_load`/`complete_load` changes nothing (vLLM pins or unpins the keys before
+//! the bad one); a key offered twice in one `prepare_store` is stored once; a finished request's
+//! context used again records no access (vLLM asserts on a key it had not seen); a key's
+//! position is read when the key is accessed (vLLM reads it again when the request finishes).
+//! Beyond that: interned hashes are never forgotten (memory grows with the distinct hashes ever
+//! offered for storing); a context never finished keeps its scope in the core (vLLM's state
+//! dies with the context); and the core breaks LRU rank ties between different hashes (keys of
+//! one request at one position, in groups with different hashes) by first sight, vLLM by the
+//! bytes.
 
-use kvrelay_core::ChunkId;
 use kvrelay_core::{
-    Access, BlockHash, CpuOffloadingManager, KeyLookup, ManagerConfig, ManagerError, OffloadKey,
-    PolicyKind, RequestId,
+    Access, BlockHash, ChunkId, CpuOffloadingManager, KeyLookup, ManagerConfig, ManagerError,
+    OffloadKey, PolicyKind, RequestId,
 };
 use pyo3::exceptions::{PyAssertionError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;

@@ -15,6 +15,7 @@ scheduler sets them before the first access).
 Constructor arguments the core cannot honour raise ``kvrelay.UnsupportedConfig`` (a
 ``ValueError``): ``cache_policy_module_path`` (only the built-in "lru" and "arc") and
 ``num_chunks`` below 1 (the core's pool holds at least one chunk; vLLM allows an empty one).
+Where it departs from vLLM otherwise: ``src/manager.rs``'s module doc.
 """
 
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
@@ -51,21 +52,20 @@ _GET_POSITION = ReqContext.get_offload_key_position
 
 _LOOKUP = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
 
+# numpy.frombuffer, absent where tests replace numpy by a stand-in.
 _frombuffer = np.__dict__.get("frombuffer")
+_INT32 = np.dtype(np.int32) if _frombuffer is not None else None
+_new_spec = object.__new__
 
 
 def _spec(chunk_ids: bytearray) -> CPULoadStoreSpec:
     """vLLM's CPULoadStoreSpec of the native int32 chunk ids (the same int32 array vLLM's
     constructor builds, without going through a list)."""
-    if _frombuffer is None:  # numpy replaced by a stand-in (tests without numpy)
+    if _frombuffer is None:
         return CPULoadStoreSpec(list(memoryview(chunk_ids).cast("i")))
     spec = _new_spec(CPULoadStoreSpec)
     spec.block_ids = _frombuffer(chunk_ids, _INT32)
     return spec
-
-
-_new_spec = object.__new__
-_INT32 = np.dtype(np.int32) if _frombuffer is not None else None
 
 
 @dataclass(slots=True)
