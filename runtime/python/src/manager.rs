@@ -220,7 +220,7 @@ enum Keys {
 }
 
 /// The native manager: the core, the key table, the events drained so far, the batch stats.
-#[pyclass(module = "kvrelay._kvrelay", name = "_OffloadManager", unsendable)]
+#[pyclass(module = "kvrelay._kvrelay", name = "_OffloadManager")]
 #[derive(Debug)]
 pub(crate) struct OffloadManager {
     core: CpuOffloadingManager,

@@ -284,3 +284,18 @@ def test_scope_is_per_context_object_and_reset_makes_it_stale():
         assert store_view(out) == store_view(mine)
         pair.check_lookups()
         assert events_view(pair.v) == events_view(pair.k)
+
+
+def test_usable_from_another_thread():
+    """Protects: a manager built on one thread serves calls from another (vLLM's tiering
+    manager enters its tiers from a background thread, under its lock)."""
+    import threading
+
+    m = KvManager(4)
+    ctx = ReqContext(req_id="a")
+    out = []
+    t = threading.Thread(target=lambda: out.append(m.prepare_store([key(1)], ctx)))
+    t.start()
+    t.join()
+    assert out[0] is not None and out[0].keys_to_store == [key(1)]
+    assert m.lookup(key(1), ctx) is LookupResult.HIT_PENDING
