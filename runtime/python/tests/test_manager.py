@@ -75,15 +75,15 @@ class Pair:
         self.loads: list[tuple[list[bytes], ReqContext]] = []
         self.serial = 0
 
-    def both(self, method: str, *args):
+    def both(self, method: str, *args, **kwargs):
         """Calls `method` on both managers; they must agree (or both raise AssertionError)."""
         try:
-            a = getattr(self.v, method)(*args)
+            a = getattr(self.v, method)(*args, **kwargs)
         except AssertionError:
             with pytest.raises(AssertionError):
-                getattr(self.k, method)(*args)
+                getattr(self.k, method)(*args, **kwargs)
             return None
-        b = getattr(self.k, method)(*args)
+        b = getattr(self.k, method)(*args, **kwargs)
         return a, b
 
     def request(self) -> ReqContext:
@@ -121,7 +121,10 @@ class Pair:
             hits = [k for k in self.universe if self.v.lookup(k, ctx) == LookupResult.HIT]
             if hits:
                 keys = rng.sample(hits, rng.randint(1, min(3, len(hits))))
-                a, b = self.both("prepare_load", keys, ctx)
+                if rng.random() < 0.8:
+                    a, b = self.both("prepare_load", keys, ctx)
+                else:  # the tiering primary tier's prepare_read: no request access
+                    a, b = self.both("_prepare_load", keys, ctx, record_access=False)
                 assert ids(a) == ids(b)
                 self.loads.append((keys, ctx))
         elif op < 0.78 and self.loads:

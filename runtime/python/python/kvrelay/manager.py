@@ -194,6 +194,15 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> LoadStoreSpec:
         return _spec(self._native.prepare_load(*self._access(keys, req_context)))
 
+    def _prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, *, record_access: bool
+    ) -> LoadStoreSpec:
+        """vLLM's own hook for its subclasses (the tiering primary tier's prepare_read): pins
+        without recording a request access unless ``record_access``."""
+        if record_access:
+            return self.prepare_load(keys, req_context)
+        return _spec(self._native.prepare_load(keys, None, None))
+
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._native.touch(keys)
 
