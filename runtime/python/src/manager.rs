@@ -37,8 +37,7 @@
 //! the bad one); a key offered twice in one `prepare_store` is stored once; a finished request's
 //! context used again records no access (vLLM asserts on a key it had not seen); a key's
 //! position is read when the key is accessed (vLLM reads it again when the request finishes).
-//! Beyond that: interned hashes are never forgotten (memory grows with the distinct hashes ever
-//! offered for storing); a context never finished keeps its scope in the core (vLLM's state
+//! Beyond that: a context never finished keeps its scope in the core (vLLM's state
 //! dies with the context); and the core breaks LRU rank ties between different hashes (keys of
 //! one request at one position, in groups with different hashes) by first sight, vLLM by the
 //! bytes.
@@ -67,12 +66,34 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 /// vLLM's key bytes ↔ the core's [`OffloadKey`]: each distinct hash (the key minus its 4-byte
-/// group) gets the next dense id, kept for the manager's life.
-#[derive(Debug, Default)]
+/// group) gets a dense id while the core may name a key with that hash. Ids the core no longer
+/// names are freed in sweeps ([`KeyTable::sweep`]), so the table stays about as large as the
+/// manager's pool, tracker and open scopes, not as the hashes ever offered.
+#[derive(Debug)]
 struct KeyTable {
     ids: FxHashMap<Box<[u8]>, u64>,
-    /// Per id, the first key object seen with that hash.
-    objects: Vec<Py<PyBytes>>,
+    /// Per id, the first key object seen with that hash (`None`: freed, in `free`).
+    objects: Vec<Option<Py<PyBytes>>>,
+    free: Vec<u64>,
+    /// Entries the last sweep kept.
+    kept: usize,
+    /// [`SWEEP_SLACK`], or less where a test wants sweeps often.
+    slack: usize,
+}
+
+/// Entries interned beyond twice what the last sweep kept before the next sweep.
+const SWEEP_SLACK: usize = 1 << 16;
+
+impl Default for KeyTable {
+    fn default() -> Self {
+        Self {
+            ids: FxHashMap::default(),
+            objects: Vec::new(),
+            free: Vec::new(),
+            kept: 0,
+            slack: SWEEP_SLACK,
+        }
+    }
 }
 
 /// A key's hash bytes and group, checked: `bytes` (`TypeError`) of at least 4 (`ValueError`).
@@ -112,10 +133,18 @@ impl KeyTable {
         let id = match self.ids.get(hash) {
             Some(&id) => id,
             None => {
-                let id = self.objects.len() as u64;
+                let object = Some(key.downcast::<PyBytes>()?.clone().unbind());
+                let id = match self.free.pop() {
+                    Some(id) => {
+                        self.objects[id as usize] = object;
+                        id
+                    }
+                    None => {
+                        self.objects.push(object);
+                        self.objects.len() as u64 - 1
+                    }
+                };
                 self.ids.insert(hash.into(), id);
-                self.objects
-                    .push(key.downcast::<PyBytes>()?.clone().unbind());
                 id
             }
         };
@@ -125,23 +154,60 @@ impl KeyTable {
         })
     }
 
-    /// The bytes of a core key (the core hands back only keys it was given).
-    fn object<'py>(&self, py: Python<'py>, k: OffloadKey) -> Bound<'py, PyBytes> {
-        let first = self.objects[k.hash.0 as usize].bind(py);
+    /// Whether enough was interned since the last sweep to sweep again (amortized O(1) a key).
+    fn wants_sweep(&self) -> bool {
+        self.ids.len() > 2 * self.kept + self.slack
+    }
+
+    /// Frees every id no key in `referenced` has (everything the core and the pending events
+    /// may still name).
+    fn sweep(&mut self, referenced: impl Iterator<Item = OffloadKey>) {
+        let mut used = vec![false; self.objects.len()];
+        for k in referenced {
+            if let Some(u) = used.get_mut(k.hash.0 as usize) {
+                *u = true;
+            }
+        }
+        let (objects, free) = (&mut self.objects, &mut self.free);
+        self.ids.retain(|_, &mut id| {
+            let keep = used[id as usize];
+            if !keep {
+                objects[id as usize] = None;
+                free.push(id);
+            }
+            keep
+        });
+        self.kept = self.ids.len();
+    }
+
+    /// The bytes of a core key. The core hands back only keys it was given, and an id is freed
+    /// only when nothing names it: a miss is kvrelay's bug, said so.
+    fn object<'py>(&self, py: Python<'py>, k: OffloadKey) -> PyResult<Bound<'py, PyBytes>> {
+        let Some(Some(first)) = self.objects.get(k.hash.0 as usize) else {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+                "kvrelay bug: offload key id {} handed back after it was freed",
+                k.hash.0
+            )));
+        };
+        let first = first.bind(py);
         let b = first.as_bytes();
         let cut = b.len() - 4;
         if b[cut..] == k.group.to_be_bytes() {
-            return first.clone();
+            return Ok(first.clone());
         }
         let mut v = Vec::with_capacity(b.len());
         v.extend_from_slice(&b[..cut]);
         v.extend_from_slice(&k.group.to_be_bytes());
-        PyBytes::new(py, &v)
+        Ok(PyBytes::new(py, &v))
     }
 
     /// A list of the bytes of core keys.
     fn list<'py>(&self, py: Python<'py>, keys: &[OffloadKey]) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, keys.iter().map(|&k| self.object(py, k)))
+        let objects = keys
+            .iter()
+            .map(|&k| self.object(py, k))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, objects)
     }
 }
 
@@ -311,7 +377,7 @@ impl OffloadManager {
         let name = |k: OffloadKey| {
             self.keys
                 .object(py, k)
-                .repr()
+                .and_then(|o| o.repr())
                 .map_or_else(|_| format!("{k:?}"), |r| r.to_string())
         };
         PyAssertionError::new_err(match e {
@@ -501,6 +567,10 @@ impl OffloadManager {
         rid: Option<u32>,
         positions: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        if self.keys.wants_sweep() {
+            let pending = self.events.iter().flat_map(|e| e.0.iter().copied());
+            self.keys.sweep(self.core.referenced_keys().chain(pending));
+        }
         let out = self.accessing(keys, Keys::Intern, rid, positions, |m, buf, access| {
             let out = m.core.prepare_store(buf, access);
             m.note_store(buf, out.as_ref().map(|o| o.keys_to_store.len()));
@@ -562,14 +632,26 @@ impl OffloadManager {
         )
     }
 
+    /// Hashes the key table holds (bounded: see `KeyTable`).
+    #[getter]
+    fn interned_hashes(&self) -> usize {
+        self.keys.ids.len()
+    }
+
+    /// Test seam: sweep the key table once `slack` hashes beyond twice the last sweep's are
+    /// interned (default 65,536), so that tests exercise the sweeps.
+    fn _set_key_sweep_slack(&mut self, slack: usize) {
+        self.keys.slack = slack;
+    }
+
     /// The store-threshold tracker: `[(key, offers)]`, least recently offered first.
     fn tracked<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(
-            py,
-            self.core
-                .tracked_offers()
-                .map(|(k, n)| (self.keys.object(py, k), n)),
-        )
+        let offers = self
+            .core
+            .tracked_offers()
+            .map(|(k, n)| Ok((self.keys.object(py, k)?, n)))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, offers)
     }
 
     /// How many offers of `key` the tracker counts (0: not tracked).

@@ -68,6 +68,8 @@ class Pair:
         )
         self.v = VllmManager(num_chunks, **kw)
         self.k = KvManager(num_chunks, **kw)
+        # Sweep the key table often, so that freed and reused key ids are compared too.
+        self.k._native._set_key_sweep_slack(rng.choice([0, 4, 1 << 16]))
         self.rng = rng
         self.universe = [key(i, g) for i in range(14) for g in (0, 1)]
         self.requests: list[ReqContext] = []
@@ -302,3 +304,18 @@ def test_usable_from_another_thread():
     t.join()
     assert out[0] is not None and out[0].keys_to_store == [key(1)]
     assert m.lookup(key(1), ctx) is LookupResult.HIT_PENDING
+
+
+def test_the_key_table_stays_bounded_by_what_the_manager_holds():
+    """Protects memory: the table of interned key hashes does not grow with every hash ever
+    offered (a long-running vLLM offers new hashes all the time), and keys still stored come
+    back intact after sweeps."""
+    m = KvManager(16, cache_policy="lru")
+    for i in range(200_000):
+        ctx = ReqContext(req_id=f"r{i}")
+        out = m.prepare_store([key(i, 0)], ctx)
+        m.complete_store(out.keys_to_store, ctx)
+        m.on_request_finished(ctx)
+    assert m._native.interned_hashes <= 2 * 16 + (1 << 16) + 1, m._native.interned_hashes
+    ctx = ReqContext(req_id="lookup")
+    assert [m.lookup(key(i, 0), ctx) for i in range(200_000 - 16, 200_000)] == [LookupResult.HIT] * 16

@@ -740,6 +740,17 @@ impl CpuOffloadingManager {
             .map(|(_, k)| (*k, self.tracker.get(k).map_or(0, |e| e.0)))
     }
 
+    /// Every key the manager may still name: the arena's (stored, being stored, ARC ghosts, and
+    /// slots freed but not yet cleared), the store-threshold tracker's and the open request
+    /// scopes'; a key may come more than once. For an embedder that maps its own keys to
+    /// [`OffloadKey`]s: a mapping whose key is not among these can be freed (the Python
+    /// package's key table does, in sweeps). Read-only.
+    pub fn referenced_keys(&self) -> impl Iterator<Item = OffloadKey> + '_ {
+        let arena = self.arena.nodes.iter().map(|n| n.key);
+        let scopes = self.requests.iter().flat_map(|(_, scope)| scope.keys());
+        arena.chain(self.tracker.keys().copied()).chain(scopes)
+    }
+
     /// Keys whose store is in flight.
     pub fn num_write_pending(&self) -> u32 {
         self.write_pending

@@ -317,6 +317,11 @@ impl RequestAccess {
         unsorted.then_some(self.order.as_slice())
     }
 
+    /// Every key this scope names.
+    pub(super) fn keys(&self) -> impl Iterator<Item = OffloadKey> + '_ {
+        self.keys.iter().map(|k| k.key)
+    }
+
     /// The keys of [`Self::commit_order`] (tests).
     #[cfg(test)]
     pub(super) fn commit_keys(&self) -> Vec<OffloadKey> {
