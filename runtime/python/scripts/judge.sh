@@ -7,6 +7,7 @@
 # that drive public API (tools/whitebox.py --black: the rest read vLLM's private state).
 #
 # Usage: runtime/python/scripts/judge.sh [group ...]   groups: aggregator manager (default both)
+# Exit:  0 when every black-box test passes with kvrelay's class, 1 otherwise, 2 on setup errors
 # Env:   VLLM_TESTS_TOOLS  the harness (default: ../shared/tools/vllm-tests beside the checkout)
 #        VLLM_TESTS        its root (default ~/.cache/kvrelay/vllm-tests)
 set -uo pipefail
@@ -45,7 +46,8 @@ for g in "${groups[@]}"; do
     theirs=$(judge "" "$file" "${k[@]}")
     ours=$(judge "$g" "$file" "${k[@]}")
     printf '%-10s %-9s  vLLM own: %-32s kvrelay: %s\n' "$g" "$scope" "$theirs" "$ours"
-    [[ "$ours" == *failed* ]] && rc=1
+    # The white-box tests read vLLM's private state: only the black-box ones must pass.
+    [[ "$scope" == black-box && "$ours" == *failed* ]] && rc=1
   done
 done
 exit $rc
