@@ -8,19 +8,9 @@
 #
 # Usage: runtime/python/scripts/judge.sh [group ...]   groups: aggregator manager (default both)
 # Exit:  0 when every black-box test passes with kvrelay's class, 1 otherwise, 2 on setup errors
-# Env:   VLLM_TESTS_TOOLS  the harness (default: ../shared/tools/vllm-tests beside the checkout)
-#        VLLM_TESTS        its root (default ~/.cache/kvrelay/vllm-tests)
+# Env:   as harness.sh
 set -uo pipefail
-here=$(cd "$(dirname "$0")/.." && pwd)
-tools=${VLLM_TESTS_TOOLS:-$(cd "$here/../.." && pwd)/../shared/tools/vllm-tests}
-root=${VLLM_TESTS:-$HOME/.cache/kvrelay/vllm-tests}
-[ -x "$tools/run.sh" ] || { echo "judge.sh: no vLLM test harness at $tools (set VLLM_TESTS_TOOLS)" >&2; exit 2; }
-"$tools/setup.sh" > /dev/null || { echo "judge.sh: $tools/setup.sh failed" >&2; exit 2; }
-py=$root/venv/bin/python
-"$py" -m pip install -q --disable-pip-version-check "maturin>=1.9,<2"
-rm -rf "$root/kvrelay-wheel"
-"$root/venv/bin/maturin" build --quiet --release -m "$here/Cargo.toml" -o "$root/kvrelay-wheel" || exit 2
-"$py" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$root"/kvrelay-wheel/kvrelay-*.whl || exit 2
+. "$(dirname "$0")/harness.sh"
 
 declare -A files=(
   [aggregator]="tests/v1/kv_connector/unit/test_output_aggregator.py"
@@ -28,10 +18,7 @@ declare -A files=(
 )
 groups=("$@")
 [ ${#groups[@]} -eq 0 ] && groups=(aggregator manager)
-# As the harness's run.sh runs pytest (its environment), with a -k expression it cannot pass.
-cd "$root/vllm-0.33.0"
-export VLLM_TARGET_DEVICE=cpu HF_HOME=$root/hf HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export PYTHONPATH=$tools/plugins PYTHONDONTWRITEBYTECODE=1
+# pytest as the harness's run.sh calls it, with a -k expression run.sh cannot pass on.
 judge() {  # judge SUBST FILE [-k EXPR]: pytest's summary line
   KVRELAY_SUBST=$1 KVRELAY_IMPL=kvrelay "$py" -m pytest -p no:cacheprovider -p kvrelay_subst -q \
     --timeout 300 "${@:2}" 2>&1 | grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" | tail -1 | tr -d '='
