@@ -20,15 +20,30 @@ fn ok(m: &CpuOffloadingManager) {
 
 const POLICIES: [PolicyKind; 2] = [PolicyKind::Lru, PolicyKind::Arc];
 
+// Protects the config check: a pool the arena cannot address is a typed error, not a panic.
 #[test]
-fn zero_capacity_is_a_typed_error() {
+fn a_pool_beyond_the_arena_is_a_typed_error() {
     let e = CpuOffloadingManager::new(ManagerConfig {
-        capacity_chunks: 0,
-        policy: PolicyKind::Lru,
+        capacity_chunks: u32::MAX / 2,
+        policy: PolicyKind::Arc,
         store_threshold: 1,
     })
     .unwrap_err();
     assert_eq!(e.kind(), "bad_config");
+}
+
+// Protects vLLM's empty pool (its CPU spec builds one when a chunk does not fit): every store
+// is refused, lookups miss, and the invariants hold.
+#[test]
+fn an_empty_pool_refuses_every_store() {
+    for p in POLICIES {
+        let mut m = cpu_manager(p, 0, 1);
+        assert!(m.prepare_store(&[k(1), k(2)], Access::default()).is_none());
+        assert_eq!(m.lookup(k(1)), KeyLookup::Miss);
+        assert_eq!(m.num_free_chunks(), 0);
+        m.complete_store(&[k(1)], true);
+        ok(&m);
+    }
 }
 
 #[test]

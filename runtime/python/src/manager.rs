@@ -427,14 +427,11 @@ impl OffloadManager {
                 )));
             }
         };
-        let capacity_chunks = u32::try_from(num_chunks)
-            .ok()
-            .filter(|&n| n >= 1)
-            .ok_or_else(|| {
-                UnsupportedConfig::new_err(format!(
-                    "num_chunks must be between 1 and 2^32-1, got {num_chunks}"
-                ))
-            })?;
+        let capacity_chunks = u32::try_from(num_chunks).map_err(|_| {
+            UnsupportedConfig::new_err(format!(
+                "num_chunks must be between 0 and 2^32-1, got {num_chunks}"
+            ))
+        })?;
         // vLLM tracks offers only from a threshold of 2; below that every key is stored.
         let store_threshold = u32::try_from(store_threshold.max(0)).map_err(|_| {
             UnsupportedConfig::new_err(format!("store_threshold {store_threshold} is too large"))

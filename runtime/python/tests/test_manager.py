@@ -258,7 +258,7 @@ def test_unsupported_config_is_refused():
     """Protects: constructor values the core cannot honour are refused with a typed error
     (UnsupportedConfig, a ValueError), never ignored."""
     for kwargs in (
-        dict(num_chunks=0),
+        dict(num_chunks=-1),
         dict(num_chunks=4, cache_policy_module_path="my.policy"),
         dict(num_chunks=4, cache_policy="fifo"),
     ):
@@ -319,3 +319,15 @@ def test_the_key_table_stays_bounded_by_what_the_manager_holds():
     assert m._native.interned_hashes <= 2 * 16 + (1 << 16) + 1, m._native.interned_hashes
     ctx = ReqContext(req_id="lookup")
     assert [m.lookup(key(i, 0), ctx) for i in range(200_000 - 16, 200_000)] == [LookupResult.HIT] * 16
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("seed", range(5))
+def test_an_empty_pool_matches_vllm(policy, seed):
+    """Protects vLLM's empty pool (its CPU spec builds one when a chunk does not fit the
+    bytes given): every store refused, lookups miss, stats and events as vLLM's."""
+    pair = Pair(random.Random(seed), policy, 0, 0)
+    for _ in range(100):
+        pair.step()
+    assert events_view(pair.v) == events_view(pair.k)
+    assert stats_view(pair.v) == pytest.approx(stats_view(pair.k))

@@ -58,11 +58,15 @@ pub struct ManagerConfig {
 }
 
 impl ManagerConfig {
-    /// Checks the config before building a manager: the pool must hold at least one chunk.
+    /// Checks the config before building a manager: the policy's nodes (the chunks, and ARC's
+    /// ghosts: three times the chunks) must be addressable by the arena's `u32` slots, one value
+    /// of which marks "none". An empty pool is valid, as in vLLM (its CPU spec builds one when a
+    /// chunk does not fit the bytes given): it refuses every store.
     pub fn validate(&self) -> Result<(), ManagerError> {
-        if self.capacity_chunks == 0 {
+        if super::policy::Policy::max_nodes(self.policy, self.capacity_chunks) >= u32::MAX as usize
+        {
             return Err(ManagerError::BadConfig(
-                "capacity_chunks must be at least 1",
+                "capacity_chunks too large for the arena (ARC: below 2^32 / 3)",
             ));
         }
         Ok(())

@@ -14,7 +14,8 @@ scheduler sets them before the first access).
 
 Constructor arguments the core cannot honour raise ``kvrelay.UnsupportedConfig`` (a
 ``ValueError``): ``cache_policy_module_path`` (only the built-in "lru" and "arc") and
-``num_chunks`` below 1 (the core's pool holds at least one chunk; vLLM allows an empty one).
+``num_chunks`` below 0 or beyond what the core's arena addresses (an empty pool is accepted, as
+vLLM's: it refuses every store).
 Where it departs from vLLM otherwise: ``src/manager.rs``'s module doc.
 """
 
@@ -261,12 +262,12 @@ class CPUOffloadingManager(OffloadingManager):
         stats = OffloadingConnectorStats()
         num_chunks, free, evictable, write_pending = self._native.usage()
         used = num_chunks - free - evictable
-        usage = used / num_chunks
+        usage = used / num_chunks if num_chunks > 0 else 0.0
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
         allocation_sizes, stores_skipped = self._native.take_batch_stats()
         for size in allocation_sizes:
             stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
-        write_usage = write_pending / num_chunks
+        write_usage = write_pending / num_chunks if num_chunks > 0 else 0.0
         read_usage = max(usage - write_usage, 0.0)
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write_usage)
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, read_usage)
