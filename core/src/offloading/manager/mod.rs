@@ -107,11 +107,21 @@ const MAX_TRACKER_SIZE: usize = 64_000;
 impl CpuOffloadingManager {
     /// A manager with an empty pool of `config.capacity_chunks` chunks. The arena and its key
     /// index are sized for a full pool (and, for ARC, full ghost lists) up front.
+    ///
+    /// Refuses ([`ManagerError::BadConfig`]) a pool whose nodes (the chunks, and ARC's ghosts:
+    /// three times the chunks) the arena's `u32` slots cannot address, one value of which marks
+    /// "none". An empty pool is valid, as in vLLM (its CPU spec builds one when a chunk does not
+    /// fit the bytes given): it refuses every store.
     pub fn new(config: ManagerConfig) -> Result<Self, ManagerError> {
-        config.validate()?;
+        let nodes = Policy::max_nodes(config.policy, config.capacity_chunks);
+        if nodes >= u32::MAX as usize {
+            return Err(ManagerError::BadConfig(
+                "capacity_chunks too large for the arena (ARC: below 2^32 / 3)",
+            ));
+        }
         Ok(Self {
             config,
-            arena: Arena::with_capacity(Policy::max_nodes(config.policy, config.capacity_chunks)),
+            arena: Arena::with_capacity(nodes),
             policy: Policy::new(config.policy),
             requests: Vec::new(),
             next_fresh: 0,

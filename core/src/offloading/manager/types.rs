@@ -57,22 +57,6 @@ pub struct ManagerConfig {
     pub store_threshold: u32,
 }
 
-impl ManagerConfig {
-    /// Checks the config before building a manager: the policy's nodes (the chunks, and ARC's
-    /// ghosts: three times the chunks) must be addressable by the arena's `u32` slots, one value
-    /// of which marks "none". An empty pool is valid, as in vLLM (its CPU spec builds one when a
-    /// chunk does not fit the bytes given): it refuses every store.
-    pub fn validate(&self) -> Result<(), ManagerError> {
-        if super::policy::Policy::max_nodes(self.policy, self.capacity_chunks) >= u32::MAX as usize
-        {
-            return Err(ManagerError::BadConfig(
-                "capacity_chunks too large for the arena (ARC: below 2^32 / 3)",
-            ));
-        }
-        Ok(())
-    }
-}
-
 /// Who accesses keys: the request (for request-aware recency) and, optionally, each key's
 /// end-token position in the request (parallel to `keys`).
 #[derive(Clone, Copy, Debug, Default)]
