@@ -105,8 +105,9 @@ pub use offloading::{
 pub use scheduler::SchedulerFault;
 pub use scheduler::{
     BlockPool, ConnectorError, FinishDecision, FinishReason, GroupKind, Intent, LoadFailurePolicy,
-    Lookup, MAX_REQUEST_ID, Params, RequestOutput, RequestSpec, RequestStatus, RequestView,
-    Scheduler, SchedulerConfig, SchedulerConnector, SchedulerError, SchedulerView, StepResult,
+    Lookup, MAX_REQUEST_ID, Params, RequestMirror, RequestOutput, RequestSpec, RequestStatus,
+    RequestView, Scheduler, SchedulerConfig, SchedulerConnector, SchedulerError, SchedulerView,
+    ShadowState, StepResult,
 };
 pub use sorted_set::SortedSet;
 #[cfg(any(test, feature = "testing"))]

@@ -42,6 +42,7 @@
 //! | `request.rs` | [`RequestSpec`], [`RequestStatus`], the request's token and hash bookkeeping |
 //! | `connector.rs`, `intent.rs` | the scheduler side of the connector contract: [`SchedulerConnector`], [`Lookup`]; the [`Intent`]s a connector asks for |
 //! | `view.rs` | [`SchedulerView`], what a connector may read |
+//! | `shadow.rs` | [`ShadowState`]: that view kept by an embedder whose scheduler is not this one (vLLM's) |
 //! | `block_pool.rs` | the GPU [`BlockPool`] with prefix caching |
 //! | `kv_cache.rs` | block accounting per KV cache group (hits, allocation, caching, freeing) |
 //! | `lifecycle.rs` | `add_request`, `abort`, finishing, freeing, preemption |
@@ -63,6 +64,7 @@ mod lifecycle;
 mod output;
 mod request;
 mod schedule;
+mod shadow;
 mod update;
 mod view;
 
@@ -82,6 +84,7 @@ pub use error::{ConnectorError, SchedulerError};
 pub use intent::Intent;
 pub use output::{FinishReason, RequestOutput, StepResult};
 pub use request::{Params, RequestSpec, RequestStatus};
+pub use shadow::{RequestMirror, ShadowState};
 pub use view::{RequestView, SchedulerView};
 
 use crate::ids::{BlockId, NULL_BLOCK, RequestId, StepId};
@@ -221,6 +224,31 @@ struct State {
 }
 
 impl State {
+    /// An empty pool and no requests.
+    fn new(config: SchedulerConfig, requires_kv_delivery: bool) -> Self {
+        let pool = BlockPool::new(config.num_gpu_blocks);
+        State {
+            config,
+            pool,
+            requests: RequestTable::default(),
+            waiting: VecDeque::new(),
+            kv_holding_waiting: VecDeque::new(),
+            running: Vec::new(),
+            finished_req_ids: BTreeSet::new(),
+            reset_preempted_req_ids: BTreeSet::new(),
+            finished_recving_kv_req_ids: BTreeSet::new(),
+            failed_recving_kv_req_ids: BTreeSet::new(),
+            inflight_prefills: BTreeSet::new(),
+            in_flight: VecDeque::new(),
+            next_step: 0,
+            pins: BTreeMap::new(),
+            requires_kv_delivery,
+            broken: None,
+            #[cfg(feature = "fault-injection")]
+            fault: None,
+        }
+    }
+
     /// Whether [`SchedulerFault::ClaimHitsGroupByGroup`] was injected (always `false` without
     /// the `fault-injection` feature).
     fn claims_hits_group_by_group(&self) -> bool {
@@ -262,29 +290,9 @@ impl<C: SchedulerConnector> Scheduler<C> {
     /// A scheduler with an empty pool and no requests.
     pub fn new(config: SchedulerConfig, connector: C) -> Result<Self, SchedulerError> {
         config.validate()?;
-        let pool = BlockPool::new(config.num_gpu_blocks);
         let requires_kv_delivery = connector.requires_kv_delivery();
         Ok(Self {
-            state: State {
-                config,
-                pool,
-                requests: RequestTable::default(),
-                waiting: VecDeque::new(),
-                kv_holding_waiting: VecDeque::new(),
-                running: Vec::new(),
-                finished_req_ids: BTreeSet::new(),
-                reset_preempted_req_ids: BTreeSet::new(),
-                finished_recving_kv_req_ids: BTreeSet::new(),
-                failed_recving_kv_req_ids: BTreeSet::new(),
-                inflight_prefills: BTreeSet::new(),
-                in_flight: VecDeque::new(),
-                next_step: 0,
-                pins: BTreeMap::new(),
-                requires_kv_delivery,
-                broken: None,
-                #[cfg(feature = "fault-injection")]
-                fault: None,
-            },
+            state: State::new(config, requires_kv_delivery),
             connector,
         })
     }
