@@ -50,25 +50,13 @@ impl<C: SchedulerConnector> Scheduler<C> {
         }
         let ngroups = self.state.config.groups.len();
         let mut r = Request {
-            id,
-            status: RequestStatus::Waiting,
             tokens: Vec::with_capacity(spec.prompt.len() + spec.max_tokens.min(4096) as usize),
             num_prompt_tokens: spec.prompt.len() as u32,
-            block_hashes: Vec::new(),
             max_tokens: spec.max_tokens,
             stop_token: spec.stop_token,
             kv_transfer_params: spec.kv_transfer_params,
-            num_computed_tokens: 0,
-            num_in_flight_tokens: 0,
-            num_output_placeholders: 0,
-            num_stale_output_tokens: 0,
-            drop_stale_output: false,
-            num_preemptions: 0,
-            blocks: alloc::vec![Vec::new(); ngroups],
-            num_cached_blocks: alloc::vec![0; ngroups],
             is_prefill_chunk: true,
-            held_for_send: false,
-            held_for_recv: false,
+            ..Request::new(id, ngroups)
         };
         for t in spec.prompt {
             r.append_token(t, self.state.config.block_size);

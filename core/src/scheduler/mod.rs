@@ -120,6 +120,34 @@ struct Request {
     held_for_recv: bool,
 }
 
+impl Request {
+    /// A waiting request with no tokens, nothing computed and empty block tables in `ngroups`
+    /// groups: what `add_request` fills in, and what a shadow mirrors into.
+    fn new(id: RequestId, ngroups: usize) -> Self {
+        Request {
+            id,
+            status: RequestStatus::Waiting,
+            tokens: Vec::new(),
+            num_prompt_tokens: 0,
+            block_hashes: Vec::new(),
+            max_tokens: 0,
+            stop_token: None,
+            kv_transfer_params: None,
+            num_computed_tokens: 0,
+            num_in_flight_tokens: 0,
+            num_output_placeholders: 0,
+            num_stale_output_tokens: 0,
+            drop_stale_output: false,
+            num_preemptions: 0,
+            blocks: alloc::vec![Vec::new(); ngroups],
+            num_cached_blocks: alloc::vec![0; ngroups],
+            is_prefill_chunk: false,
+            held_for_send: false,
+            held_for_recv: false,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 struct ScheduledEntry {
     id: RequestId,

@@ -69,7 +69,7 @@ impl ShadowState {
         if !self.state.requests.contains_key(&id) {
             self.state
                 .requests
-                .insert(id, Request::mirrored(id, self.state.config.groups.len()));
+                .insert(id, Request::new(id, self.state.config.groups.len()));
         }
         let r = self.state.requests.get_mut(&id).expect("inserted above");
         r.status = m.status;
@@ -99,33 +99,5 @@ impl ShadowState {
     /// The view a connector call gets.
     pub fn view(&self) -> SchedulerView<'_> {
         self.state.view()
-    }
-}
-
-impl Request {
-    /// A request known only through mirroring: the fields [`ShadowState::mirror`] does not set
-    /// keep the values a new request has.
-    fn mirrored(id: RequestId, ngroups: usize) -> Self {
-        Request {
-            id,
-            status: RequestStatus::Waiting,
-            tokens: Vec::new(),
-            num_prompt_tokens: 0,
-            block_hashes: Vec::new(),
-            max_tokens: 0,
-            stop_token: None,
-            kv_transfer_params: None,
-            num_computed_tokens: 0,
-            num_in_flight_tokens: 0,
-            num_output_placeholders: 0,
-            num_stale_output_tokens: 0,
-            drop_stale_output: false,
-            num_preemptions: 0,
-            blocks: alloc::vec![Vec::new(); ngroups],
-            num_cached_blocks: alloc::vec![0; ngroups],
-            is_prefill_chunk: false,
-            held_for_send: false,
-            held_for_recv: false,
-        }
     }
 }
