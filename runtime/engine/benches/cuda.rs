@@ -32,10 +32,6 @@ fn main() {
 const TOTAL: usize = 256 << 20;
 const SIZES: [usize; 4] = [2 << 20, 256 << 10, 32 << 10, 8 << 10];
 
-fn through_engine(b: Bencher, block: usize, churned: bool, direction: TransferDirection) {
-    through(b, block, churned, direction, true);
-}
-
 /// `batched`: many copies a driver call (`cuMemcpyBatchAsync`) or one call each.
 fn through(b: Bencher, block: usize, churned: bool, direction: TransferDirection, batched: bool) {
     let (gpu, host, transfer) = plans::plan(block, TOTAL, churned);
@@ -55,17 +51,17 @@ fn through(b: Bencher, block: usize, churned: bool, direction: TransferDirection
 
 #[divan::bench(args = SIZES, sample_count = 20, sample_size = 1)]
 fn store_contiguous(b: Bencher, block: usize) {
-    through_engine(b, block, false, TransferDirection::Store);
+    through(b, block, false, TransferDirection::Store, true);
 }
 
 #[divan::bench(args = SIZES, sample_count = 20, sample_size = 1)]
 fn store_churned(b: Bencher, block: usize) {
-    through_engine(b, block, true, TransferDirection::Store);
+    through(b, block, true, TransferDirection::Store, true);
 }
 
 #[divan::bench(args = SIZES, sample_count = 20, sample_size = 1)]
 fn load_churned(b: Bencher, block: usize) {
-    through_engine(b, block, true, TransferDirection::Load);
+    through(b, block, true, TransferDirection::Load, true);
 }
 
 #[divan::bench(args = SIZES, sample_count = 20, sample_size = 1)]

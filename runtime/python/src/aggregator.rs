@@ -238,13 +238,10 @@ impl KvOutputAggregator {
         out: &kvrelay_core::AggregatedOutput,
         folded: Folded<'py>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let names = |set: &Option<SortedSet<RequestId>>| -> PyResult<Option<Bound<'py, PySet>>> {
-            let Some(set) = set else { return Ok(None) };
-            let v = set
-                .iter()
-                .map(|&id| self.ids.name(py, id))
-                .collect::<PyResult<Vec<_>>>()?;
-            Ok(Some(PySet::new(py, v)?))
+        let names = |set: &Option<SortedSet<RequestId>>| {
+            set.as_ref()
+                .map(|s| self.to_set(py, s.iter().copied()))
+                .transpose()
         };
         let failed = self.to_set(py, out.failed_recving.iter().copied())?;
         let invalid = PySet::new(py, out.invalid_block_ids.iter().map(|b| b.0))?;
