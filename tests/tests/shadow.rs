@@ -3,7 +3,8 @@
 //! scheduler). Protects that view contract: a twin [`OffloadingConnector`] fed the shadow's view
 //! — mirrored from the real scheduler's view before each call — decides exactly as the one the
 //! scheduler drives, call for call, over workloads with shared prefixes, CPU hits and loads,
-//! preemptions, aborts, delayed acknowledgements and a cache reset.
+//! preemptions, aborts, delayed acknowledgements and a cache reset; whole (`mirror`) and
+//! incremental (`mirror_from`) mirroring alike.
 
 use std::collections::BTreeSet;
 
@@ -46,7 +47,19 @@ impl Mirrored {
                 kv_transfer_params: r.kv_transfer_params(),
                 blocks: &blocks,
             };
-            self.shadow.mirror(id, mirror).unwrap();
+            // Odd ids are mirrored incrementally (the Python package's way): only the tokens and
+            // hashes past what the shadow holds.
+            if id.0 % 2 == 1 {
+                let (t, h) = self.shadow.lengths(id).unwrap_or((0, 0));
+                let tail = RequestMirror {
+                    tokens: &r.tokens()[t..],
+                    block_hashes: &r.block_hashes()[h..],
+                    ..mirror
+                };
+                self.shadow.mirror_from(id, t, h, tail).unwrap();
+            } else {
+                self.shadow.mirror(id, mirror).unwrap();
+            }
         }
     }
 }

@@ -298,6 +298,13 @@ impl OffloadingConnector {
         })
     }
 
+    /// The same connector with a store-threshold tracker of `n` keys in its manager
+    /// ([`CpuOffloadingManager::with_max_tracker_size`]). Call right after [`Self::new`].
+    pub fn with_max_tracker_size(mut self, n: usize) -> Self {
+        self.manager = self.manager.with_max_tracker_size(n);
+        self
+    }
+
     /// The configuration.
     pub fn config(&self) -> &OffloadingConfig {
         &self.config
@@ -349,6 +356,30 @@ impl OffloadingConnector {
     /// Store allocation failures so far (`prepare_store` returned `None`).
     pub fn allocation_failures(&self) -> u64 {
         self.allocation_failures
+    }
+
+    /// The manager's events since the last call, typed (draining). The trait's `take_events`
+    /// drains the same events as text: an embedder calls one or the other.
+    pub fn take_offload_events(&mut self) -> Vec<OffloadEvent> {
+        self.manager.take_events()
+    }
+
+    /// Every block hash the connector may still name: its requests' chunk keys, its jobs' keys,
+    /// the keys being loaded and [`CpuOffloadingManager::referenced_keys`]; a hash may come more
+    /// than once. For an embedder that maps its own hashes to [`BlockHash`]es: a mapping whose
+    /// hash is not among these (nor in a request it still mirrors) can be freed.
+    pub fn referenced_hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        let requests = self
+            .requests
+            .values()
+            .flat_map(|r| r.chunk_hashes.iter().copied());
+        let jobs = self
+            .jobs
+            .values()
+            .flat_map(|j| j.keys.iter().map(|k| k.hash));
+        let loading = self.chunks_being_loaded.iter().flatten().map(|k| k.hash);
+        let manager = self.manager.referenced_keys().map(|k| k.hash);
+        requests.chain(jobs).chain(loading).chain(manager)
     }
 
     /// The next job id.

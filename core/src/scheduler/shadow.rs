@@ -58,6 +58,61 @@ impl ShadowState {
     /// Makes `id`'s fields those of `mirror`, adding the request on first sight. Ids must be
     /// below [`MAX_REQUEST_ID`] (intern them densely).
     pub fn mirror(&mut self, id: RequestId, m: RequestMirror<'_>) -> Result<(), SchedulerError> {
+        let r = self.entry(id)?;
+        Self::set_scalars(r, &m);
+        r.tokens.clear();
+        r.tokens.extend_from_slice(m.tokens);
+        r.block_hashes.clear();
+        r.block_hashes.extend_from_slice(m.block_hashes);
+        r.blocks.clear();
+        r.blocks.extend_from_slice(m.blocks);
+        Ok(())
+    }
+
+    /// Like [`ShadowState::mirror`], but `m.tokens` and `m.block_hashes` are only what follows
+    /// the first `tokens_from` tokens and `hashes_from` hashes the shadow already holds for
+    /// `id` (see [`ShadowState::lengths`]), and `m.blocks` replaces the tables only when it is
+    /// not empty: a call costs the new tokens, not the whole request (a long prompt decoding
+    /// step after step). Lengths beyond what the shadow holds are a
+    /// [`SchedulerError::BadRequest`], with the shadow unchanged.
+    pub fn mirror_from(
+        &mut self,
+        id: RequestId,
+        tokens_from: usize,
+        hashes_from: usize,
+        m: RequestMirror<'_>,
+    ) -> Result<(), SchedulerError> {
+        let (have_tokens, have_hashes) = self.lengths(id).unwrap_or((0, 0));
+        if tokens_from > have_tokens || hashes_from > have_hashes {
+            return Err(SchedulerError::BadRequest {
+                id,
+                why: alloc::format!(
+                    "mirror from token {tokens_from} and hash {hashes_from}, but the shadow \
+                     holds {have_tokens} and {have_hashes}"
+                ),
+            });
+        }
+        let r = self.entry(id)?;
+        r.tokens.truncate(tokens_from);
+        r.tokens.extend_from_slice(m.tokens);
+        r.block_hashes.truncate(hashes_from);
+        r.block_hashes.extend_from_slice(m.block_hashes);
+        if !m.blocks.is_empty() {
+            r.blocks.clear();
+            r.blocks.extend_from_slice(m.blocks);
+        }
+        Self::set_scalars(r, &m);
+        Ok(())
+    }
+
+    /// The tokens and block hashes the shadow holds for `id` (`None`: not mirrored).
+    pub fn lengths(&self, id: RequestId) -> Option<(usize, usize)> {
+        let r = self.state.requests.get(&id)?;
+        Some((r.tokens.len(), r.block_hashes.len()))
+    }
+
+    /// `id`'s request, added on first sight (ids must be below [`MAX_REQUEST_ID`]).
+    fn entry(&mut self, id: RequestId) -> Result<&mut Request, SchedulerError> {
         if id.0 >= MAX_REQUEST_ID {
             return Err(SchedulerError::BadRequest {
                 id,
@@ -67,23 +122,19 @@ impl ShadowState {
             });
         }
         if !self.state.requests.contains_key(&id) {
-            self.state
-                .requests
-                .insert(id, Request::new(id, self.state.config.groups.len()));
+            let groups = self.state.config.groups.len();
+            self.state.requests.insert(id, Request::new(id, groups));
         }
-        let r = self.state.requests.get_mut(&id).expect("inserted above");
+        Ok(self.state.requests.get_mut(&id).expect("inserted above"))
+    }
+
+    /// Every field of `m` but the lists.
+    fn set_scalars(r: &mut Request, m: &RequestMirror<'_>) {
         r.status = m.status;
         r.num_prompt_tokens = m.num_prompt_tokens;
         r.num_computed_tokens = m.num_computed_tokens;
         r.num_preemptions = m.num_preemptions;
-        r.tokens.clear();
-        r.tokens.extend_from_slice(m.tokens);
-        r.block_hashes.clear();
-        r.block_hashes.extend_from_slice(m.block_hashes);
         r.kv_transfer_params = m.kv_transfer_params.cloned();
-        r.blocks.clear();
-        r.blocks.extend_from_slice(m.blocks);
-        Ok(())
     }
 
     /// Forgets `id` (the embedder's scheduler freed it).

@@ -6,8 +6,10 @@
 //! | file | what |
 //! | --- | --- |
 //! | `ids.rs` | request-id strings ↔ the core's dense ids, keeping the Python string objects |
+//! | `hashes.rs` | vLLM's hash bytes ↔ the core's dense block hashes, keeping the bytes objects |
 //! | `aggregator.rs` | `KVOutputAggregator`: vLLM's outputs in, the core's counts, vLLM's output out |
 //! | `manager.rs` | the offloading manager's native class (the Python wrapper converts its results) |
+//! | `connector.rs` | the offloading connector's scheduler side beside vLLM's scheduler (`kvrelay.vllm` wraps it) |
 //!
 //! The counting and chunk logic is the core's, never repeated here; this crate only converts,
 //! and calls the Python methods vLLM calls (worker metadata's and KV events' own folding).
@@ -15,6 +17,8 @@
 use pyo3::prelude::*;
 
 mod aggregator;
+mod connector;
+mod hashes;
 mod ids;
 mod manager;
 
@@ -23,5 +27,6 @@ mod manager;
 fn _kvrelay(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<aggregator::KvOutputAggregator>()?;
     manager::register(m)?;
+    connector::register(m)?;
     Ok(())
 }

@@ -24,7 +24,7 @@
 //! Chunk ids come back as a `bytearray` of int32, for `numpy.frombuffer`.
 //!
 //! Keys are vLLM's `OffloadKey` bytes: a block hash and a 4-byte big-endian group. The hash
-//! bytes are interned to the core's [`BlockHash`] (a dense id; see [`KeyTable`]) and the group is
+//! bytes are interned to the core's [`BlockHash`] (a dense id; see `hashes.rs`) and the group is
 //! the key's own, so the core groups keys as vLLM does. Keys handed back are the objects that
 //! came in where the group matches (new `bytes` otherwise). `positions` is the context's
 //! key → end-token dict (or `None`).
@@ -43,13 +43,14 @@
 //! bytes.
 
 use kvrelay_core::{
-    Access, BlockHash, ChunkId, CpuOffloadingManager, KeyLookup, ManagerConfig, ManagerError,
-    OffloadKey, PolicyKind, RequestId,
+    Access, ChunkId, CpuOffloadingManager, KeyLookup, ManagerConfig, ManagerError, OffloadKey,
+    PolicyKind, RequestId,
 };
 use pyo3::exceptions::{PyAssertionError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyTuple};
-use rustc_hash::FxHashMap;
+
+use crate::hashes::Hashes;
 
 pyo3::create_exception!(
     kvrelay,
@@ -66,34 +67,11 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 /// vLLM's key bytes ↔ the core's [`OffloadKey`]: each distinct hash (the key minus its 4-byte
-/// group) gets a dense id while the core may name a key with that hash. Ids the core no longer
-/// names are freed in sweeps ([`KeyTable::sweep`]), so the table stays about as large as the
-/// manager's pool, tracker and open scopes, not as the hashes ever offered.
-#[derive(Debug)]
+/// group) gets a dense id ([`Hashes`], with the first key object seen) while the core may name a
+/// key with that hash; the group is the key's own.
+#[derive(Debug, Default)]
 struct KeyTable {
-    ids: FxHashMap<Box<[u8]>, u64>,
-    /// Per id, the first key object seen with that hash (`None`: freed, in `free`).
-    objects: Vec<Option<Py<PyBytes>>>,
-    free: Vec<u64>,
-    /// Entries the last sweep kept.
-    kept: usize,
-    /// [`SWEEP_SLACK`], or less where a test wants sweeps often.
-    slack: usize,
-}
-
-/// Entries interned beyond twice what the last sweep kept before the next sweep.
-const SWEEP_SLACK: usize = 1 << 16;
-
-impl Default for KeyTable {
-    fn default() -> Self {
-        Self {
-            ids: FxHashMap::default(),
-            objects: Vec::new(),
-            free: Vec::new(),
-            kept: 0,
-            slack: SWEEP_SLACK,
-        }
-    }
+    hashes: Hashes,
 }
 
 /// A key's hash bytes and group, checked: `bytes` (`TypeError`) of at least 4 (`ValueError`).
@@ -121,75 +99,23 @@ impl KeyTable {
     /// The core key of a known hash (`None`: this hash was never offered).
     fn find(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<OffloadKey>> {
         let (hash, group) = split_key(key)?;
-        Ok(self.ids.get(hash).map(|&id| OffloadKey {
-            hash: BlockHash(id),
-            group,
-        }))
+        Ok(self
+            .hashes
+            .find(hash)
+            .map(|hash| OffloadKey { hash, group }))
     }
 
     /// The core key, interning its hash on first sight.
     fn intern(&mut self, key: &Bound<'_, PyAny>) -> PyResult<OffloadKey> {
         let (hash, group) = split_key(key)?;
-        let id = match self.ids.get(hash) {
-            Some(&id) => id,
-            None => {
-                let object = Some(key.downcast::<PyBytes>()?.clone().unbind());
-                let id = match self.free.pop() {
-                    Some(id) => {
-                        self.objects[id as usize] = object;
-                        id
-                    }
-                    None => {
-                        self.objects.push(object);
-                        self.objects.len() as u64 - 1
-                    }
-                };
-                self.ids.insert(hash.into(), id);
-                id
-            }
-        };
-        Ok(OffloadKey {
-            hash: BlockHash(id),
-            group,
-        })
+        let hash = self.hashes.intern(hash, key.downcast::<PyBytes>()?);
+        Ok(OffloadKey { hash, group })
     }
 
-    /// Whether enough was interned since the last sweep to sweep again (amortized O(1) a key).
-    fn wants_sweep(&self) -> bool {
-        self.ids.len() > 2 * self.kept + self.slack
-    }
-
-    /// Frees every id no key in `referenced` has (everything the core and the pending events
-    /// may still name).
-    fn sweep(&mut self, referenced: impl Iterator<Item = OffloadKey>) {
-        let mut used = vec![false; self.objects.len()];
-        for k in referenced {
-            if let Some(u) = used.get_mut(k.hash.0 as usize) {
-                *u = true;
-            }
-        }
-        let (objects, free) = (&mut self.objects, &mut self.free);
-        self.ids.retain(|_, &mut id| {
-            let keep = used[id as usize];
-            if !keep {
-                objects[id as usize] = None;
-                free.push(id);
-            }
-            keep
-        });
-        self.kept = self.ids.len();
-    }
-
-    /// The bytes of a core key. The core hands back only keys it was given, and an id is freed
-    /// only when nothing names it: a miss is kvrelay's bug, said so.
+    /// The bytes of a core key: the object first seen with its hash where the group matches,
+    /// else new bytes.
     fn object<'py>(&self, py: Python<'py>, k: OffloadKey) -> PyResult<Bound<'py, PyBytes>> {
-        let Some(Some(first)) = self.objects.get(k.hash.0 as usize) else {
-            return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
-                "kvrelay bug: offload key id {} handed back after it was freed",
-                k.hash.0
-            )));
-        };
-        let first = first.bind(py);
+        let first = self.hashes.object(py, k.hash)?;
         let b = first.as_bytes();
         let cut = b.len() - 4;
         if b[cut..] == k.group.to_be_bytes() {
@@ -564,9 +490,10 @@ impl OffloadManager {
         rid: Option<u32>,
         positions: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        if self.keys.wants_sweep() {
+        if self.keys.hashes.wants_sweep() {
             let pending = self.events.iter().flat_map(|e| e.0.iter().copied());
-            self.keys.sweep(self.core.referenced_keys().chain(pending));
+            let referenced = self.core.referenced_keys().chain(pending);
+            self.keys.hashes.sweep(referenced.map(|k| k.hash));
         }
         let out = self.accessing(keys, Keys::Intern, rid, positions, |m, buf, access| {
             let out = m.core.prepare_store(buf, access);
@@ -632,13 +559,13 @@ impl OffloadManager {
     /// Hashes the key table holds (bounded: see `KeyTable`).
     #[getter]
     fn interned_hashes(&self) -> usize {
-        self.keys.ids.len()
+        self.keys.hashes.len()
     }
 
     /// Test seam: sweep the key table once `slack` hashes beyond twice the last sweep's are
     /// interned (default 65,536), so that tests exercise the sweeps.
     fn _set_key_sweep_slack(&mut self, slack: usize) {
-        self.keys.slack = slack;
+        self.keys.hashes.slack = slack;
     }
 
     /// The store-threshold tracker: `[(key, offers)]`, least recently offered first.
