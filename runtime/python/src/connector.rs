@@ -140,6 +140,8 @@ pub(crate) struct OffloadScheduler {
     ids: Ids,
     hashes: Hashes,
     step: u64,
+    /// The first contract error, raised again by every later call (sticky).
+    error: Option<String>,
 }
 
 impl OffloadScheduler {
@@ -174,13 +176,15 @@ impl OffloadScheduler {
         Ok(id)
     }
 
-    /// Raises the core's contract error, if the last call made one (vLLM asserts there).
+    /// Raises the connector's contract error: the one the last call made, or an earlier one
+    /// (vLLM asserts there; kvrelay's connector then refuses every later call).
     fn check(&mut self) -> PyResult<()> {
-        match self.conn.take_error() {
+        if self.error.is_none() {
+            self.error = self.conn.take_error().map(|e| format!("{e:?}"));
+        }
+        match &self.error {
             None => Ok(()),
-            Some(e) => Err(PyAssertionError::new_err(format!(
-                "kvrelay connector: {e:?}"
-            ))),
+            Some(e) => Err(PyAssertionError::new_err(format!("kvrelay connector: {e}"))),
         }
     }
 
@@ -354,10 +358,12 @@ impl OffloadScheduler {
             ids: Ids::default(),
             hashes: Hashes::default(),
             step: 0,
+            error: None,
         })
     }
 
     fn on_new_request(&mut self, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.check()?;
         let id = self.mirror(request)?;
         self.conn.on_new_request(&self.shadow.view(), id);
         self.check()
@@ -369,6 +375,7 @@ impl OffloadScheduler {
         request: &Bound<'_, PyAny>,
         num_computed_tokens: u32,
     ) -> PyResult<(Option<u32>, bool)> {
+        self.check()?;
         let id = self.mirror(request)?;
         let l = self
             .conn
@@ -386,6 +393,7 @@ impl OffloadScheduler {
         block_ids: &Bound<'_, PyAny>,
         num_external_tokens: u32,
     ) -> PyResult<()> {
+        self.check()?;
         let id = self.mirror(request)?;
         let blocks = tables(block_ids)?;
         self.conn
@@ -401,6 +409,7 @@ impl OffloadScheduler {
         scheduler_output: &Bound<'py, PyAny>,
         requests: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
+        self.check()?;
         for r in requests.try_iter()? {
             self.mirror(&r?)?;
         }
@@ -412,6 +421,7 @@ impl OffloadScheduler {
 
     /// The aggregated `completed_jobs` of the step's worker metadata (`{job id: count}`).
     fn update_output(&mut self, completed_jobs: &Bound<'_, PyDict>) -> PyResult<()> {
+        self.check()?;
         let counts = completed_jobs
             .iter()
             .map(|(k, v)| Ok((JobId(k.extract()?), v.extract::<u32>()?)))
@@ -436,6 +446,7 @@ impl OffloadScheduler {
         request: &Bound<'_, PyAny>,
         block_ids: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
+        self.check()?;
         let id = self.mirror(request)?;
         let blocks = tables(block_ids)?;
         let d = self.conn.request_finished(&self.shadow.view(), id, &blocks);
@@ -461,6 +472,7 @@ impl OffloadScheduler {
     }
 
     fn reset_cache(&mut self) -> PyResult<bool> {
+        self.check()?;
         let ok = self.conn.reset_cache();
         self.check()?;
         Ok(ok.unwrap_or(false))
@@ -474,6 +486,17 @@ impl OffloadScheduler {
     fn tracks(&mut self, req_id: &Bound<'_, PyAny>) -> PyResult<bool> {
         let id = self.ids.intern(req_id)?;
         Ok(self.conn.tracks(id))
+    }
+
+    /// Hashes the hash table holds (bounded: see `hashes.rs`).
+    #[getter]
+    fn interned_hashes(&self) -> usize {
+        self.hashes.len()
+    }
+
+    /// Test seam: sweep the hash table after `slack` new hashes instead of 65,536.
+    fn _set_hash_sweep_slack(&mut self, slack: usize) {
+        self.hashes.slack = slack;
     }
 
     /// Jobs in flight, ascending.
