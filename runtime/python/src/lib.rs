@@ -9,6 +9,7 @@
 //! | `hashes.rs` | vLLM's hash bytes ↔ the core's dense block hashes, keeping the bytes objects |
 //! | `aggregator.rs` | `KVOutputAggregator`: vLLM's outputs in, the core's counts, vLLM's output out |
 //! | `manager.rs` | the offloading manager's native class (the Python wrapper converts its results) |
+//! | `guard.rs` | kvrelay's step-protocol guard in front of vLLM's own offloading worker |
 //! | `connector.rs` | the offloading connector's scheduler side beside vLLM's scheduler (`kvrelay.vllm` wraps it) |
 //!
 //! The counting and chunk logic is the core's, never repeated here; this crate only converts,
@@ -18,6 +19,7 @@ use pyo3::prelude::*;
 
 mod aggregator;
 mod connector;
+mod guard;
 mod hashes;
 mod ids;
 mod manager;
@@ -28,5 +30,6 @@ fn _kvrelay(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<aggregator::KvOutputAggregator>()?;
     manager::register(m)?;
     connector::register(m)?;
+    guard::register(m)?;
     Ok(())
 }

@@ -3,11 +3,13 @@ the way the Python half drives it from vLLM's scheduler, with stand-ins for vLLM
 and ``SchedulerOutput`` (the real ones need torch: the real-``Scheduler`` test is
 ``tests/vllm``, run by ``scripts/connector.sh``).
 
-Protects: a prompt's full chunks are stored once scheduled; a store is loadable only once every
-worker acknowledged it; a hit becomes one load job onto the new blocks from the stored chunks;
-a request whose keys are being loaded waits (pending); a preempted request's stores are flushed;
-vLLM's assertions are typed errors that stick; bad input is a typed error; the hash table stays
-bounded however many requests pass.
+Protects, for the connector: a prompt's full chunks are stored once scheduled; a store is
+loadable only once every worker acknowledged it; a hit becomes one load job onto the new blocks
+from the stored chunks; a request whose keys are being loaded waits (pending); a preempted
+request's stores are flushed; vLLM's assertions are typed errors that stick; bad input is a
+typed error; the hash table stays bounded however many requests pass. For the worker's guard
+(``_StepGuard``): vLLM's step order passes step after step; a hook out of order is a violation
+that sticks.
 """
 
 import hashlib
@@ -15,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvrelay._kvrelay import UnsupportedConfig, _OffloadScheduler
+from kvrelay._kvrelay import StepProtocolViolation, UnsupportedConfig, _OffloadScheduler, _StepGuard
 
 WAITING, RUNNING, FINISHED_STOPPED = 1, 5, 7  # vLLM 0.33's RequestStatus values
 BLOCK = 4
@@ -164,3 +166,39 @@ def test_the_hash_table_stays_bounded():
         finish(s, r, blocks)
         s.update_output({j[0]: 1 for j in [*loads, *stores]})
     assert s.interned_hashes < 400, s.interned_hashes
+
+
+# The step-protocol guard in front of vLLM's worker (``src/guard.rs``).
+
+# The hooks of one step as vLLM 0.33's model runner calls them (async loads, no deferral).
+STEP = [
+    "handle_preemptions", "bind", "wait_for_layer_load", "save_kv_layer", "start_load_kv",
+    "wait_for_save", "get_finished", "get_block_ids_with_load_errors", "get_stats",
+    "get_events", "build_worker_meta", "clear",
+]
+
+
+def test_the_guard_admits_vllms_step_order_step_after_step():
+    g = _StepGuard()
+    for n in range(3):
+        assert g.begin_step(False, True, False) == n  # steps count from 0
+        for hook in STEP:
+            g.handle(hook)
+        assert not g.in_step
+
+
+def test_a_hook_out_of_order_is_a_violation_that_sticks():
+    g = _StepGuard()
+    g.begin_step(False, True, False)
+    with pytest.raises(StepProtocolViolation, match="bind is not legal"):
+        g.handle("bind")  # before handle_preemptions (vLLM PR #42676)
+    with pytest.raises(StepProtocolViolation):
+        g.handle("handle_preemptions")
+    g = _StepGuard()
+    g.begin_step(False, True, False)
+    for hook in STEP[:-1]:
+        g.handle(hook)
+    with pytest.raises(StepProtocolViolation, match="begin_step"):
+        g.begin_step(False, True, False)  # the previous step never cleared
+    with pytest.raises(ValueError, match="no worker hook"):
+        _StepGuard().handle("forward")

@@ -19,9 +19,12 @@ spec than vLLM's CPU spec, a custom eviction policy, hybrid models whose groups 
 size or are not all offloaded, recurrent (Mamba) and EAGLE groups, partial-tail stores,
 a positive ``prefix_cache_retention_interval`` and decode context parallelism.
 
-The worker side is vLLM's ``OffloadingConnectorWorker`` unchanged: it owns the GPU and host
-tensors and their copy streams (torch, CUDA), which kvrelay's runtime cannot reach inside vLLM's
-worker processes, and it reads the metadata this class builds in vLLM's own types. What kvrelay
+The worker side is vLLM's ``OffloadingConnectorWorker`` unchanged, behind kvrelay's
+step-protocol guard (``src/guard.rs``): vLLM's worker owns the GPU and host tensors and their
+copy streams (torch, CUDA), which kvrelay's runtime cannot reach inside vLLM's worker processes,
+and it reads the metadata this class builds in vLLM's own types; the guard checks every hook's
+order against kvrelay-core's worker protocol and stops the worker with
+``kvrelay.StepProtocolViolation`` at the first hook out of order. What kvrelay
 decides (which chunks to store, load, flush and free, when a job is complete across ranks) is
 the core's, run beside vLLM's scheduler through a shadow of its requests (``src/connector.rs``).
 
@@ -67,10 +70,15 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, Medium, OffloadingEvent
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvrelay._kvrelay import UnsupportedConfig, _OffloadScheduler
+from kvrelay._kvrelay import (
+    StepProtocolViolation,
+    UnsupportedConfig,
+    _OffloadScheduler,
+    _StepGuard,
+)
 from kvrelay.manager import _spec as _cpu_spec
 
-__all__ = ["KvrelayOffloadingConnector", "UnsupportedConfig"]
+__all__ = ["KvrelayOffloadingConnector", "StepProtocolViolation", "UnsupportedConfig"]
 
 
 def _refuse(why: str) -> UnsupportedConfig:
@@ -234,6 +242,54 @@ class KvrelayOffloadingScheduler:
         pass
 
 
+class _WorkerGuard:
+    """Passes a rank's hooks through the native guard, opening each step at its first hook.
+
+    The step's shape comes from the metadata (a sync load) and, with speculative decoding, from
+    the hooks themselves: a step defers its finalisation when ``get_finished`` comes before
+    ``wait_for_save`` (a step with no forward does not defer). Until then the hooks are held and
+    replayed once the shape is known; the guard still checks them all.
+    """
+
+    def __init__(self, speculative: bool):
+        self._native = _StepGuard()
+        self._speculative = speculative
+        self._held: list[str] | None = None
+        self._sync = False
+
+    def open(self, metadata) -> None:
+        self._sync = any(job.sync for job in metadata.load_jobs.values())
+        if self._speculative and not self._native.in_step:
+            self._held = []
+        else:
+            self._native.begin_step(self._sync, True, False)
+
+    def call(self, name: str) -> None:
+        if self._held is not None:
+            if name not in ("wait_for_save", "get_finished"):
+                self._held.append(name)
+                return
+            held, self._held = self._held, None
+            self._native.begin_step(self._sync, True, name == "get_finished")
+            for h in held:
+                self._native.handle(h)
+        self._native.handle(name)
+
+
+def _guarded(name: str, hook: str):
+    """vLLM's worker-side method ``name`` of OffloadingConnector, behind the guard."""
+    parent = getattr(OffloadingConnector, name)
+
+    def method(self, *args, **kwargs):
+        if self.connector_worker is not None:
+            self._guard.call(hook)
+        return parent(self, *args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"vLLM's ``{name}``, after kvrelay's step-protocol guard admits it."
+    return method
+
+
 class KvrelayOffloadingConnector(OffloadingConnector):
     """vLLM's ``OffloadingConnector`` with kvrelay's scheduler side (module docs)."""
 
@@ -253,6 +309,24 @@ class KvrelayOffloadingConnector(OffloadingConnector):
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = OffloadingConnectorWorker(spec, vllm_config, kv_cache_config)
+            self._guard = _WorkerGuard(vllm_config.speculative_config is not None)
+
+    def handle_preemptions(self, kv_connector_metadata):
+        self._guard.open(kv_connector_metadata)
+        self._guard.call("handle_preemptions")
+        super().handle_preemptions(kv_connector_metadata)
+
+    bind_connector_metadata = _guarded("bind_connector_metadata", "bind")
+    start_load_kv = _guarded("start_load_kv", "start_load_kv")
+    wait_for_layer_load = _guarded("wait_for_layer_load", "wait_for_layer_load")
+    save_kv_layer = _guarded("save_kv_layer", "save_kv_layer")
+    wait_for_save = _guarded("wait_for_save", "wait_for_save")
+    get_finished = _guarded("get_finished", "get_finished")
+    get_block_ids_with_load_errors = _guarded("get_block_ids_with_load_errors", "get_block_ids_with_load_errors")
+    get_kv_connector_stats = _guarded("get_kv_connector_stats", "get_stats")
+    get_kv_connector_kv_cache_events = _guarded("get_kv_connector_kv_cache_events", "get_events")
+    build_connector_worker_meta = _guarded("build_connector_worker_meta", "build_worker_meta")
+    clear_connector_metadata = _guarded("clear_connector_metadata", "clear")
 
     def request_finished(self, request, block_ids):
         return self.connector_scheduler.request_finished(request, [block_ids])
