@@ -1,12 +1,13 @@
 """vLLM 0.33.0's real Scheduler running an offloading KV connector (issue 35, item 2).
 
 Every scenario runs twice: with vLLM's own ``OffloadingConnector`` and with kvrelay's
-``kvrelay.vllm.KvrelayOffloadingConnector`` (skipped, with the import error, until that module
-exists). Both are named the way a user names them, in ``KVTransferConfig``; the scheduler side
+``kvrelay.vllm.KvrelayOffloadingConnector`` (a failed import fails its runs). Both are named the way a user names them, in ``KVTransferConfig``; the scheduler side
 runs vLLM's real CPU offloading spec (``CPUOffloadingSpec``, a pool of ``CPU_CHUNKS`` chunks),
-so vLLM's connector runs vLLM's real CPU manager. The worker side is vLLM's own
-``OffloadingConnector`` in the WORKER role over vLLM's test ``MockOffloadingSpec``: transfers
-are recorded, and complete only when the test says so (a flush completes its jobs at once).
+so vLLM's connector runs vLLM's real CPU manager. The worker side is each connector's own
+WORKER role (kvrelay's: vLLM's worker behind kvrelay's step-protocol guard) over vLLM's test
+``MockOffloadingSpec``: transfers are recorded, and complete only when the test says so (a
+flush completes its jobs at once). The worker's hooks come in the model runner's order, all of
+them, so kvrelay's guard checks a real step.
 
 Each engine step is what vLLM's engine core and model runner do with a connector: schedule,
 hand the metadata to the worker connector, start loads, complete the transfers the scenario
@@ -85,25 +86,7 @@ VLLM = Connector("OffloadingConnector", None)
 KVRELAY = Connector("KvrelayOffloadingConnector", "kvrelay.vllm")
 
 
-def _kvrelay_missing() -> str | None:
-    try:
-        module = __import__(KVRELAY.module_path, fromlist=[KVRELAY.name])
-    except Exception as e:  # noqa: BLE001 - any import failure is the reason to skip
-        return f"import {KVRELAY.module_path} failed: {type(e).__name__}: {e}"
-    if not hasattr(module, KVRELAY.name):
-        return f"{KVRELAY.module_path} has no {KVRELAY.name}"
-    return None
-
-
-_KVRELAY_MISSING = _kvrelay_missing()
-CONNECTORS = [
-    pytest.param(VLLM, id="vllm"),
-    pytest.param(
-        KVRELAY,
-        id="kvrelay",
-        marks=pytest.mark.skipif(_KVRELAY_MISSING is not None, reason=str(_KVRELAY_MISSING)),
-    ),
-]
+CONNECTORS = [pytest.param(VLLM, id="vllm"), pytest.param(KVRELAY, id="kvrelay")]
 
 
 # --- what reached the worker ----------------------------------------------------------------
@@ -198,8 +181,10 @@ class Engine:
         assert type(self.scheduler.connector) is connector_cls
         _record_instance(self.scheduler.connector, self.calls)
 
-        worker_config = self._config(VLLM, worker_extra, kv_load_failure_policy, max_num_batched_tokens)
-        self.worker = OffloadingConnector(worker_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        # The connector's own worker role (kvrelay's: vLLM's worker behind kvrelay's guard).
+        worker_config = self._config(connector, worker_extra, kv_load_failure_policy, max_num_batched_tokens)
+        worker_cls = KVConnectorFactory.get_connector_class(worker_config.kv_transfer_config)
+        self.worker = worker_cls(worker_config, KVConnectorRole.WORKER, self.kv_cache_config)
         kv_caches = {"layer": torch.zeros(num_gpu_blocks, 2, BLOCK_SIZE, 1, 1, dtype=torch.float32)}
         with set_current_vllm_config(worker_config):
             self.worker.register_kv_caches(kv_caches)
@@ -280,6 +265,9 @@ class Engine:
             self.mock.complete_jobs(complete(self, waiting))
         w.wait_for_save()
         _, recving = w.get_finished(out.finished_req_ids)
+        w.get_block_ids_with_load_errors()
+        w.get_kv_connector_stats()
+        w.get_kv_connector_kv_cache_events()
         worker_meta = w.build_connector_worker_meta()
         w.clear_connector_metadata()
 
@@ -611,3 +599,17 @@ def test_cache_reset(connector: Connector):
     assert len(e.stores("c")) >= 1  # c's prompt is offloaded anew
     assert not e.scheduler.has_requests()
     _same_jobs_as_vllm(e, connector, scenario_cache_reset)
+
+
+def test_a_worker_hook_out_of_order_stops_kvrelays_worker():
+    """kvrelay's guard in front of vLLM's worker: a bind before handle_preemptions (vLLM PR
+    #42676) is a StepProtocolViolation, and so is every hook after it."""
+    from kvrelay.vllm import StepProtocolViolation
+
+    e = Engine(KVRELAY)
+    e.add("a", prompt(1, 3 * CHUNK), max_tokens=2)
+    meta = e.scheduler.schedule().kv_connector_metadata
+    with pytest.raises(StepProtocolViolation, match="bind is not legal"):
+        e.worker.bind_connector_metadata(meta)
+    with pytest.raises(StepProtocolViolation):
+        e.worker.handle_preemptions(meta)
