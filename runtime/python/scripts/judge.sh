@@ -6,7 +6,7 @@
 # it in every vLLM module that imported it. Each time all the group's tests, then only those
 # that drive public API (tools/whitebox.py --black: the rest read vLLM's private state).
 #
-# Usage: runtime/python/scripts/judge.sh [group ...]   groups: aggregator manager (default both)
+# Usage: runtime/python/scripts/judge.sh [group ...]   groups: aggregator manager connector (default all)
 # Exit:  0 when every black-box test passes with kvrelay's class, 1 otherwise, 2 on setup errors
 # Env:   as harness.sh
 set -uo pipefail
@@ -15,13 +15,20 @@ set -uo pipefail
 declare -A files=(
   [aggregator]="tests/v1/kv_connector/unit/test_output_aggregator.py"
   [manager]="tests/v1/kv_offload/cpu/test_manager.py"
+  # vLLM's tests that build the offloading connector by name through its factory; the rest of
+  # its connector tests replace the manager inside vLLM's connector by a mock (white-box).
+  [connector]="tests/v1/kv_connector/unit/test_hma_auto_config.py"
 )
 groups=("$@")
-[ ${#groups[@]} -eq 0 ] && groups=(aggregator manager)
+[ ${#groups[@]} -eq 0 ] && groups=(aggregator manager connector)
+export PYTHONPATH=$PYTHONPATH:$here/tests/vllm  # kvrelay_connector_subst.py
 # pytest as the harness's run.sh calls it, with a -k expression run.sh cannot pass on.
 judge() {  # judge SUBST FILE [-k EXPR]: pytest's summary line
-  KVRELAY_SUBST=$1 KVRELAY_IMPL=kvrelay "$py" -m pytest -p no:cacheprovider -p kvrelay_subst -q \
-    --timeout 300 "${@:2}" 2>&1 | grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" | tail -1 | tr -d '='
+  local subst=$1 connector=
+  [ "$subst" = connector ] && { subst=; connector=kvrelay; }
+  KVRELAY_SUBST=$subst KVRELAY_IMPL=kvrelay KVRELAY_CONNECTOR=$connector "$py" -m pytest \
+    -p no:cacheprovider -p kvrelay_subst -p kvrelay_connector_subst -q --timeout 300 "${@:2}" 2>&1 \
+    | grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" | tail -1 | tr -d '='
 }
 rc=0
 for g in "${groups[@]}"; do
