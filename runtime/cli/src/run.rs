@@ -217,6 +217,14 @@ pub(crate) struct RunArgs {
     /// Print the report as JSON on stdout (no progress bar).
     #[arg(long)]
     pub json: bool,
+    /// Serve Prometheus metrics (vLLM's names) on HOST:PORT while the run lasts; port 0 picks
+    /// a free one, printed on stderr. See docs/METRICS.md.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics: Option<String>,
+    /// Keep serving the metrics this many seconds after the run ended, so a scraper reads the
+    /// final totals [default: 0].
+    #[arg(long, value_name = "SECONDS")]
+    pub metrics_linger: Option<f64>,
 }
 
 impl RunArgs {
@@ -234,6 +242,15 @@ impl RunArgs {
         }
         if let Some(p) = &self.timeline {
             c.timeline = Some(p.clone());
+        }
+        if let Some(a) = &self.metrics {
+            c.metrics = Some(a.clone());
+        }
+        if let Some(s) = self.metrics_linger {
+            if !(s >= 0.0 && s.is_finite()) {
+                return Err(format!("--metrics-linger {s}: seconds, 0 or more"));
+            }
+            c.metrics_linger_s = s;
         }
         Ok(c)
     }
@@ -269,6 +286,14 @@ impl Progress for Bar {
             self.bar.set_message(format!(
                 "step {steps}, {preemptions} preemptions, {loaded} loads done"
             ));
+        }
+    }
+
+    fn metrics_serving(&mut self, addr: std::net::SocketAddr) {
+        self.bar
+            .println(format!("kvrelay run: metrics on http://{addr}/metrics"));
+        if self.bar.is_hidden() {
+            eprintln!("kvrelay run: metrics on http://{addr}/metrics");
         }
     }
 }

@@ -16,12 +16,15 @@
 //! if one did.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
 
 use kvrelay_core::{FinishReason, MAX_REQUEST_ID, RequestId, Token};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::{Engine, RunConfig, RunError};
+use crate::metrics::{Metrics, Server};
+use crate::{Engine, RunConfig, RunError, report, run};
 
 /// Commands waiting for the engine task, at most.
 pub const SUBMIT_QUEUE_BOUND: usize = 256;
@@ -63,6 +66,8 @@ enum Command {
 pub struct EngineHandle {
     commands: mpsc::Sender<Command>,
     task: JoinHandle<Result<(), RunError>>,
+    /// The metrics endpoint ([`RunConfig::metrics`]): served until [`EngineHandle::shutdown`].
+    server: Option<Server>,
 }
 
 fn stopped() -> RunError {
@@ -72,10 +77,24 @@ fn stopped() -> RunError {
 impl EngineHandle {
     /// Starts an engine for requests of at most `max_model_len` tokens, with its ranks.
     pub async fn spawn(config: RunConfig, max_model_len: u32) -> Result<Self, RunError> {
-        let engine = Engine::start(&config, max_model_len).await?;
+        let served = run::serve_metrics(&config)?;
+        let mut engine = Engine::start(&config, max_model_len).await?;
+        let metrics = served.as_ref().map(|(m, _)| m.clone());
+        if let Some(m) = &metrics {
+            engine.set_metrics(m.clone());
+        }
         let (commands, rx) = mpsc::channel(SUBMIT_QUEUE_BOUND);
-        let task = tokio::spawn(serve(engine, rx));
-        Ok(Self { commands, task })
+        let task = tokio::spawn(serve(engine, rx, metrics));
+        Ok(Self {
+            commands,
+            task,
+            server: served.map(|(_, s)| s),
+        })
+    }
+
+    /// Where the metrics are served (the port chosen, for port 0), if they are.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.server.as_ref().map(Server::addr)
     }
 
     /// Submits a request; returns its id and its event stream.
@@ -117,14 +136,21 @@ impl EngineHandle {
     }
 
     /// Stops the engine once it has no work left; returns the error that stopped it, if any.
+    /// The metrics, if served, get the ranks' figures and stop being served.
     pub async fn shutdown(self) -> Result<(), RunError> {
         drop(self.commands);
-        self.task.await.map_err(|_| stopped())?
+        let outcome = self.task.await.map_err(|_| stopped())?;
+        drop(self.server);
+        outcome
     }
 }
 
 /// The engine task.
-async fn serve(mut engine: Engine, mut commands: mpsc::Receiver<Command>) -> Result<(), RunError> {
+async fn serve(
+    mut engine: Engine,
+    mut commands: mpsc::Receiver<Command>,
+    metrics: Option<Arc<Metrics>>,
+) -> Result<(), RunError> {
     let mut streams: HashMap<RequestId, mpsc::Sender<RequestEvent>> = HashMap::new();
     let mut free: Vec<RequestId> = Vec::new();
     let mut next_id: u32 = 0;
@@ -190,7 +216,10 @@ async fn serve(mut engine: Engine, mut commands: mpsc::Receiver<Command>) -> Res
             let _ = s.try_send(RequestEvent::Failed(why.clone()));
         }
     }
-    let _ = engine.shutdown().await;
+    let (_, ranks) = engine.shutdown().await;
+    if let Some(m) = &metrics {
+        report::publish_ranks(m, &ranks);
+    }
     outcome
 }
 

@@ -96,6 +96,14 @@ pub struct RunConfig {
     /// every run of a workload takes the same steps) or `as-arrived` (a real engine's
     /// timing; the simulation's).
     pub completions: Completions,
+    /// Serve Prometheus metrics on `HOST:PORT` while the run lasts (port 0 picks a free one;
+    /// see `docs/METRICS.md`).
+    pub metrics: Option<String>,
+    /// Seconds the metrics stay served after the run ended, so a scraper reads the final
+    /// totals (`kvrelay run` only; a stop cuts it short).
+    pub metrics_linger_s: f64,
+    /// The `model_name` label of every series (vLLM's served model name).
+    pub metrics_model_name: String,
 }
 
 impl Default for RunConfig {
@@ -127,6 +135,9 @@ impl Default for RunConfig {
             check: false,
             timeline: None,
             completions: Completions::default(),
+            metrics: None,
+            metrics_linger_s: 0.0,
+            metrics_model_name: "kvrelay".into(),
         }
     }
 }

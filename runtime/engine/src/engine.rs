@@ -23,13 +23,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvrelay_core::{
-    EngineCore, GroupKind, KvLayout, LayoutError, LayoutOrder, ManagerConfig, OffloadingConfig,
-    OffloadingConnector, OffloadingConnectorMeta, Rank, RequestId, RequestOutput, RequestSpec,
-    ScheduledStep, SchedulerConfig, StepId, Token,
+    EngineCore, FinishReason, GroupKind, KvLayout, LayoutError, LayoutOrder, ManagerConfig,
+    OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta, Rank, RequestId, RequestOutput,
+    RequestSpec, ScheduledStep, SchedulerConfig, StepId, Token,
 };
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
+use crate::metrics::{FINISHED_REASONS, Levels, Metrics, Total};
 use crate::rank::{Completions, RankReport, RankSetup, RankStats, StepMsg};
 use crate::report::perfetto::{Recorder, now_us};
 use crate::report::samples::Samples;
@@ -113,6 +114,8 @@ pub struct Engine {
     free_blocks: u32,
     /// The longest request admitted (prompt and output tokens).
     max_model_len: u32,
+    /// Where the figures are published as they change ([`Engine::set_metrics`]).
+    metrics: Option<Arc<Metrics>>,
     pub figures: Figures,
 }
 
@@ -261,6 +264,7 @@ impl Engine {
             ahead: None,
             free_blocks,
             max_model_len,
+            metrics: None,
             figures: Figures {
                 backend,
                 gpu_blocks,
@@ -412,7 +416,6 @@ impl Engine {
             self.core.check_invariants()?;
             f.invariant_checks += 1;
         }
-        f.core_us.push(core_time.as_secs_f64() * 1e6);
         for o in &applied.result.outputs {
             if !o.new_tokens.is_empty() {
                 f.generated_tokens += o.new_tokens.len() as u64;
@@ -429,6 +432,7 @@ impl Engine {
         }
         f.timeline
             .span(|| format!("step {}", step.0), started, 0, 0);
+        self.publish(Some(core_time), &applied.result.outputs);
         if let Some(s) = self.ahead.take() {
             // The step scheduled ahead goes to the ranks with the tokens just sampled.
             self.send(s).await?;
@@ -442,6 +446,60 @@ impl Engine {
         })
     }
 
+    /// Publishes the engine's figures to `metrics` from now on (the engine side's: see
+    /// [`crate::metrics`]).
+    pub fn set_metrics(&mut self, metrics: Arc<Metrics>) {
+        metrics.pools(self.figures.gpu_blocks, self.figures.cpu_blocks);
+        self.metrics = Some(metrics);
+        self.publish(None, &[]);
+    }
+
+    /// After a step that took `core_time` on the engine side (`None`: no step): its time, and
+    /// the figures to the metrics, if any.
+    fn publish(&mut self, core_time: Option<Duration>, outputs: &[RequestOutput]) {
+        let f = &mut self.figures;
+        if let Some(t) = core_time {
+            f.core_us.push(t.as_secs_f64() * 1e6);
+        }
+        let Some(m) = &self.metrics else {
+            return;
+        };
+        if let Some(t) = core_time {
+            m.step_time(t.as_secs_f64());
+        }
+        for reason in outputs.iter().filter_map(|o| o.finish) {
+            m.finished(finished_reason(reason));
+        }
+        let reused: u64 = f.reused.values().map(|&n| u64::from(n)).sum();
+        m.set_all(&[
+            (Total::PromptTokens, f.prompt_tokens),
+            (Total::GenerationTokens, f.generated_tokens),
+            (Total::Preemptions, f.preemptions),
+            (Total::PromptTokensCached, reused),
+            (Total::Steps, f.steps),
+            (Total::IdleSteps, f.idle_steps),
+            (Total::ScheduledAhead, f.scheduled_ahead),
+            (Total::RequestsRefused, f.refused),
+            (Total::TokensComputed, f.tokens_computed),
+            (Total::ReportsRejected, f.reports_rejected),
+            (Total::EngineInvariantChecks, f.invariant_checks),
+        ]);
+        let sched = self.core.scheduler();
+        let view = sched.view();
+        let usable = self.free_blocks.max(1);
+        let cpu = sched.connector().manager();
+        m.levels(&Levels {
+            running: view.running().len() as u32,
+            waiting: view.waiting().count() as u32,
+            kv_cache_usage: 1.0 - f64::from(view.num_free_blocks()) / f64::from(usable),
+            cpu_chunks: f.cpu_blocks / self.config.blocks_per_chunk.max(1),
+            cpu_free: cpu.num_free_chunks(),
+            cpu_evictable: cpu.num_evictable(),
+            cpu_pinned: cpu.num_pinned(),
+            cpu_write_pending: cpu.num_write_pending(),
+        });
+    }
+
     /// Schedules one step.
     fn schedule(&mut self) -> Result<ScheduledStep<OffloadingConnectorMeta>, RunError> {
         let f = &mut self.figures;
@@ -449,6 +507,9 @@ impl Engine {
         let out = &scheduled.step.output;
         f.preemptions += out.preempted_req_ids.len() as u64;
         f.tokens_computed += u64::from(out.total_num_scheduled_tokens);
+        if let Some(m) = &self.metrics {
+            m.scheduled(out.total_num_scheduled_tokens);
+        }
         for n in &out.scheduled_new_reqs {
             f.reused.entry(n.id).or_insert(n.num_computed_tokens);
         }
@@ -609,6 +670,16 @@ impl Engine {
             ranks,
             ranks_killed,
         }
+    }
+}
+
+/// vLLM's `finished_reason` label for a core finish.
+fn finished_reason(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Stopped => FINISHED_REASONS[0],
+        FinishReason::LengthCapped => FINISHED_REASONS[1],
+        FinishReason::Aborted => FINISHED_REASONS[2],
+        FinishReason::Error => FINISHED_REASONS[3],
     }
 }
 

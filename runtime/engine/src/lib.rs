@@ -35,6 +35,7 @@
 //! | [`transport`] | the seam between the engine and its ranks (in-process, worker processes over `wire`) and the clock it waits on |
 //! | [`workload`] | the requests: Mooncake-format traces, the generated default |
 //! | [`report`] | the figures of a run (readable and `--json`), its Perfetto timeline |
+//! | [`metrics`] | Prometheus metrics with vLLM's names, served on `--metrics HOST:PORT` |
 //! | [`error`] | [`RunError`] |
 //!
 //! A simulation (`kvrelay-sim`) replaces the three seams — [`transport::Transport`],
@@ -46,6 +47,7 @@ pub mod config;
 pub mod content;
 pub mod engine;
 pub mod error;
+pub mod metrics;
 pub mod rank;
 pub mod report;
 pub mod run;

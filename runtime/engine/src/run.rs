@@ -10,6 +10,7 @@ use kvrelay_core::RequestId;
 use std::sync::Arc;
 
 use crate::engine::{Figures, Stopped};
+use crate::metrics::{Metrics, Server};
 use crate::report::{self, Latency, Report, perfetto};
 use crate::stop::{STOP_GRACE, StopRequest, StopSignal};
 use crate::transport::{self, TokioClock, Transport};
@@ -56,6 +57,10 @@ impl Stall {
 pub trait Progress: Send {
     /// Called after every engine step.
     fn step(&mut self, finished: u64, total: u64, steps: u64, preemptions: u64, loaded: u64);
+
+    /// Called once when the metrics are served ([`RunConfig::metrics`]), with the address
+    /// bound.
+    fn metrics_serving(&mut self, _addr: std::net::SocketAddr) {}
 }
 
 impl Progress for () {
@@ -154,6 +159,10 @@ fn run_on(
     mut stop: StopSignal,
 ) -> Result<Report, RunError> {
     let rt = runtime()?;
+    let served = serve_metrics(config)?;
+    if let Some((_, server)) = &served {
+        progress.metrics_serving(server.addr());
+    }
     rt.block_on(async {
         let max_model_len = config.max_model_len.unwrap_or_else(|| longest(records));
         let clock = Arc::new(TokioClock::default());
@@ -165,6 +174,9 @@ fn run_on(
             }
             e = start => e?,
         };
+        if let Some((m, _)) = &served {
+            engine.set_metrics(m.clone());
+        }
         let started = Instant::now();
         let mut latency = Latency::new(records);
         let outcome = tokio::select! {
@@ -190,15 +202,44 @@ fn run_on(
                 why: e.to_string(),
             })?;
         }
-        Ok(report::build(
+        let report = report::build(
             config,
             records,
             &figures,
             &ranks,
             &latency,
             started.elapsed(),
-        ))
+        );
+        if let Some((m, _)) = &served {
+            report::publish_ranks(m, &ranks);
+            linger(config, &mut stop).await;
+        }
+        Ok(report)
     })
+}
+
+/// The metrics and their server, when the run serves them: a port that cannot be bound is a
+/// configuration error.
+pub(crate) fn serve_metrics(c: &RunConfig) -> Result<Option<(Arc<Metrics>, Server)>, RunError> {
+    let Some(addr) = &c.metrics else {
+        return Ok(None);
+    };
+    let m = Arc::new(Metrics::new(&c.metrics_model_name));
+    let server = Server::bind(addr, m.clone())
+        .map_err(|e| RunError::Config(format!("metrics: cannot serve on {addr}: {e}")))?;
+    Ok(Some((m, server)))
+}
+
+/// Serves the final figures for `metrics_linger_s` more, unless a stop comes first.
+async fn linger(c: &RunConfig, stop: &mut StopSignal) {
+    let s = c.metrics_linger_s;
+    if !(s > 0.0 && s.is_finite()) {
+        return;
+    }
+    tokio::select! {
+        () = tokio::time::sleep(std::time::Duration::from_secs_f64(s.min(86_400.0))) => {}
+        () = stop.at_least(StopRequest::Graceful) => {}
+    }
 }
 
 /// The error of a run stopped by its [`StopSignal`], with how far it got.

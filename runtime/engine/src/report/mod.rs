@@ -14,6 +14,7 @@ use serde::Serialize;
 
 use crate::RunConfig;
 use crate::engine::Figures;
+use crate::metrics::{Metrics, Total};
 use crate::rank::RankStats;
 use crate::workload::TraceRecord;
 
@@ -133,6 +134,27 @@ fn sum_ranks(ranks: &[RankStats]) -> RankStats {
         s.hook_us.absorb(&r.hook_us);
     }
     s
+}
+
+/// Publishes the ranks' figures to `m` when the run ends (the ranks hand them over only then:
+/// see [`crate::metrics`]).
+pub fn publish_ranks(m: &Metrics, ranks: &[RankStats]) {
+    let s = sum_ranks(ranks);
+    let failed: u64 = ranks.iter().map(|r| r.failed_transfers).sum();
+    m.set_all(&[
+        (Total::StoreBytes, s.bytes_stored),
+        (Total::LoadBytes, s.bytes_loaded),
+        (Total::BlocksStored, s.blocks_stored),
+        (Total::BlocksLoaded, s.blocks_loaded),
+        (Total::Copies, s.copies),
+        (Total::FlushedStores, s.flushed_stores),
+        (Total::FailedTransfers, failed),
+        (Total::LoadedBlocksVerified, s.loaded_blocks_verified),
+        (Total::WrittenSlotsVerified, s.written_slots_verified),
+        (Total::ReadBlocksChecked, s.read_blocks_checked),
+        (Total::RankInvariantChecks, s.invariant_checks),
+    ]);
+    m.transfer_time(s.store_time.as_secs_f64(), s.load_time.as_secs_f64());
 }
 
 fn quantile(sorted: &[f64], q: f64) -> f64 {
