@@ -69,6 +69,18 @@ def _spec(chunk_ids: bytearray) -> CPULoadStoreSpec:
     return spec
 
 
+def _set_usage(stats: OffloadingConnectorStats, usage: tuple[int, int, int, int]) -> None:
+    """vLLM's CPU usage gauges from the native ``usage()``: (chunks, free, evictable,
+    write-pending)."""
+    num_chunks, free, evictable, write_pending = usage
+    used = num_chunks - free - evictable
+    total = used / num_chunks if num_chunks > 0 else 0.0
+    write = write_pending / num_chunks if num_chunks > 0 else 0.0
+    stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, total)
+    stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write)
+    stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, max(total - write, 0.0))
+
+
 @dataclass(slots=True)
 class _Scope:
     """A request's scope in the native manager, kept in its ReqContext's state."""
@@ -260,17 +272,10 @@ class CPUOffloadingManager(OffloadingManager):
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats = OffloadingConnectorStats()
-        num_chunks, free, evictable, write_pending = self._native.usage()
-        used = num_chunks - free - evictable
-        usage = used / num_chunks if num_chunks > 0 else 0.0
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
+        _set_usage(stats, self._native.usage())
         allocation_sizes, stores_skipped = self._native.take_batch_stats()
         for size in allocation_sizes:
             stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
-        write_usage = write_pending / num_chunks if num_chunks > 0 else 0.0
-        read_usage = max(usage - write_usage, 0.0)
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write_usage)
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, read_usage)
         if self.store_threshold >= 2:
             stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, stores_skipped)
         return stats

@@ -29,8 +29,9 @@ decides (which chunks to store, load, flush and free, when a job is complete acr
 the core's, run beside vLLM's scheduler through a shadow of its requests (``src/connector.rs``).
 
 Departures from vLLM's connector: KV events carry vLLM's placeholder payload (the
-self-describing payload is not recorded); ``get_stats`` reports the transfer figures the workers
-send, not the manager's usage; cache hits are all reported as coming from the host.
+self-describing payload is not recorded); ``get_stats`` reports the workers' transfer figures and
+the pool's usage gauges, not the manager's allocation sizes, skipped stores or static info; cache
+hits are all reported as coming from the host.
 """
 
 from collections.abc import Iterable
@@ -76,6 +77,7 @@ from kvrelay._kvrelay import (
     _OffloadScheduler,
     _StepGuard,
 )
+from kvrelay.manager import _set_usage
 from kvrelay.manager import _spec as _cpu_spec
 
 __all__ = ["KvrelayOffloadingConnector", "StepProtocolViolation", "UnsupportedConfig"]
@@ -233,9 +235,9 @@ class KvrelayOffloadingScheduler:
             self._events.reset()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        if self._stats.is_empty():
-            return None
+        """The workers' transfer figures since the last call, and the CPU pool's usage."""
         stats, self._stats = self._stats, OffloadingConnectorStats()
+        _set_usage(stats, self._native.usage())
         return stats
 
     def shutdown(self) -> None:

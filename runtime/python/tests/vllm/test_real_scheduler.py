@@ -520,6 +520,10 @@ def test_stores(connector: Connector, async_scheduling: bool):
     assert e.req.num_output_tokens == 3
     assert not e.scheduler.has_requests()
     assert not e.mock.waiting_jobs  # every store reached the worker and completed
+    # The connector's stats (as the scheduler hands them on) carry the CPU pool's usage gauge,
+    # as vLLM's do.
+    payloads = [repr(s.kv_connector_stats) for s in e.stats if s.kv_connector_stats]
+    assert payloads and all("vllm:kv_offload_cpu_cache_usage_perc" in p for p in payloads)
     _same_jobs_as_vllm(e, connector, scenario_stores, async_scheduling)
 
 
