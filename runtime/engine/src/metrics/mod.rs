@@ -38,8 +38,8 @@ type FGauge = Gauge<f64, AtomicU64>;
 type FCounter = Counter<f64, AtomicU64>;
 
 /// vLLM's `iteration_tokens` buckets (`vllm/v1/metrics/buckets.py`).
-const ITERATION_TOKENS: [f64; 12] = [
-    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
+const ITERATION_TOKENS: [f64; 13] = [
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
 ];
 
 /// kvrelay's buckets for times of microseconds to a tenth of a second.
