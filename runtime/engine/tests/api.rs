@@ -65,3 +65,33 @@ async fn abort_and_dropped_streams_end_requests() {
     }
     h.shutdown().await.unwrap();
 }
+
+// Protects the embedding API's metrics (issue 38): served on the address bound while the
+// engine runs, the engine side's counters current after each step; gone after shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_are_served_while_the_engine_runs() {
+    use std::io::{Read, Write};
+    let c = RunConfig {
+        metrics: Some("127.0.0.1:0".into()),
+        ..config()
+    };
+    let h = EngineHandle::spawn(c, 4096).await.unwrap();
+    let addr = h.metrics_addr().expect("served");
+    let (_, s) = h.submit((0..100).collect(), 7).await.unwrap();
+    assert_eq!(collect(s).await.0, 7);
+    let body = tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    })
+    .await
+    .unwrap();
+    let line = "vllm:generation_tokens_total{model_name=\"kvrelay\",engine=\"0\"} 7";
+    assert!(body.lines().any(|l| l == line), "{body}");
+    h.shutdown().await.unwrap();
+    assert!(std::net::TcpStream::connect(addr).is_err(), "still served");
+}
