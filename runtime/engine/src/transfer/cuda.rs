@@ -27,7 +27,9 @@
 //! plan is a [`TransferError`], never an out-of-bounds DMA.
 //!
 //! Copies go as batched driver calls (`cuMemcpyBatchAsync`, CUDA 12.8 and later; one call a
-//! copy before that): scattered 8 KiB blocks move 5 times faster than one call each.
+//! copy before that): scattered 8 KiB blocks move 5 times faster than one call each. The
+//! forward's slot writes and the checks' reads are not copies: two device kernels
+//! (`kernels.rs`) write and check a round of slots in place, halving a Mooncake slice's time.
 //!
 //! Not run in this repository's CI (no GPU there): the code is compiled and type-checked on
 //! every build, and `probe` runs (and says there is no driver). Run on an H200 on 2026-11-27: `tests/cuda.rs` of the CLI and `benches/cuda.rs` here; figures in docs/FIGURES.md.
@@ -48,6 +50,7 @@ use kvrelay_core::{CopyRun, TransferDirection};
 use tokio::sync::{Notify, mpsc};
 
 use crate::content::{fill, holds};
+use crate::transfer::kernels::SlotKernels;
 use crate::transfer::{
     COPY_QUEUE_BOUND, CopyDone, CopyJob, KvArena, Slot, TransferEngine, TransferError,
 };
@@ -222,12 +225,14 @@ fn host_addr(slice: &[u8], at: usize) -> u64 {
     slice.as_ptr() as u64 + at as u64
 }
 
-/// The compute side of a rank on CUDA: the forward's writes and the checks' reads.
+/// The compute side of a rank on CUDA: the forward's writes and the checks' reads, by the slot
+/// kernels (`kernels.rs`) where they load, else by copies through the staging buffer.
 #[derive(Debug)]
 pub(crate) struct CudaArena {
     dev: Arc<Device>,
     slot_bytes: usize,
     staging: PinnedHostSlice<u8>,
+    kernels: Option<SlotKernels>,
 }
 
 impl CudaArena {
@@ -236,14 +241,23 @@ impl CudaArena {
         // SAFETY: the buffer is written before it is read (`fill` stages, `first_mismatch`
         // copies into it and synchronizes first).
         let staging = unsafe { dev.ctx.alloc_pinned_with_flags::<u8>(bytes, 0) }.map_err(cuda)?;
+        let kernels = match SlotKernels::load(&dev.ctx, &dev.compute, bytes / 16) {
+            Ok(k) if slot_bytes.is_multiple_of(8) && slot_bytes > 0 => Some(k),
+            Ok(_) => None,
+            Err(e) => {
+                eprintln!("kvrelay: {e}; writing and checking slots by copies");
+                None
+            }
+        };
         Ok(Self {
             dev,
             slot_bytes,
             staging,
+            kernels,
         })
     }
 
-    /// Slots per round through the staging buffer.
+    /// Slots per round through the staging buffer (copy path).
     fn per_round(&self) -> usize {
         (self.staging.len() / self.slot_bytes).max(1)
     }
@@ -260,10 +274,22 @@ impl CudaArena {
         }
         runs
     }
-}
 
-impl KvArena for CudaArena {
-    fn fill(&mut self, slots: &[Slot]) -> Result<(), TransferError> {
+    /// Stages `round`'s `(offset, word)` entries for the kernels, every slot checked against
+    /// the arena; the staged bytes.
+    fn stage_entries(&mut self, round: &[Slot]) -> Result<usize, TransferError> {
+        for s in round {
+            self.dev.check(s.at, self.slot_bytes)?;
+        }
+        let staging = self.staging.as_mut_slice().map_err(cuda)?;
+        for (e, s) in staging.chunks_exact_mut(16).zip(round) {
+            e[..8].copy_from_slice(&(s.at as u64).to_le_bytes());
+            e[8..].copy_from_slice(&s.word.to_le_bytes());
+        }
+        Ok(round.len() * 16)
+    }
+
+    fn fill_by_copies(&mut self, slots: &[Slot]) -> Result<(), TransferError> {
         let (sb, stream) = (self.slot_bytes, self.dev.compute.clone());
         for round in slots.chunks(self.per_round()) {
             let runs = self.runs(round);
@@ -282,10 +308,10 @@ impl KvArena for CudaArena {
             // synchronized.
             unsafe { copy_runs(&self.dev.batch, &copies, &stream) }?;
         }
-        self.dev.forward_done.record(&stream).map_err(cuda)
+        Ok(())
     }
 
-    fn first_mismatch(&mut self, slots: &[Slot]) -> Result<Option<usize>, TransferError> {
+    fn mismatch_by_copies(&mut self, slots: &[Slot]) -> Result<Option<usize>, TransferError> {
         let (sb, stream) = (self.slot_bytes, self.dev.compute.clone());
         for (n, round) in slots.chunks(self.per_round()).enumerate() {
             let runs = self.runs(round);
@@ -305,6 +331,52 @@ impl KvArena for CudaArena {
                 .position(|(i, s)| !holds(&staging[i * sb..(i + 1) * sb], s.word))
             {
                 return Ok(Some(n * self.per_round() + i));
+            }
+        }
+        Ok(None)
+    }
+}
+
+impl KvArena for CudaArena {
+    fn fill(&mut self, slots: &[Slot]) -> Result<(), TransferError> {
+        let Some(per_round) = self.kernels.as_ref().map(SlotKernels::capacity) else {
+            self.fill_by_copies(slots)?;
+            return self
+                .dev
+                .forward_done
+                .record(&self.dev.compute)
+                .map_err(cuda);
+        };
+        let (stream, wps) = (self.dev.compute.clone(), (self.slot_bytes / 8) as u32);
+        for round in slots.chunks(per_round) {
+            // The previous round's upload reads the staging buffer: let it finish.
+            stream.synchronize().map_err(cuda)?;
+            let n = self.stage_entries(round)?;
+            let (k, staging) = (
+                self.kernels.as_ref().expect("checked"),
+                self.staging.as_slice(),
+            );
+            let staged = &staging.map_err(cuda)?[..n];
+            // SAFETY: every slot lies in the arena (checked when staged); the staging buffer is
+            // not touched again before the next round's synchronize.
+            unsafe { k.fill(&stream, self.dev.base, staged, wps) }?;
+        }
+        self.dev.forward_done.record(&stream).map_err(cuda)
+    }
+
+    fn first_mismatch(&mut self, slots: &[Slot]) -> Result<Option<usize>, TransferError> {
+        let Some(per_round) = self.kernels.as_ref().map(SlotKernels::capacity) else {
+            return self.mismatch_by_copies(slots);
+        };
+        let (stream, wps) = (self.dev.compute.clone(), (self.slot_bytes / 8) as u32);
+        for (r, round) in slots.chunks(per_round).enumerate() {
+            stream.synchronize().map_err(cuda)?;
+            let n = self.stage_entries(round)?;
+            let staging = self.staging.as_slice().map_err(cuda)?;
+            let k = self.kernels.as_mut().expect("checked");
+            // SAFETY: as in `fill`; `check` synchronizes before it returns.
+            if let Some(i) = unsafe { k.check(&stream, self.dev.base, &staging[..n], wps) }? {
+                return Ok(Some(r * per_round + i));
             }
         }
         Ok(None)

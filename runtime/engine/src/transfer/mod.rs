@@ -20,6 +20,7 @@
 mod backend;
 pub mod cuda;
 pub mod host;
+mod kernels;
 
 pub use self::backend::Backend;
 
