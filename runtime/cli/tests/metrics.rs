@@ -1,5 +1,6 @@
 //! `kvrelay run --metrics`: the exposition is served while the run lasts, with vLLM's names,
-//! help texts and labels, and its totals equal the run's report.
+//! help texts and labels; the ranks' figures grow during the run, and its totals equal the
+//! run's report.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -22,25 +23,35 @@ fn kvrelay(args: &[&str]) -> Child {
         .expect("kvrelay starts")
 }
 
-/// The address the run prints on stderr; the rest of stderr goes to the returned channel's
-/// reader thread.
-fn metrics_addr(child: &mut Child) -> String {
+/// The address the run prints on stderr; the whole of stderr comes back from the thread that
+/// reads it.
+fn metrics_addr(child: &mut Child) -> (String, std::thread::JoinHandle<Vec<String>>) {
     let stderr = child.stderr.take().expect("piped stderr");
     let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
+    let lines = std::thread::spawn(move || {
+        let mut all = Vec::new();
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             if let Some(rest) = line.strip_prefix("kvrelay run: metrics on http://") {
                 let _ = tx.send(rest.trim_end_matches("/metrics").to_owned());
             }
+            all.push(line);
         }
+        all
     });
-    rx.recv_timeout(DEADLINE)
-        .expect("the metrics address on stderr")
+    let addr = rx
+        .recv_timeout(DEADLINE)
+        .expect("the metrics address on stderr");
+    (addr, lines)
 }
 
 /// `GET /metrics`; the body.
 fn scrape(addr: &str, accept: &str) -> String {
-    let mut s = TcpStream::connect(addr).expect("connects");
+    try_scrape(addr, accept).expect("connects")
+}
+
+/// `GET /metrics`; the body, or `None` once nothing serves on `addr`.
+fn try_scrape(addr: &str, accept: &str) -> Option<String> {
+    let mut s = TcpStream::connect(addr).ok()?;
     s.set_read_timeout(Some(DEADLINE)).unwrap();
     write!(
         s,
@@ -51,7 +62,7 @@ fn scrape(addr: &str, accept: &str) -> String {
     s.read_to_string(&mut out).unwrap();
     let (head, body) = out.split_once("\r\n\r\n").expect("a head");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    body.to_owned()
+    Some(body.to_owned())
 }
 
 /// `name{labels}` → value, from text format 0.0.4.
@@ -69,12 +80,71 @@ fn engine(name: &str) -> String {
     format!("{name}{{model_name=\"kvrelay\",engine=\"0\"}}")
 }
 
-// Protects issue 38's metrics: vLLM's HELP and TYPE lines, served during the run and its
-// linger, and every counter equal to the run's report once the run ended.
+/// Scrapes `addr` until the linger ends: the last text scrape (the run's end) and an
+/// OpenMetrics one of the linger. One scrape while requests were running must show the ranks'
+/// figures.
+fn scrape_to_the_end(addr: &str, workers: &str) -> (BTreeMap<String, f64>, String) {
+    // Scraped until the linger ends; the last scrape is the run's end.
+    let started = Instant::now();
+    let (mut live, mut last, mut om) = (None, None, None);
+    while let Some(text) = try_scrape(addr, "text/plain") {
+        let s = samples(&text);
+        let rank_side = [
+            "vllm:kv_offload_store_bytes_total",
+            "kvrelay:loaded_blocks_verified_total",
+            "kvrelay:written_slots_verified_total",
+        ];
+        if finished(&s) < 40.0 && rank_side.iter().all(|m| s.get(&engine(m)) > Some(&0.0)) {
+            live.get_or_insert_with(|| text.clone());
+        }
+        if finished(&s) == 40.0 && om.is_none() {
+            om = try_scrape(addr, "application/openmetrics-text; version=1.0.0");
+        }
+        last = Some(s);
+        assert!(started.elapsed() < DEADLINE, "the run never ended:\n{text}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        live.is_some(),
+        "no scrape during the run showed the ranks' figures ({workers})"
+    );
+    let last = last.expect("a scrape");
+    (last, om.expect("an OpenMetrics scrape during the linger"))
+}
+
+/// Requests finished, over every reason.
+fn finished(s: &BTreeMap<String, f64>) -> f64 {
+    s.iter()
+        .filter(|(k, _)| k.starts_with("vllm:request_success_total{"))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+// Protects issue 38's metrics with ranks in the engine's process.
 #[test]
 fn the_metrics_are_vllms_and_equal_the_report() {
-    let mut child = kvrelay(&["--metrics", "127.0.0.1:0", "--metrics-linger", "3"]);
-    let addr = metrics_addr(&mut child);
+    metrics_of_a_run("in-process");
+}
+
+// Protects the rank figures' trip over the worker wire (each output carries its delta).
+#[test]
+fn worker_processes_send_their_figures_live() {
+    metrics_of_a_run("process");
+}
+
+// vLLM's HELP and TYPE lines, served during the run and its linger; the ranks' figures growing
+// while requests are still running (each rank report carries its delta); every counter equal to
+// the run's report once the run ended, with nothing left for the end to add.
+fn metrics_of_a_run(workers: &str) {
+    let mut child = kvrelay(&[
+        "--metrics",
+        "127.0.0.1:0",
+        "--metrics-linger",
+        "3",
+        "--workers",
+        workers,
+    ]);
+    let (addr, stderr) = metrics_addr(&mut child);
     let first = scrape(&addr, "text/plain");
     for line in [
         "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
@@ -87,21 +157,18 @@ fn the_metrics_are_vllms_and_equal_the_report() {
     ] {
         assert!(first.lines().any(|l| l == line), "{line} in\n{first}");
     }
-    // The run ended once the ranks' figures are published (its linger keeps serving them).
-    let started = Instant::now();
-    let last = loop {
-        let text = scrape(&addr, "text/plain");
-        let s = samples(&text);
-        if s.get(&engine("kvrelay:written_slots_verified_total")) > Some(&0.0) {
-            break s;
-        }
-        assert!(started.elapsed() < DEADLINE, "the run never ended:\n{text}");
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let om = scrape(&addr, "application/openmetrics-text; version=1.0.0");
+    let (last, om) = scrape_to_the_end(&addr, workers);
     assert!(om.ends_with("# EOF\n"), "{om}");
     let out = child.wait_with_output().expect("kvrelay exits");
     assert!(out.status.success(), "{out:?}");
+    let stderr = stderr.join().expect("stderr read");
+    // Every rank figure reached the metrics with a step's report: the end added nothing.
+    assert!(
+        !stderr
+            .iter()
+            .any(|l| l.contains("no step's report carried")),
+        "{stderr:#?}"
+    );
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json report");
     let r = |k: &str| {
         report[k]
@@ -146,7 +213,7 @@ fn the_metrics_are_vllms_and_equal_the_report() {
             .map(|(_, v)| v)
             .sum()
     };
-    assert_eq!(sum("vllm:request_success_total"), r("finished"));
+    assert_eq!(finished(&last), r("finished"));
     assert_eq!(sum("kvrelay:invariant_checks_total"), r("invariant_checks"));
     assert!(r("loaded_blocks_verified") > 0.0 && r("preemptions") > 0.0);
 }

@@ -31,7 +31,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
 use crate::metrics::{FINISHED_REASONS, Levels, Metrics, Total};
-use crate::rank::{Completions, RankReport, RankSetup, RankStats, StepMsg};
+use crate::rank::{Completions, RankDelta, RankReport, RankSetup, RankStats, StepMsg};
 use crate::report::perfetto::{Recorder, now_us};
 use crate::report::samples::Samples;
 use crate::stop::{STOP_GRACE, StopSignal};
@@ -116,6 +116,9 @@ pub struct Engine {
     max_model_len: u32,
     /// Where the figures are published as they change ([`Engine::set_metrics`]).
     metrics: Option<Arc<Metrics>>,
+    /// The ranks' counters so far: the sum of every report's delta (added as it arrives, fresh
+    /// or not: the rank did the work), published after each step.
+    ranks_live: RankDelta,
     pub figures: Figures,
 }
 
@@ -265,6 +268,7 @@ impl Engine {
             free_blocks,
             max_model_len,
             metrics: None,
+            ranks_live: RankDelta::default(),
             figures: Figures {
                 backend,
                 gpu_blocks,
@@ -371,7 +375,7 @@ impl Engine {
                     }
                 }
             };
-            let Some(rep) = rep else {
+            let Some(rep) = rep.inspect(|r| self.ranks_live.add(&r.delta)) else {
                 return Err(RunError::RankGone { rank: 0 });
             };
             // An error is never dropped, whatever step it names.
@@ -484,6 +488,7 @@ impl Engine {
             (Total::ReportsRejected, f.reports_rejected),
             (Total::EngineInvariantChecks, f.invariant_checks),
         ]);
+        let _ = m.ranks(&self.ranks_live);
         let sched = self.core.scheduler();
         let view = sched.view();
         let usable = self.free_blocks.max(1);

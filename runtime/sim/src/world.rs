@@ -13,7 +13,7 @@ use tokio::sync::{Notify, mpsc};
 use crate::faults::Loss;
 use crate::mix::{FaultMix, SimRng};
 use kvrelay_engine::engine::Engine;
-use kvrelay_engine::rank::{RankReport, RankSetup, StepMsg};
+use kvrelay_engine::rank::{RankDelta, RankReport, RankSetup, StepMsg};
 use kvrelay_engine::transfer::host::{HostArena, load, store};
 use kvrelay_engine::transfer::{
     COPY_QUEUE_BOUND, CopyDone, CopyJob, TransferEngine, TransferError,
@@ -181,6 +181,8 @@ async fn relay_reports(
                 rank: rep.rank,
                 step: rep.step,
                 output: Ok(out.clone()),
+                // The copy carries no work of its own.
+                delta: RankDelta::default(),
             }),
             _ => None,
         };

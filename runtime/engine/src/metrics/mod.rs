@@ -9,10 +9,15 @@
 //! * The engine side ([`crate::Engine`]) sets its figures after every step: requests running
 //!   and waiting, GPU and CPU pool usage, prompt, generated and computed tokens, preemptions,
 //!   finishes by reason, the iteration-tokens and engine-step histograms, invariant checks.
-//! * **Rank-side figures are published when the run ends**: bytes, blocks and time stored and
-//!   loaded, copies, verified blocks and slots, the ranks' invariant checks. The ranks send
-//!   them to the engine only at shutdown (the worker wire format carries no per-step figures),
-//!   so until then they read 0.
+//! * The rank side's figures — bytes, blocks and time stored and loaded, copies, flushed stores,
+//!   failed transfers, verified blocks and slots, the ranks' invariant checks — come with each
+//!   step's reports: every [`crate::rank::RankReport`] (and over the worker wire every
+//!   `Up::Output`) carries the rank's counters since its previous report
+//!   ([`crate::rank::RankDelta`], as vLLM's workers send per-step `transfer_stats`); the engine
+//!   adds them up as it applies the step and publishes the sums ([`Metrics::ranks`]).
+//! * When the run ends, `report::publish_ranks` raises them to the ranks' final figures. The
+//!   deltas already sum to those, so it adds nothing (what it had to add is returned and said in
+//!   a warning; `runtime/cli/tests/metrics.rs` checks there is none).
 //!
 //! [`Metrics`] is written by the engine task and read by the scrape ([`Server`], a std thread);
 //! its values are atomics. [`Metrics::encode`] gives the exposition to an embedder that serves
@@ -29,6 +34,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Metric, Registry};
+
+use crate::rank::RankDelta;
 
 pub use self::serve::{READ_DEADLINE, Server};
 
@@ -55,7 +62,7 @@ pub const FINISHED_REASONS: [&str; 5] = ["stop", "length", "abort", "error", "re
 macro_rules! totals {
     ($($(#[$doc:meta])* $v:ident,)*) => {
         /// The counters whose running total the engine and the ranks hand over (see
-        /// [`Metrics::set`]); the rank side's from `StoreBytes` on, published when the run ends.
+        /// [`Metrics::set`]); the rank side's from `StoreBytes` on, from the ranks' reports.
         #[derive(Clone, Copy, Debug, Eq, PartialEq)]
         pub enum Total {
             $($(#[$doc])* $v,)*
@@ -167,7 +174,7 @@ fn describe(t: Total) -> (&'static str, &'static str, Labels) {
         ),
         EngineInvariantChecks | RankInvariantChecks => (
             "kvrelay:invariant_checks",
-            "Invariant checks performed, by side (engine or rank; rank side at the end of the run)",
+            "Invariant checks performed, by side (engine or rank)",
         ),
         StoreBytes => (
             "vllm:kv_offload_store_bytes",
@@ -401,7 +408,33 @@ impl Metrics {
             .sum()
     }
 
-    /// The ranks' store and load time at the end of the run, seconds.
+    /// Raises the rank-side counters to the ranks' totals `r` (summed over ranks); returns
+    /// what each counter had to be raised by (none when nothing changed since the last call).
+    pub fn ranks(&self, r: &RankDelta) -> Vec<(Total, u64)> {
+        let totals = [
+            (Total::StoreBytes, r.bytes_stored),
+            (Total::LoadBytes, r.bytes_loaded),
+            (Total::BlocksStored, r.blocks_stored),
+            (Total::BlocksLoaded, r.blocks_loaded),
+            (Total::Copies, r.copies),
+            (Total::FlushedStores, r.flushed_stores),
+            (Total::FailedTransfers, r.failed_transfers),
+            (Total::LoadedBlocksVerified, r.loaded_blocks_verified),
+            (Total::WrittenSlotsVerified, r.written_slots_verified),
+            (Total::ReadBlocksChecked, r.read_blocks_checked),
+            (Total::RankInvariantChecks, r.invariant_checks),
+        ];
+        let raised = totals
+            .iter()
+            .filter(|&&(t, v)| v > self.get(t))
+            .map(|&(t, v)| (t, v - self.get(t)))
+            .collect();
+        self.set_all(&totals);
+        self.transfer_time(r.store_time.as_secs_f64(), r.load_time.as_secs_f64());
+        raised
+    }
+
+    /// The ranks' store and load time so far, seconds.
     pub fn transfer_time(&self, store_s: f64, load_s: f64) {
         self.store_time
             .inc_by((store_s - self.store_time.get()).max(0.0));

@@ -21,8 +21,10 @@
 //! (polled after every hook by the driver), stops the rank with a typed error the engine
 //! reports.
 
+mod delta;
 mod watch;
 
+pub use self::delta::RankDelta;
 pub use self::watch::{Hazard, Watch};
 
 use std::collections::{BTreeMap, VecDeque};
@@ -66,6 +68,8 @@ pub struct RankReport {
     pub rank: u32,
     pub step: StepId,
     pub output: Result<WorkerOutput, RunError>,
+    /// The rank's counters since its previous report (zero with an error).
+    pub delta: RankDelta,
 }
 
 /// What a rank did, for the report.
@@ -280,6 +284,8 @@ pub struct RankTask {
     /// Time in the driver's calls during the running step.
     hook_time: Duration,
     stats: RankStats,
+    /// The counters at the previous report.
+    reported: RankDelta,
 }
 
 impl std::fmt::Debug for RankTask {
@@ -331,6 +337,7 @@ impl RankTask {
             transfer_started: HashMap::default(),
             hook_time: Duration::ZERO,
             stats: RankStats::default(),
+            reported: RankDelta::default(),
         }
     }
 
@@ -364,10 +371,10 @@ impl RankTask {
                 Ok(false) => Ok(None),
                 Err(e) => Err(e),
             };
-            let output = match result {
-                Ok(Some(out)) => Ok(out),
+            let (output, delta) = match result {
+                Ok(Some((out, delta))) => (Ok(out), delta),
                 Ok(None) => continue,
-                Err(e) => Err(e),
+                Err(e) => (Err(e), RankDelta::default()),
             };
             let failed = output.is_err();
             let step = current.take().unwrap_or(StepId(u64::MAX));
@@ -375,6 +382,7 @@ impl RankTask {
                 rank: self.rank,
                 step,
                 output,
+                delta,
             };
             if reports.send(report).await.is_err() || failed {
                 break;
@@ -411,7 +419,7 @@ impl RankTask {
     }
 
     /// Polls the driver until it waits, or the step is done.
-    fn drive(&mut self) -> Result<Option<WorkerOutput>, RunError> {
+    fn drive(&mut self) -> Result<Option<(WorkerOutput, RankDelta)>, RunError> {
         loop {
             let t = Instant::now();
             let polled = self.driver.poll();
@@ -444,8 +452,9 @@ impl RankTask {
         }
     }
 
-    /// The step's output is ready: its figures, its invariants, its timeline span.
-    fn done_step(&mut self, out: WorkerOutput) -> Result<WorkerOutput, RunError> {
+    /// The step's output is ready: its figures, its invariants, its timeline span; with the
+    /// counters since the previous report.
+    fn done_step(&mut self, out: WorkerOutput) -> Result<(WorkerOutput, RankDelta), RunError> {
         let hooks = std::mem::take(&mut self.hook_time);
         self.stats.hook_us.push(hooks.as_secs_f32() * 1e6);
         if self.check {
@@ -457,7 +466,9 @@ impl RankTask {
         self.stats
             .timeline
             .span(|| format!("step {step}"), start, pid, 0);
-        Ok(out)
+        let delta = self.stats.since(&self.reported);
+        self.reported.add(&delta);
+        Ok((out, delta))
     }
 
     /// A transfer's copies finished: the driver hears of it now ([`Completions::AsArrived`]), or

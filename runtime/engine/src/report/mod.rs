@@ -136,25 +136,19 @@ fn sum_ranks(ranks: &[RankStats]) -> RankStats {
     s
 }
 
-/// Publishes the ranks' figures to `m` when the run ends (the ranks hand them over only then:
-/// see [`crate::metrics`]).
-pub fn publish_ranks(m: &Metrics, ranks: &[RankStats]) {
-    let s = sum_ranks(ranks);
-    let failed: u64 = ranks.iter().map(|r| r.failed_transfers).sum();
-    m.set_all(&[
-        (Total::StoreBytes, s.bytes_stored),
-        (Total::LoadBytes, s.bytes_loaded),
-        (Total::BlocksStored, s.blocks_stored),
-        (Total::BlocksLoaded, s.blocks_loaded),
-        (Total::Copies, s.copies),
-        (Total::FlushedStores, s.flushed_stores),
-        (Total::FailedTransfers, failed),
-        (Total::LoadedBlocksVerified, s.loaded_blocks_verified),
-        (Total::WrittenSlotsVerified, s.written_slots_verified),
-        (Total::ReadBlocksChecked, s.read_blocks_checked),
-        (Total::RankInvariantChecks, s.invariant_checks),
-    ]);
-    m.transfer_time(s.store_time.as_secs_f64(), s.load_time.as_secs_f64());
+/// Raises the rank-side metrics to the ranks' final figures when the run ends. The ranks sent
+/// them step by step (see [`crate::metrics`]), so nothing should be left: what was is returned
+/// and said in a warning.
+pub fn publish_ranks(m: &Metrics, ranks: &[RankStats]) -> Vec<(Total, u64)> {
+    let mut total = crate::rank::RankDelta::default();
+    for r in ranks {
+        total.add(r);
+    }
+    let left = m.ranks(&total);
+    if !left.is_empty() {
+        tracing::warn!(?left, "metrics: rank figures that no step's report carried");
+    }
+    left
 }
 
 fn quantile(sorted: &[f64], q: f64) -> f64 {

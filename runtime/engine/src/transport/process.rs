@@ -39,7 +39,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{Notify, mpsc};
 
 use crate::RunError;
-use crate::rank::{RankReport, RankSetup, RankStats, StepMsg};
+use crate::rank::{RankDelta, RankReport, RankSetup, RankStats, StepMsg};
 use crate::transfer::TransferEngine;
 use crate::transport::wire::{Down, Up, WireError, read_frame, write_frame};
 use crate::transport::{BoxFuture, RankConn, Transport};
@@ -309,6 +309,7 @@ async fn send_step(
             rank,
             step,
             output: Err(RunError::Remote { rank, message }),
+            delta: RankDelta::default(),
         },
         None => failed(
             rank,
@@ -328,15 +329,21 @@ fn report_of(
     f: Option<Result<Up, WireError>>,
 ) -> RankReport {
     match f {
-        Some(Ok(Up::Output { step, output })) => RankReport {
+        Some(Ok(Up::Output {
+            step,
+            output,
+            delta,
+        })) => RankReport {
             rank,
             step,
             output: Ok(output),
+            delta: *delta,
         },
         Some(Ok(Up::Failed { step, message })) => RankReport {
             rank,
             step,
             output: Err(RunError::Remote { rank, message }),
+            delta: RankDelta::default(),
         },
         Some(Ok(other)) => failed(
             rank,
@@ -363,6 +370,7 @@ fn failed(rank: u32, step: Option<kvrelay_core::StepId>, e: RunError) -> RankRep
         rank,
         step: step.unwrap_or(kvrelay_core::StepId(u64::MAX)),
         output: Err(e),
+        delta: RankDelta::default(),
     }
 }
 
@@ -562,7 +570,7 @@ async fn serve(
             r = rep_rx.recv() => match r {
                 Some(rep) => {
                     let frame = match rep.output {
-                        Ok(output) => Up::Output { step: rep.step, output },
+                        Ok(output) => Up::Output { step: rep.step, output, delta: Box::new(rep.delta) },
                         Err(e) => Up::Failed { step: rep.step, message: e.to_string() },
                     };
                     if let Err(e) = write_frame(wr, &frame).await {

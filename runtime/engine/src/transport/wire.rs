@@ -20,7 +20,7 @@ use kvrelay_core::{
     OffloadingConnectorMeta, RequestId, ScheduledStep, StepId, Token, WorkerOutput,
 };
 
-use crate::rank::{RankSetup, RankStats};
+use crate::rank::{RankDelta, RankSetup, RankStats};
 
 pub use super::frame::{MAX_FRAME, WIRE_VERSION, WireError};
 
@@ -54,6 +54,9 @@ pub enum Up {
         step: StepId,
         /// The rank's output.
         output: WorkerOutput,
+        /// The rank's counters since its previous output (version 4 on; boxed, the
+        /// figures being larger than the other messages).
+        delta: Box<RankDelta>,
     },
     /// The rank stopped with an error.
     Failed {
@@ -162,7 +165,7 @@ mod tests {
     #[test]
     fn golden_bytes() {
         let hello = encode(&Up::Hello { rank: 3 });
-        assert_eq!(hello, [6, 0, 0, 0, 3, 0, 0, 0, 0, 3]);
+        assert_eq!(hello, [6, 0, 0, 0, 4, 0, 0, 0, 0, 3]);
         let out = encode(&Up::Output {
             step: StepId(5),
             output: WorkerOutput {
@@ -170,11 +173,19 @@ mod tests {
                 worker_meta: Some(kvrelay_core::Meta::Offload(OffloadMeta::default())),
                 ..WorkerOutput::default()
             },
+            delta: Box::new(RankDelta {
+                copies: 2,
+                ..RankDelta::default()
+            }),
         });
         assert_eq!(
             out,
             [
-                21, 0, 0, 0, 3, 0, 0, 0, 1, 5, 1, 1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0
+                42, 0, 0, 0, 4, 0, 0, 0, 1, 5, 1, 1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0,
+                // The delta (a RankStats): four counts, two times (seconds, nanoseconds),
+                // copies 2, five counts, then the empty loaded tokens, hook samples, checks
+                // and timeline.
+                0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
             ],
             "{out:?}"
         );
@@ -189,7 +200,7 @@ mod tests {
             tokens: vec![(RequestId(1), vec![300])],
             forget: vec![RequestId(4)],
         });
-        assert_eq!(&step[..9], [step.len() as u8 - 4, 0, 0, 0, 3, 0, 0, 0, 1]);
+        assert_eq!(&step[..9], [step.len() as u8 - 4, 0, 0, 0, 4, 0, 0, 0, 1]);
         let back: Down = decode_body(&step[4..]).unwrap();
         assert!(
             matches!(back, Down::Step { ref tokens, .. } if tokens == &vec![(RequestId(1), vec![300])])
@@ -208,6 +219,12 @@ mod tests {
         assert!(matches!(
             decode_body::<Up>(&f[4..]),
             Err(WireError::Version { found: 1 })
+        ));
+        // A worker of version 3 (its outputs carry no delta) is refused, not misread.
+        f[4] = 3;
+        assert!(matches!(
+            decode_body::<Up>(&f[4..]),
+            Err(WireError::Version { found: 3 })
         ));
         let f = encode(&Up::Hello { rank: 3 });
         assert!(matches!(
