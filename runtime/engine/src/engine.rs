@@ -19,6 +19,7 @@
 //! ([`crate::api::EngineHandle`]) both drive this type.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -72,6 +73,8 @@ pub struct Figures {
     pub reports_rejected: u64,
     /// Per request, its computed tokens when first scheduled (prefix hit + loaded).
     pub reused: HashMap<RequestId, u32>,
+    /// The sum of `reused` (kept as requests are first scheduled, not summed per step).
+    pub reused_tokens: u64,
     /// Engine-side time per step (schedule, rank outputs, apply), in µs.
     pub core_us: Samples<f64>,
     pub invariant_checks: u64,
@@ -474,12 +477,11 @@ impl Engine {
         for reason in outputs.iter().filter_map(|o| o.finish) {
             m.finished(finished_reason(reason));
         }
-        let reused: u64 = f.reused.values().map(|&n| u64::from(n)).sum();
         m.set_all(&[
             (Total::PromptTokens, f.prompt_tokens),
             (Total::GenerationTokens, f.generated_tokens),
             (Total::Preemptions, f.preemptions),
-            (Total::PromptTokensCached, reused),
+            (Total::PromptTokensCached, f.reused_tokens),
             (Total::Steps, f.steps),
             (Total::IdleSteps, f.idle_steps),
             (Total::ScheduledAhead, f.scheduled_ahead),
@@ -516,7 +518,10 @@ impl Engine {
             m.scheduled(out.total_num_scheduled_tokens);
         }
         for n in &out.scheduled_new_reqs {
-            f.reused.entry(n.id).or_insert(n.num_computed_tokens);
+            if let Entry::Vacant(e) = f.reused.entry(n.id) {
+                e.insert(n.num_computed_tokens);
+                f.reused_tokens += u64::from(n.num_computed_tokens);
+            }
         }
         Ok(scheduled.step)
     }

@@ -181,7 +181,6 @@ pub(crate) fn build(
     us.sort_by(f64::total_cmp);
     let mut hooks: Vec<f64> = s.hook_us.values().iter().map(|&x| f64::from(x)).collect();
     hooks.sort_by(f64::total_cmp);
-    let reused: u64 = f.reused.values().map(|&n| u64::from(n)).sum();
     // Rank 0 counts the tokens loaded per request; a request's GPU hit is what it reused
     // beyond them.
     let loaded0 = ranks.first().map(|r| &r.loaded_tokens);
@@ -208,7 +207,7 @@ pub(crate) fn build(
         idle_steps: f.idle_steps,
         scheduled_ahead: f.scheduled_ahead,
         preemptions: f.preemptions,
-        reused_tokens: reused,
+        reused_tokens: f.reused_tokens,
         reuse_bound_pct: crate::workload::unbounded_reuse(records, c.hash_block()).token_pct(),
         gpu_prefix_hit_tokens: gpu_hits,
         cpu_loaded_tokens: cpu_loaded,
