@@ -32,17 +32,16 @@
 use kvrelay_core::{
     AggregatedOutput, BlockHash, BlockId, CachedRequestData, GroupKind, JobId, Lookup,
     ManagerConfig, Meta, NewRequestData, OffloadMeta, OffloadingConfig, OffloadingConnector,
-    OffloadingConnectorMeta, Params, PolicyKind, RequestId, RequestMirror, RequestStatus,
-    SchedulerConfig, SchedulerConnector, SchedulerOutput, ShadowState, SortedSet, StepId,
-    TransferJob,
+    OffloadingConnectorMeta, Params, RequestId, RequestMirror, RequestStatus, SchedulerConfig,
+    SchedulerConnector, SchedulerOutput, ShadowState, SortedSet, StepId, TransferJob,
 };
 use pyo3::exceptions::{PyAssertionError, PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyTuple};
 
-use crate::hashes::Hashes;
+use crate::hashes::{Hashes, offload_key};
 use crate::ids::Ids;
-use crate::manager::UnsupportedConfig;
+use crate::manager::{self, UnsupportedConfig};
 
 /// Adds this file's class to the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -55,18 +54,6 @@ fn intern(hashes: &mut Hashes, hash: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
         PyTypeError::new_err("a request's block hashes are bytes (vLLM's BlockHash)")
     })?;
     Ok(hashes.intern(b.as_bytes(), b))
-}
-
-/// vLLM's `OffloadKey` of a core hash and group (the hash's bytes and the group, big-endian).
-fn offload_key<'py>(
-    py: Python<'py>,
-    hashes: &Hashes,
-    hash: BlockHash,
-    group: u32,
-) -> PyResult<Bound<'py, PyBytes>> {
-    let mut v = hashes.object(py, hash)?.as_bytes().to_vec();
-    v.extend_from_slice(&group.to_be_bytes());
-    Ok(PyBytes::new(py, &v))
 }
 
 /// The core's status of vLLM's `RequestStatus` (an `IntEnum`, by its value in vLLM 0.33).
@@ -313,15 +300,7 @@ impl OffloadScheduler {
         num_gpu_blocks: u32,
         max_model_len: u32,
     ) -> PyResult<Self> {
-        let policy = match policy {
-            "lru" => PolicyKind::Lru,
-            "arc" => PolicyKind::Arc,
-            p => {
-                return Err(UnsupportedConfig::new_err(format!(
-                    "eviction policy {p:?}: kvrelay has \"lru\" and \"arc\""
-                )));
-            }
-        };
+        let policy = manager::policy("eviction policy", policy)?;
         let scheduler = SchedulerConfig {
             block_size,
             num_gpu_blocks: num_gpu_blocks.max(2),
@@ -464,7 +443,13 @@ impl OffloadScheduler {
             let keys = e
                 .keys
                 .iter()
-                .map(|k| offload_key(py, &self.hashes, k.hash, k.group))
+                .map(|k| {
+                    Ok(offload_key(
+                        py,
+                        self.hashes.object(py, k.hash)?.as_bytes(),
+                        k.group,
+                    ))
+                })
                 .collect::<PyResult<Vec<_>>>()?;
             out.push((keys, e.removed));
         }
@@ -480,12 +465,6 @@ impl OffloadScheduler {
 
     fn has_pending_push_work(&self) -> bool {
         self.conn.has_pending_push_work()
-    }
-
-    /// Whether the connector still tracks the request named `req_id`.
-    fn tracks(&mut self, req_id: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let id = self.ids.intern(req_id)?;
-        Ok(self.conn.tracks(id))
     }
 
     /// Hashes the hash table holds (bounded: see `hashes.rs`).
@@ -511,13 +490,7 @@ impl OffloadScheduler {
 
     /// `(capacity, free, evictable, write-pending)` chunks of the CPU pool.
     fn usage(&self) -> (u32, u32, u32, u32) {
-        let m = self.conn.manager();
-        (
-            m.config().capacity_chunks,
-            m.num_free_chunks(),
-            m.num_evictable(),
-            m.num_write_pending(),
-        )
+        manager::pool_usage(self.conn.manager())
     }
 
     /// The core's invariants (`I-38`…`I-45`); `AssertionError` naming the one broken.

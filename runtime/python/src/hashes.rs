@@ -12,6 +12,15 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use rustc_hash::FxHashMap;
 
+/// vLLM's `OffloadKey` bytes of a block hash and a group: the hash, then the group as 4
+/// big-endian bytes (`make_offload_key`).
+pub(crate) fn offload_key<'py>(py: Python<'py>, hash: &[u8], group: u32) -> Bound<'py, PyBytes> {
+    let mut v = Vec::with_capacity(hash.len() + 4);
+    v.extend_from_slice(hash);
+    v.extend_from_slice(&group.to_be_bytes());
+    PyBytes::new(py, &v)
+}
+
 /// Interned hashes beyond twice what the last sweep kept before the next sweep.
 const SWEEP_SLACK: usize = 1 << 16;
 

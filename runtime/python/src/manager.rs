@@ -50,7 +50,7 @@ use pyo3::exceptions::{PyAssertionError, PyOverflowError, PyTypeError, PyValueEr
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyTuple};
 
-use crate::hashes::Hashes;
+use crate::hashes::{Hashes, offload_key};
 
 pyo3::create_exception!(
     kvrelay,
@@ -64,6 +64,29 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<OffloadManager>()?;
     m.add("UnsupportedConfig", m.py().get_type::<UnsupportedConfig>())?;
     Ok(())
+}
+
+/// The core's policy named `name` (vLLM's "lru" or "arc"); anything else is
+/// [`UnsupportedConfig`], naming the argument `arg`.
+pub(crate) fn policy(arg: &str, name: &str) -> PyResult<PolicyKind> {
+    match name {
+        "lru" => Ok(PolicyKind::Lru),
+        "arc" => Ok(PolicyKind::Arc),
+        other => Err(UnsupportedConfig::new_err(format!(
+            "{arg} {other:?}: kvrelay has \"lru\" and \"arc\""
+        ))),
+    }
+}
+
+/// A pool's `(num_chunks, free, evictable, write_pending)` chunks, as vLLM's usage gauges read
+/// them (the Python side's `_set_usage`).
+pub(crate) fn pool_usage(m: &CpuOffloadingManager) -> (u32, u32, u32, u32) {
+    (
+        m.config().capacity_chunks,
+        m.num_free_chunks(),
+        m.num_evictable(),
+        m.num_write_pending(),
+    )
 }
 
 /// vLLM's key bytes ↔ the core's [`OffloadKey`]: each distinct hash (the key minus its 4-byte
@@ -121,10 +144,7 @@ impl KeyTable {
         if b[cut..] == k.group.to_be_bytes() {
             return Ok(first.clone());
         }
-        let mut v = Vec::with_capacity(b.len());
-        v.extend_from_slice(&b[..cut]);
-        v.extend_from_slice(&k.group.to_be_bytes());
-        Ok(PyBytes::new(py, &v))
+        Ok(offload_key(py, &b[..cut], k.group))
     }
 
     /// A list of the bytes of core keys.
@@ -344,15 +364,7 @@ impl OffloadManager {
         enable_events: bool,
         max_tracker_size: i64,
     ) -> PyResult<Self> {
-        let policy = match cache_policy {
-            "lru" => PolicyKind::Lru,
-            "arc" => PolicyKind::Arc,
-            other => {
-                return Err(UnsupportedConfig::new_err(format!(
-                    "cache_policy {other:?}: kvrelay's manager has \"lru\" and \"arc\""
-                )));
-            }
-        };
+        let policy = policy("cache_policy", cache_policy)?;
         let capacity_chunks = u32::try_from(num_chunks).map_err(|_| {
             UnsupportedConfig::new_err(format!(
                 "num_chunks must be between 0 and 2^32-1, got {num_chunks}"
@@ -548,12 +560,7 @@ impl OffloadManager {
 
     /// `(num_chunks, free, evictable, write_pending)`.
     fn usage(&self) -> (u32, u32, u32, u32) {
-        (
-            self.core.config().capacity_chunks,
-            self.core.num_free_chunks(),
-            self.core.num_evictable(),
-            self.core.num_write_pending(),
-        )
+        pool_usage(&self.core)
     }
 
     /// Hashes the key table holds (bounded: see `KeyTable`).

@@ -48,7 +48,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     build_offloading_config,
-    get_offloading_group_ids,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
     OffloadingEventsTracker,
@@ -303,9 +302,6 @@ class KvrelayOffloadingConnector(OffloadingConnector):
         self.connector_scheduler = None
         self.connector_worker = None
         if role == KVConnectorRole.SCHEDULER:
-            groups = get_offloading_group_ids(kv_cache_config)
-            if list(groups) != list(range(len(kv_cache_config.kv_cache_groups))):
-                raise _refuse(f"every KV cache group must be offloaded (offloaded: {groups})")
             self.connector_scheduler = KvrelayOffloadingScheduler(
                 spec, vllm_config, kv_cache_config
             )
