@@ -290,7 +290,8 @@ impl Tally {
     ) {
         let Some(&max) = ids.last() else { return };
         self.ensure(max, true);
-        let mut open = self.open;
+        // `open` is settled once for the whole call (`settle_open`): counted here it would see
+        // cycles an earlier rank of the same call opened without counting them, and underflow.
         if rank.index() < 64 && self.high.is_empty() {
             // The common case: one word per report, in two dense arrays.
             let bit = 1u64 << rank.index();
@@ -304,22 +305,17 @@ impl Tally {
                     low[i] |= bit;
                 }
             }
-            // `open` is settled once for the whole call: `settle_open`.
         } else {
             for &id in ids {
                 let i = id.index();
-                let was_open = self.remaining[i] != 0;
                 if tick(&mut self.remaining[i], quorum) {
                     self.clear_reporters(i);
-                    open -= u32::from(was_open);
                     emitted.push(id);
                 } else {
                     self.add_reporter(i, rank);
-                    open += u32::from(!was_open);
                 }
             }
         }
-        self.open = open;
     }
 
     /// Counts compat-mode reports of `ids` (sorted); pushes the ids whose cycle completes to
