@@ -91,9 +91,9 @@ pub use engine::{
 pub use engine::{EngineFault, RankFault};
 pub use ids::{BlockId, Interner, JobId, NULL_BLOCK, Rank, RequestId, StepId};
 pub use messages::{
-    AggregatedOutput, CachedRequestData, Direction, EventAccumulator, KvEvent, KvEvents,
-    MAX_META_DEPTH, Meta, MetaMismatch, ModelOutput, NewRequestData, OffloadMeta, ScheduledRequest,
-    ScheduledStep, SchedulerOutput, WorkerMeta, WorkerOutput, build_multi, merge,
+    AggregatedOutput, CacheEvent, CachedRequestData, Direction, EventAccumulator, KvEvent,
+    KvEvents, MAX_META_DEPTH, Medium, Meta, MetaMismatch, ModelOutput, NewRequestData, OffloadMeta,
+    ScheduledRequest, ScheduledStep, SchedulerOutput, WorkerMeta, WorkerOutput, build_multi, merge,
 };
 pub use offloading::{
     Access, ChunkId, CpuOffloadingManager, GpuSpec, KeyLookup, ManagerConfig, ManagerError,

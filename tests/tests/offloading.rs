@@ -15,11 +15,12 @@
 
 use kvrelay_core::testing::{OnWait, SimDma};
 use kvrelay_core::{
-    AggregatedOutput, BlockId, ChunkId, EngineCore, GroupKind, JobId, KeyLookup, ManagerConfig,
-    Meta, ModelOutput, OffloadKey, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta,
-    OffloadingWorker, OffloadingWorkerConfig, PolicyKind, Rank, RankAction, RankDriver, RequestId,
-    RequestSpec, RequestStatus, Scheduler, SchedulerConfig, SchedulerConnector, SchedulerOutput,
-    SortedSet, StepId, Transfer, TransferDirection, TransferDone, WorkerConnector,
+    AggregatedOutput, BlockId, CacheEvent, ChunkId, EngineCore, GroupKind, JobId, KeyLookup,
+    KvEvent, ManagerConfig, Medium, Meta, ModelOutput, OffloadKey, OffloadingConfig,
+    OffloadingConnector, OffloadingConnectorMeta, OffloadingWorker, OffloadingWorkerConfig,
+    PolicyKind, Rank, RankAction, RankDriver, RequestId, RequestSpec, RequestStatus, Scheduler,
+    SchedulerConfig, SchedulerConnector, SchedulerOutput, SortedSet, StepId, Transfer,
+    TransferDirection, TransferDone, WorkerConnector,
 };
 use kvrelay_tests::build::{empty_aggregated, params, rank_config, rid, spec_with};
 use kvrelay_tests::drive::computed;
@@ -88,6 +89,8 @@ struct Sim {
     /// stepping until `finished_req_ids` reached the connector (the model's `has_requests()`
     /// does not count them, so the harness does).
     finished_undelivered: bool,
+    /// The opaque KV events of the last step applied.
+    events: Vec<KvEvent>,
 }
 
 impl Sim {
@@ -115,6 +118,7 @@ impl Sim {
             ranks,
             dma: vec![SimDma::new(OnWait::CompleteJob); w],
             finished_undelivered: false,
+            events: Vec::new(),
         };
         sim.check();
         sim
@@ -219,6 +223,7 @@ impl Sim {
         let res = self.engine.apply_fake().unwrap();
         assert_eq!(res.step, step);
         self.finished_undelivered |= res.result.outputs.iter().any(|o| o.finish.is_some());
+        self.events = res.result.events;
         self.check();
     }
 
@@ -823,6 +828,95 @@ fn reset_with_jobs_in_flight_fences_their_late_acknowledgements() {
     for c in 0..3 {
         assert_eq!(sim.lookup(&p, c, 0), KeyLookup::Hit);
     }
+}
+
+#[test]
+fn structured_events_publish_each_step_s_gpu_events_then_the_connector_s() {
+    // Protects vLLM's batch order in `update_from_output` (the KV cache manager's events, then
+    // the connector's), the one switch reaching the connector, and the CPU strings as the
+    // rendering of the structured CPU events.
+    let mut sim = Sim::simple(100, true, 1);
+    sim.engine.set_cache_events(true);
+    let p1 = prompt(1, 36);
+    sim.add(spec_with(1, p1.clone(), 1));
+    // Step 0: the prefill caches 9 GPU blocks; its store is only created.
+    sim.step();
+    let ev = sim.engine.take_cache_events();
+    let gpu_stored = |e: &CacheEvent| match e {
+        CacheEvent::Stored {
+            medium: Medium::Gpu,
+            hashes,
+            ..
+        } => Some(hashes.len()),
+        _ => None,
+    };
+    assert_eq!(ev.iter().map(gpu_stored).collect::<Vec<_>>(), [Some(9)]);
+    assert!(sim.events.is_empty());
+    // Step 1: request 2's prefill caches 3 GPU blocks (at schedule), then request 1's store
+    // completes (at update): one CPU `Stored` per chunk key.
+    let p2 = prompt(2, 12);
+    sim.add(spec_with(2, p2.clone(), 1));
+    sim.step();
+    let ev = sim.engine.take_cache_events();
+    let CacheEvent::Stored {
+        medium: Medium::Gpu,
+        parent: None,
+        tokens,
+        ..
+    } = &ev[0]
+    else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(tokens, &p2);
+    let cpu: Vec<CacheEvent> = (0..3)
+        .map(|c| CacheEvent::Stored {
+            medium: Medium::Cpu,
+            group: 0,
+            hashes: vec![key(&p1, c, 0).hash],
+            parent: None,
+            tokens: Vec::new(),
+            block_size: 0,
+        })
+        .collect();
+    assert_eq!(ev[1..], cpu[..]);
+    let rendered: Vec<KvEvent> = cpu.iter().map(KvEvent::from).collect();
+    assert_eq!(sim.events, rendered);
+    sim.drain(10);
+}
+
+#[test]
+fn the_prefix_cache_reset_also_resets_the_connector_and_answers_both() {
+    // Protects vLLM's `reset_prefix_cache(reset_connector=True)`: `reset_connector_cache() and
+    // pool_reset` — the connector resets even when the pool refuses, and the answer is true
+    // only if both succeeded; `AllBlocksCleared` follows the pool's own success.
+    let mut sim = Sim::simple(100, true, 1);
+    sim.engine.set_cache_events(true);
+    let p1 = prompt(1, 12);
+    sim.offload(1, &p1);
+    assert_eq!(sim.lookup(&p1, 0, 0), KeyLookup::Hit);
+    sim.engine.take_cache_events();
+    // A running request holds blocks (and has a store in flight): the pool refuses, the
+    // connector resets all the same.
+    sim.add(spec_with(2, prompt(2, 12), 20));
+    sim.step();
+    sim.engine.take_cache_events();
+    assert!(!sim.engine.reset_prefix_cache(true).unwrap());
+    sim.check();
+    assert_eq!(
+        sim.lookup(&p1, 0, 0),
+        KeyLookup::Miss,
+        "the CPU cache was reset"
+    );
+    assert_eq!(sim.engine.take_cache_events(), Vec::new());
+    sim.abort(2);
+    // The pool resets; the connector refuses a second reset before its flush was delivered.
+    assert!(!sim.engine.reset_prefix_cache(true).unwrap());
+    sim.check();
+    assert_eq!(sim.engine.take_cache_events(), vec![CacheEvent::AllCleared]);
+    assert_eq!(sim.s().block_pool().num_cached(), 0);
+    // The pool alone: true.
+    assert!(sim.engine.reset_prefix_cache(false).unwrap());
+    sim.drain(10);
 }
 
 #[test]

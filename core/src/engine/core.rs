@@ -3,8 +3,11 @@
 //!
 //! # When to call what
 //!
-//! * [`EngineCore::add_request`], [`EngineCore::abort`], [`EngineCore::reset_connector_cache`]
-//!   between steps, as inputs arrive.
+//! * [`EngineCore::add_request`], [`EngineCore::abort`], [`EngineCore::reset_connector_cache`],
+//!   [`EngineCore::reset_prefix_cache`] between steps, as inputs arrive.
+//! * [`EngineCore::set_cache_events`] once, before the first step, for structured KV cache
+//!   events (off by default); then [`EngineCore::take_cache_events`] after each `apply`: the
+//!   step's batch, as vLLM publishes it.
 //! * [`EngineCore::schedule`] once per engine step (up to `async_depth` steps ahead): the
 //!   [`ScheduledStep`] goes, unchanged, to every rank's [`crate::RankDriver::begin`].
 //! * [`EngineCore::rank_output`] with each rank's [`WorkerOutput`] of a step, in any order; a
@@ -32,6 +35,7 @@ use alloc::vec::Vec;
 use crate::aggregator::{AggregateError, Aggregator};
 use crate::ids::{Rank, RequestId, StepId};
 use crate::messages::AggregatedOutput;
+use crate::messages::CacheEvent;
 use crate::messages::ModelOutput;
 use crate::messages::ScheduledStep;
 use crate::messages::WorkerOutput;
@@ -268,6 +272,29 @@ impl<C: SchedulerConnector> EngineCore<C> {
 
     fn reset_connector_cache_unchecked(&mut self) -> Result<Option<bool>, EngineError> {
         Ok(self.scheduler.reset_connector_cache()?)
+    }
+
+    /// `reset_prefix_cache(reset_running_requests=False, reset_connector)`: see
+    /// [`Scheduler::reset_prefix_cache`].
+    pub fn reset_prefix_cache(&mut self, reset_connector: bool) -> Result<bool, EngineError> {
+        let out = self.reset_prefix_cache_unchecked(reset_connector);
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some() || self.scheduler().broken().is_some());
+        out
+    }
+
+    fn reset_prefix_cache_unchecked(&mut self, reset_connector: bool) -> Result<bool, EngineError> {
+        Ok(self.scheduler.reset_prefix_cache(reset_connector)?)
+    }
+
+    /// Structured KV cache events on or off: see [`Scheduler::set_cache_events`].
+    pub fn set_cache_events(&mut self, on: bool) {
+        self.scheduler.set_cache_events(on);
+    }
+
+    /// The structured KV cache events since the last call, in vLLM's publication order: see
+    /// [`Scheduler::take_cache_events`]. Call after each [`EngineCore::apply`].
+    pub fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        self.scheduler.take_cache_events()
     }
 
     /// Schedule the next step (see the module docs).

@@ -6,9 +6,99 @@
 //! yields the events that every contributor reported ([`EventAccumulator::take`]).
 
 use alloc::collections::BTreeMap;
+use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
 use core::num::NonZeroU32;
+
+use crate::tokens::{BlockHash, Token};
+
+/// Where a cached block lives (vLLM's `medium` in its KV events).
+#[derive(
+    Clone, Copy, Debug, Eq, Hash, Ord, PartialEq, PartialOrd, serde::Serialize, serde::Deserialize,
+)]
+pub enum Medium {
+    /// The GPU prefix cache (the block pool).
+    Gpu,
+    /// The CPU offload pool (the offloading manager).
+    Cpu,
+}
+
+impl Medium {
+    /// vLLM's name: `"GPU"` or `"CPU"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Medium::Gpu => "GPU",
+            Medium::Cpu => "CPU",
+        }
+    }
+}
+
+/// A prefix-cache event, structured as vLLM 0.33.0 publishes it (`BlockStored`, `BlockRemoved`,
+/// `AllBlocksCleared` in its KV-events module), with kvrelay's block hashes. Built only when an
+/// embedder switches events on; a publisher maps the hashes to vLLM's and puts them on a wire.
+#[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum CacheEvent {
+    /// Blocks entered a cache. `hashes` continue the chain after `parent` (`None`: from the
+    /// first block); `tokens` are the blocks' tokens, `block_size` a block's token count. The
+    /// CPU placeholder payload (vLLM's default for offloaded chunks) has one hash, no parent,
+    /// no tokens and block size 0.
+    Stored {
+        /// Where the blocks are.
+        medium: Medium,
+        /// The KV cache group.
+        group: u32,
+        /// The blocks' hashes, in chain order.
+        hashes: Vec<BlockHash>,
+        /// The hash of the block before the first one.
+        parent: Option<BlockHash>,
+        /// The blocks' tokens (`hashes.len() * block_size` of them, or none).
+        tokens: Vec<Token>,
+        /// Tokens per block (0 in the CPU placeholder).
+        block_size: u32,
+    },
+    /// Blocks left a cache.
+    Removed {
+        /// Where the blocks were.
+        medium: Medium,
+        /// The KV cache group.
+        group: u32,
+        /// Their hashes.
+        hashes: Vec<BlockHash>,
+    },
+    /// The GPU prefix cache was reset: every block left it.
+    AllCleared,
+}
+
+impl From<&CacheEvent> for KvEvent {
+    /// The opaque form the scheduler's event list carries (and conformance compares).
+    fn from(e: &CacheEvent) -> Self {
+        let raw = |hashes: &[BlockHash]| hashes.iter().map(|h| h.0).collect::<Vec<u64>>();
+        KvEvent(match e {
+            CacheEvent::Stored {
+                medium,
+                group,
+                hashes,
+                block_size,
+                ..
+            } => format!(
+                "BlockStored(medium={}, group={group}, hashes={:?}, block_size={block_size})",
+                medium.as_str(),
+                raw(hashes)
+            ),
+            CacheEvent::Removed {
+                medium,
+                group,
+                hashes,
+            } => format!(
+                "BlockRemoved(medium={}, group={group}, hashes={:?})",
+                medium.as_str(),
+                raw(hashes)
+            ),
+            CacheEvent::AllCleared => String::from("AllBlocksCleared()"),
+        })
+    }
+}
 
 /// One KV event (in vLLM a `KVCacheEvent`; here an opaque, comparable value).
 #[derive(

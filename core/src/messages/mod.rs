@@ -16,7 +16,7 @@ mod meta;
 mod output;
 mod step;
 
-pub use events::{EventAccumulator, KvEvent, KvEvents};
+pub use events::{CacheEvent, EventAccumulator, KvEvent, KvEvents, Medium};
 pub use meta::{MAX_META_DEPTH, Meta, MetaMismatch, OffloadMeta, WorkerMeta, build_multi, merge};
 pub use output::{AggregatedOutput, Direction, WorkerOutput};
 pub use step::{

@@ -17,7 +17,9 @@ use crate::ids::BlockId;
 use crate::ids::NULL_BLOCK;
 use crate::ids::RequestId;
 use crate::messages::AggregatedOutput;
+use crate::messages::CacheEvent;
 use crate::messages::KvEvent;
+use crate::messages::Medium;
 use crate::messages::Meta;
 use crate::messages::SchedulerOutput;
 use crate::scheduler::ConnectorError;
@@ -29,7 +31,6 @@ use crate::scheduler::SchedulerView;
 use crate::sorted_set::SortedSet;
 use crate::tokens::BlockHash;
 use alloc::collections::BTreeMap;
-use alloc::format;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 
@@ -384,8 +385,11 @@ impl SchedulerConnector for OffloadingConnector {
         FinishDecision::default()
     }
 
+    /// The manager's events as vLLM's placeholder payloads (medium CPU): one `Stored` per key
+    /// (one hash, no parent, no tokens, block size 0), one `Removed` per group of a removal
+    /// (groups ascending, hashes in the removal's order); rendered with [`KvEvent::from`].
     fn take_events(&mut self) -> Vec<KvEvent> {
-        let mut out = Vec::new();
+        let mut events = Vec::new();
         for e in self.manager.take_events() {
             if e.removed {
                 // One removal per group (the placeholder payload of vLLM's events tracker).
@@ -393,22 +397,48 @@ impl SchedulerConnector for OffloadingConnector {
                 for k in &e.keys {
                     by_group.entry(k.group).or_default().push(k.hash);
                 }
-                for (g, hashes) in by_group {
-                    out.push(KvEvent(format!(
-                        "BlockRemoved(medium=CPU, group={g}, hashes={:?})",
-                        hashes.iter().map(|h| h.0).collect::<Vec<u64>>()
-                    )));
-                }
+                events.extend(
+                    by_group
+                        .into_iter()
+                        .map(|(group, hashes)| CacheEvent::Removed {
+                            medium: Medium::Cpu,
+                            group,
+                            hashes,
+                        }),
+                );
             } else {
-                for k in &e.keys {
-                    out.push(KvEvent(format!(
-                        "BlockStored(medium=CPU, group={}, hashes=[{}], block_size=0)",
-                        k.group, k.hash.0
-                    )));
-                }
+                events.extend(e.keys.iter().map(|k| CacheEvent::Stored {
+                    medium: Medium::Cpu,
+                    group: k.group,
+                    hashes: alloc::vec![k.hash],
+                    parent: None,
+                    tokens: Vec::new(),
+                    block_size: 0,
+                }));
             }
         }
+        let out = events.iter().map(KvEvent::from).collect();
+        if let Some(kept) = &mut self.cache_events {
+            // Replaced, not appended: at most one call's events are kept (the scheduler drains
+            // them right after this call).
+            *kept = events;
+        }
         out
+    }
+
+    fn set_cache_events(&mut self, on: bool) {
+        match (on, &self.cache_events) {
+            (true, None) => self.cache_events = Some(Vec::new()),
+            (false, Some(_)) => self.cache_events = None,
+            _ => {}
+        }
+    }
+
+    fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        self.cache_events
+            .as_mut()
+            .map(core::mem::take)
+            .unwrap_or_default()
     }
 
     fn take_error(&mut self) -> Option<ConnectorError> {

@@ -24,6 +24,10 @@
 //!   request's in-flight stores enter the fence index, so that reusing one forces a flush.
 //! * `reset_cache`: every job in flight is flushed and forgotten; its late acknowledgements only
 //!   drain the reset fence.
+//! * `take_events` once per `update_from_output`: the manager's events as vLLM's CPU placeholder
+//!   payloads, rendered as text; with structured events on (`set_cache_events`, which
+//!   [`crate::Scheduler::set_cache_events`] calls), the same events as [`crate::CacheEvent`]s
+//!   for `take_cache_events`, called right after (the scheduler does).
 //!
 //! # Errors
 //!
@@ -212,6 +216,9 @@ pub struct OffloadingConnector {
     allocation_failures: u64,
     /// `on_reset_flushed` notifications (the manager has no such hook; counted here).
     resets_flushed: u64,
+    /// With structured events on ([`crate::SchedulerConnector::set_cache_events`]): the events
+    /// of the last `take_events`, until `take_cache_events` drains them. `None` while off.
+    cache_events: Option<Vec<crate::messages::CacheEvent>>,
     error: Option<ConnectorError>,
 }
 
@@ -293,6 +300,7 @@ impl OffloadingConnector {
             chunks_being_loaded: scheduler.enable_prefix_caching.then(BTreeSet::new),
             allocation_failures: 0,
             resets_flushed: 0,
+            cache_events: None,
             error: None,
             config,
         })
@@ -359,7 +367,8 @@ impl OffloadingConnector {
     }
 
     /// The manager's events since the last call, typed (draining). The trait's `take_events`
-    /// drains the same events as text: an embedder calls one or the other.
+    /// drains the same events as text (and, with structured events on, keeps them for
+    /// `take_cache_events`): an embedder calls one or the other.
     pub fn take_offload_events(&mut self) -> Vec<OffloadEvent> {
         self.manager.take_events()
     }

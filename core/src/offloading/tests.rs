@@ -1,6 +1,8 @@
 //! Unit tests of the offloading connector's private parts.
 
 use super::*;
+use crate::messages::{CacheEvent, KvEvent, Medium};
+use crate::scheduler::SchedulerConnector;
 
 fn connector() -> OffloadingConnector {
     let manager = ManagerConfig {
@@ -218,4 +220,83 @@ fn check_invariants_rejects_corrupt_job_tables() {
     // An async load only ever runs alone.
     let e = with_jobs("ls").check_invariants().unwrap_err();
     assert!(format!("{e:?}").contains("async load next to"), "{e:?}");
+}
+
+#[test]
+fn cpu_events_render_as_before_and_are_kept_structured_only_when_on() {
+    // Protects the conformance strings of the CPU events (byte-identical to those the connector
+    // formatted itself before it built `CacheEvent`s: one `BlockStored` per key with block size
+    // 0, one `BlockRemoved` per group of a removal) and the structured switch: off keeps
+    // nothing, on keeps the last `take_events` call's events, in the same order.
+    let key = |h: u64, group: u32| OffloadKey {
+        hash: BlockHash(h),
+        group,
+    };
+    let access = Access {
+        request: None,
+        positions: None,
+    };
+    // Stores `ok` (completed) then `failed` (a failed store: a removal), returns the strings.
+    let cycle = |conn: &mut OffloadingConnector, ok: &[OffloadKey], failed: &[OffloadKey]| {
+        conn.manager.prepare_store(ok, access).expect("room");
+        conn.manager.complete_store(ok, true);
+        conn.manager.prepare_store(failed, access).expect("room");
+        conn.manager.complete_store(failed, false);
+        SchedulerConnector::take_events(conn)
+    };
+    let texts = |v: &[&str]| -> Vec<KvEvent> { v.iter().map(|s| KvEvent((*s).into())).collect() };
+    let mut conn = connector();
+    let got = cycle(
+        &mut conn,
+        &[key(10, 0), key(11, 1)],
+        &[key(20, 1), key(21, 0), key(22, 1)],
+    );
+    assert_eq!(
+        got,
+        texts(&[
+            "BlockStored(medium=CPU, group=0, hashes=[10], block_size=0)",
+            "BlockStored(medium=CPU, group=1, hashes=[11], block_size=0)",
+            "BlockRemoved(medium=CPU, group=0, hashes=[21])",
+            "BlockRemoved(medium=CPU, group=1, hashes=[20, 22])",
+        ])
+    );
+    assert_eq!(conn.take_cache_events(), Vec::new());
+    assert_eq!(conn.cache_events, None, "off: nothing kept");
+    conn.set_cache_events(true);
+    let got = cycle(&mut conn, &[key(12, 0)], &[key(23, 1), key(24, 1)]);
+    let cpu_stored = |h: u64, group: u32| CacheEvent::Stored {
+        medium: Medium::Cpu,
+        group,
+        hashes: alloc::vec![BlockHash(h)],
+        parent: None,
+        tokens: Vec::new(),
+        block_size: 0,
+    };
+    let structured = alloc::vec![
+        cpu_stored(12, 0),
+        CacheEvent::Removed {
+            medium: Medium::Cpu,
+            group: 1,
+            hashes: alloc::vec![BlockHash(23), BlockHash(24)],
+        },
+    ];
+    assert_eq!(
+        got,
+        texts(&[
+            "BlockStored(medium=CPU, group=0, hashes=[12], block_size=0)",
+            "BlockRemoved(medium=CPU, group=1, hashes=[23, 24])",
+        ])
+    );
+    assert_eq!(
+        got,
+        structured.iter().map(KvEvent::from).collect::<Vec<_>>()
+    );
+    // At most one call's events are kept: a second `take_events` replaces them.
+    SchedulerConnector::take_events(&mut conn);
+    assert_eq!(conn.take_cache_events(), Vec::new());
+    let _ = cycle(&mut conn, &[key(13, 1)], &[]);
+    assert_eq!(conn.take_cache_events(), alloc::vec![cpu_stored(13, 1)]);
+    assert_eq!(conn.take_cache_events(), Vec::new(), "drained");
+    conn.set_cache_events(false);
+    assert_eq!(conn.cache_events, None);
 }

@@ -18,10 +18,22 @@
 //!
 //! The free queue is an intrusive doubly linked list over block indices, so touching, freeing and
 //! allocating are O(1) and the state stays plain data (it derives `Hash` for the model checker).
+//!
+//! # Events
+//!
+//! With events on ([`BlockPool::set_events`], vLLM's `enable_kv_cache_events`; off by default)
+//! the pool queues a [`CacheEvent`] for every change of its prefix cache, as vLLM's
+//! `kv_event_queue`: `Removed` for each key a block loses (reuse in
+//! [`BlockPool::get_new_blocks`], [`BlockPool::evict_blocks`]), `AllCleared` on
+//! [`BlockPool::reset_prefix_cache`]; the scheduler adds the `Stored` events of
+//! `cache_full_blocks` (`record`). [`BlockPool::take_events`] drains the queue. With
+//! events off nothing is built or kept, and the pool is equal (and hashes equal) to one that
+//! never had the switch.
 
 use alloc::vec::Vec;
 
 use crate::ids::{BlockId, NULL_BLOCK};
+use crate::messages::{CacheEvent, Medium};
 use crate::tokens::BlockHash;
 
 mod hit_index;
@@ -51,6 +63,9 @@ pub struct BlockPool {
     /// of record) and ignored by `Hash` and `Eq`: a hash lookup for the hot path.
     index: HitIndex,
     inserted: u64,
+    /// Prefix-cache events since the last [`BlockPool::take_events`] (vLLM's `kv_event_queue`);
+    /// `None` while events are off.
+    events: Option<Vec<CacheEvent>>,
 }
 
 impl BlockPool {
@@ -67,6 +82,7 @@ impl BlockPool {
             num_free: 0,
             index: HitIndex::default(),
             inserted: 0,
+            events: None,
         };
         for b in 1..num_blocks {
             pool.push_back(b);
@@ -232,6 +248,57 @@ impl BlockPool {
         }
     }
 
+    /// vLLM's `reset_prefix_cache`: succeeds only when no block is in use (every block but the
+    /// null block is free); then every block loses its cache key, so nothing hits until blocks
+    /// are cached again, and `AllCleared` is queued when events are on. The free queue keeps its
+    /// order (vLLM resets only the hashes). `false`: a block is in use; nothing changes.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        let out = self.reset_prefix_cache_unchecked();
+        crate::debug_assert_invariants!(self);
+        out
+    }
+
+    fn reset_prefix_cache_unchecked(&mut self) -> bool {
+        if self.num_free + 1 != self.num_blocks() {
+            return false;
+        }
+        self.hash.iter_mut().for_each(|h| *h = None);
+        self.index = HitIndex::default();
+        self.record(|| CacheEvent::AllCleared);
+        true
+    }
+
+    /// Switches events on or off (off by default). Switching off drops the events not yet
+    /// taken; switching on again starts an empty queue.
+    pub fn set_events(&mut self, on: bool) {
+        match (on, &self.events) {
+            (true, None) => self.events = Some(Vec::new()),
+            (false, Some(_)) => self.events = None,
+            _ => {}
+        }
+    }
+
+    /// Whether events are on.
+    pub fn events_enabled(&self) -> bool {
+        self.events.is_some()
+    }
+
+    /// Queues the event `make` builds, if events are on (it is not built otherwise).
+    pub(crate) fn record(&mut self, make: impl FnOnce() -> CacheEvent) {
+        if let Some(q) = &mut self.events {
+            q.push(make());
+        }
+    }
+
+    /// The events since the last call, oldest first (vLLM's `take_events`); empty while events
+    /// are off.
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events
+            .as_mut()
+            .map(core::mem::take)
+            .unwrap_or_default()
+    }
+
     /// The free queue, head (next to be evicted) first. For tests and conformance output.
     pub fn free_queue(&self) -> Vec<BlockId> {
         let mut out = Vec::with_capacity(self.num_free as usize);
@@ -248,9 +315,16 @@ impl BlockPool {
         self.index.len()
     }
 
+    /// `_maybe_evict_cached_block`: the block loses its key (one `Removed` event per key, as
+    /// vLLM's `_emit_block_removed_events`).
     fn evict_hash(&mut self, i: u32) {
         if let Some(((h, g), n)) = self.hash[i as usize].take() {
             self.index.remove(h, g, n);
+            self.record(|| CacheEvent::Removed {
+                medium: Medium::Gpu,
+                group: u32::from(g),
+                hashes: alloc::vec![h],
+            });
         }
     }
 

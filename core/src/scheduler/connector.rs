@@ -19,7 +19,7 @@ use core::fmt::Debug;
 use super::{ConnectorError, Intent, Params, SchedulerView};
 use crate::InvariantViolation;
 use crate::ids::{BlockId, RequestId};
-use crate::messages::{AggregatedOutput, KvEvent, SchedulerOutput, WorkerMeta};
+use crate::messages::{AggregatedOutput, CacheEvent, KvEvent, SchedulerOutput, WorkerMeta};
 
 /// The answer of [`SchedulerConnector::get_num_new_matched_tokens`] (vLLM's
 /// `(Option<int>, bool)`).
@@ -64,7 +64,8 @@ pub struct FinishDecision {
 /// `update_state_after_alloc` for admitted waiting requests, then `build_connector_meta` exactly
 /// once, even for an empty step. Per `update_from_output`: `request_finished` for requests that
 /// finish, then `update_connector_output` (only when the step carried a connector output), then
-/// `take_events`. `on_new_request` comes from `add_request`; `request_finished` also from `abort`.
+/// `take_events` and `take_cache_events`. `on_new_request` comes from `add_request`;
+/// `request_finished` also from `abort`.
 pub trait SchedulerConnector: Debug {
     /// The step metadata (vLLM's `KVConnectorMetadata`, scheduler → workers): built once per
     /// step by `build_connector_meta` and delivered, unchanged, to every rank. The other
@@ -127,6 +128,17 @@ pub trait SchedulerConnector: Debug {
 
     /// Events collected since the last call (draining); once per `update_from_output`.
     fn take_events(&mut self) -> Vec<KvEvent> {
+        Vec::new()
+    }
+
+    /// Switches structured events on or off (vLLM's `enable_kv_cache_events`); called by
+    /// [`crate::Scheduler::set_cache_events`]. The default keeps none.
+    fn set_cache_events(&mut self, _on: bool) {}
+
+    /// The events of the last [`SchedulerConnector::take_events`] call as [`CacheEvent`]s, in
+    /// the same order (draining), while structured events are on; the scheduler calls it right
+    /// after `take_events`, so a connector keeps at most one call's worth. The default has none.
+    fn take_cache_events(&mut self) -> Vec<CacheEvent> {
         Vec::new()
     }
 
@@ -249,6 +261,12 @@ impl<T: SchedulerConnector + ?Sized> SchedulerConnector for alloc::boxed::Box<T>
     }
     fn take_events(&mut self) -> Vec<KvEvent> {
         (**self).take_events()
+    }
+    fn set_cache_events(&mut self, on: bool) {
+        (**self).set_cache_events(on);
+    }
+    fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        (**self).take_cache_events()
     }
     fn take_intents(&mut self) -> Vec<Intent> {
         (**self).take_intents()

@@ -4,7 +4,7 @@ use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
 
 use super::SchedulerConnector;
-use super::{RequestStatus, Scheduler};
+use super::{RequestStatus, Scheduler, State};
 use crate::ids::{BlockId, NULL_BLOCK, RequestId};
 
 impl<C: SchedulerConnector> Scheduler<C> {
@@ -13,7 +13,7 @@ impl<C: SchedulerConnector> Scheduler<C> {
     pub fn check_invariants(&self) -> Result<(), crate::InvariantViolation> {
         use crate::ensure_invariant;
         let st = &self.state;
-        st.pool.check_invariants()?;
+        st.check_pool()?;
         self.connector.check_invariants()?;
         // Owners per block: requests' tables plus connector pins must equal the ref counts
         // (I-20: a block is shared only through the prefix cache, i.e. as a counted owner).
@@ -149,6 +149,21 @@ impl<C: SchedulerConnector> Scheduler<C> {
                 "{id:?} marked as loaded but not waiting for remote KV"
             );
         }
+        Ok(())
+    }
+}
+
+impl State {
+    /// The pool's invariants, and §2.7 step 8: with events off nothing is kept (the state
+    /// equals one without the switch).
+    fn check_pool(&self) -> Result<(), crate::InvariantViolation> {
+        self.pool.check_invariants()?;
+        let kept = self.cache_events.len();
+        crate::ensure_invariant!(
+            kept == 0 || self.pool.events_enabled(),
+            "§2.7",
+            "{kept} published KV cache events kept with events off"
+        );
         Ok(())
     }
 }

@@ -10,6 +10,7 @@ use alloc::vec::Vec;
 use super::RequestStatus;
 use super::{GroupKind, Request, State};
 use crate::ids::{BlockId, NULL_BLOCK, RequestId};
+use crate::messages::{CacheEvent, Medium};
 
 pub(super) fn cdiv(a: u32, b: u32) -> u32 {
     a.div_ceil(b)
@@ -298,7 +299,11 @@ impl State {
         table.extend(fresh);
     }
 
-    /// Offer the request's full blocks up to `num_tokens` to the prefix cache.
+    /// Offer the request's full blocks up to `num_tokens` to the prefix cache (vLLM's
+    /// `cache_full_blocks`, per group). With events on, each group that gets new full blocks
+    /// `from..full` queues one `Stored`: the hashes of those blocks that were cached (null and
+    /// unreachable ones skipped, so a window of one token reports none — vLLM still appends the
+    /// event then), the parent hash of block `from - 1`, and the tokens of `from..full` whole.
     pub(super) fn cache_blocks(&mut self, id: RequestId, num_tokens: u32) {
         if !self.config.enable_prefix_caching {
             return;
@@ -321,11 +326,23 @@ impl State {
                 self.config.groups[g],
                 GroupKind::SlidingWindow { window } if window <= 1
             );
-            for i in (from..full).filter(|_| reachable) {
+            let cached = |i: &usize| reachable && r.blocks[g][*i] != NULL_BLOCK;
+            for i in (from..full).filter(cached) {
                 self.pool
                     .cache_block(r.blocks[g][i], r.block_hashes[i], g as u8);
             }
             if full > from {
+                self.pool.record(|| CacheEvent::Stored {
+                    medium: Medium::Gpu,
+                    group: g as u32,
+                    hashes: (from..full)
+                        .filter(cached)
+                        .map(|i| r.block_hashes[i])
+                        .collect(),
+                    parent: from.checked_sub(1).map(|i| r.block_hashes[i]),
+                    tokens: r.tokens[from * bs as usize..full * bs as usize].to_vec(),
+                    block_size: bs,
+                });
                 r.num_cached_blocks[g] = full as u32;
             }
         }

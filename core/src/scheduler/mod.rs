@@ -11,6 +11,11 @@
 //! * [`Scheduler::update_from_output`] with the executed step's [`crate::ModelOutput`] (sampled tokens
 //!   and the *aggregated* connector output), oldest step first.
 //! * [`Scheduler::abort`] between steps (client disconnect).
+//! * [`Scheduler::reset_prefix_cache`] / [`Scheduler::reset_connector_cache`] between steps: the
+//!   GPU prefix cache (and the connector's), or the connector's alone.
+//! * [`Scheduler::set_cache_events`] once, before the first step, to get structured KV cache
+//!   events; then [`Scheduler::take_cache_events`] after each `update_from_output` (a publisher
+//!   sends them as that step's batch).
 //! * [`Scheduler::has_requests`] to decide whether the engine keeps stepping.
 //!
 //! # What is modelled
@@ -88,6 +93,7 @@ pub use shadow::{RequestMirror, ShadowState};
 pub use view::{RequestView, SchedulerView};
 
 use crate::ids::{BlockId, NULL_BLOCK, RequestId, StepId};
+use crate::messages::CacheEvent;
 use crate::tokens::{BlockHash, Token};
 
 // ---------------------------------------------------------------------------------------------
@@ -246,6 +252,9 @@ struct State {
     /// Connector pins: block → references held by the connector.
     pins: BTreeMap<BlockId, u32>,
     requires_kv_delivery: bool,
+    /// KV cache events published by `update_from_output` and not yet taken: each step's pool
+    /// events, then its connector events (vLLM's batch order). Empty while events are off.
+    cache_events: Vec<CacheEvent>,
     broken: Option<SchedulerError>,
     #[cfg(feature = "fault-injection")]
     fault: Option<SchedulerFault>,
@@ -271,6 +280,7 @@ impl State {
             next_step: 0,
             pins: BTreeMap::new(),
             requires_kv_delivery,
+            cache_events: Vec::new(),
             broken: None,
             #[cfg(feature = "fault-injection")]
             fault: None,
@@ -388,6 +398,56 @@ impl<C: SchedulerConnector> Scheduler<C> {
         let r = self.connector.reset_cache();
         self.apply_intents()?;
         Ok(r)
+    }
+
+    /// vLLM's `reset_prefix_cache(reset_running_requests=False, reset_connector)`: drops every
+    /// key of the GPU prefix cache if no block is in use ([`BlockPool::reset_prefix_cache`];
+    /// queues `AllCleared` when events are on), then, with `reset_connector`, resets the
+    /// connector as [`Scheduler::reset_connector_cache`] does — even when the pool refused, as
+    /// vLLM does. `Ok(true)` when the pool reset and the connector did not answer `Some(false)`
+    /// (a connector without a reset, `None`, counts as success, as in vLLM's
+    /// `reset_connector_cache`). Call between steps.
+    pub fn reset_prefix_cache(&mut self, reset_connector: bool) -> Result<bool, SchedulerError> {
+        let out = self.reset_prefix_cache_unchecked(reset_connector);
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some());
+        out
+    }
+
+    fn reset_prefix_cache_unchecked(
+        &mut self,
+        reset_connector: bool,
+    ) -> Result<bool, SchedulerError> {
+        self.check_broken()?;
+        let mut ok = self.state.pool.reset_prefix_cache();
+        if reset_connector {
+            ok = self.reset_connector_cache_unchecked()? != Some(false) && ok;
+        }
+        Ok(ok)
+    }
+
+    /// Switches structured KV cache events on or off, in the pool and in the connector
+    /// ([`SchedulerConnector::set_cache_events`]): vLLM's `enable_kv_cache_events`, one switch
+    /// for both. Off by default; while off nothing is built or kept, and the scheduler is equal
+    /// to one that never had the switch. Switching off drops the events not yet taken.
+    pub fn set_cache_events(&mut self, on: bool) {
+        self.state.pool.set_events(on);
+        if !on {
+            self.state.cache_events = Vec::new();
+        }
+        self.connector.set_cache_events(on);
+        crate::debug_assert_invariants!(self, stopped: self.broken().is_some());
+    }
+
+    /// The KV cache events since the last call, in vLLM's publication order: per
+    /// `update_from_output`, the pool's events (vLLM's `kv_cache_manager.take_events()`) then
+    /// the connector's ([`SchedulerConnector::take_cache_events`]); then the pool's events since
+    /// the last `update_from_output`. Call after each `update_from_output` to publish what vLLM
+    /// publishes that step; between calls the events accumulate (as vLLM's queue does between
+    /// its per-step drains). Empty while events are off.
+    pub fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        let mut out = core::mem::take(&mut self.state.cache_events);
+        out.extend(self.state.pool.take_events());
+        out
     }
 
     /// The status of a request the scheduler holds.

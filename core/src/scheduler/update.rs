@@ -12,7 +12,7 @@ use super::kv_cache::cdiv;
 use super::{FinishReason, RequestOutput, RequestStatus, Scheduler, SchedulerError, StepResult};
 use crate::Mode;
 use crate::ids::{BlockId, RequestId, StepId};
-use crate::messages::{Direction, ModelOutput};
+use crate::messages::{Direction, KvEvent, ModelOutput};
 use crate::sorted_set::SortedSet;
 use crate::tokens::Token;
 
@@ -239,8 +239,24 @@ impl<C: SchedulerConnector> Scheduler<C> {
         }
 
         // 8. Events.
-        result.events = self.connector.take_events();
+        result.events = self.publish_events();
         Ok(result)
+    }
+
+    /// §2.7 step 8: returns the connector's opaque events (the step result's); with events on,
+    /// publishes the step's structured batch for `take_cache_events` — the pool's events, then
+    /// the connector's, as vLLM's `update_from_output`. The connector's structured events are
+    /// drained every step, so it keeps at most one step's.
+    fn publish_events(&mut self) -> Vec<KvEvent> {
+        let events = self.connector.take_events();
+        let connector_events = self.connector.take_cache_events();
+        let st = &mut self.state;
+        if st.pool.events_enabled() {
+            let pool_events = st.pool.take_events();
+            st.cache_events.extend(pool_events);
+            st.cache_events.extend(connector_events);
+        }
+        events
     }
 
     /// One id of `finished_recving` / `finished_sending` (§2.7 6b–6c, I-15…I-17).

@@ -9,9 +9,9 @@ use crate::ensure_invariant;
 use crate::ids::BlockId;
 use crate::ids::RequestId;
 use crate::messages::AggregatedOutput;
-use crate::messages::KvEvent;
 use crate::messages::Meta;
 use crate::messages::SchedulerOutput;
+use crate::messages::{CacheEvent, KvEvent};
 use crate::scheduler::ConnectorError;
 use crate::scheduler::FinishDecision;
 use crate::scheduler::Intent;
@@ -299,6 +299,20 @@ impl<C: SchedulerConnector<WorkerMeta = Meta>> SchedulerConnector for MultiConne
         self.children
             .iter_mut()
             .flat_map(SchedulerConnector::take_events)
+            .collect()
+    }
+
+    fn set_cache_events(&mut self, on: bool) {
+        for c in &mut self.children {
+            c.set_cache_events(on);
+        }
+    }
+
+    /// The children's, in child order (as `take_events`).
+    fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        self.children
+            .iter_mut()
+            .flat_map(SchedulerConnector::take_cache_events)
             .collect()
     }
 
