@@ -13,11 +13,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The workspace's crates, as paths from the repository root.
-const CRATES: [&str; 7] = [
+const CRATES: [&str; 8] = [
     "core",
     "model-check",
     "runtime/engine",
     "runtime/sim",
+    "runtime/router",
     "runtime/conformance",
     "runtime/cli",
     "tests",

@@ -15,6 +15,7 @@ use kvrelay_conformance::{self as conformance, bench};
 
 mod check;
 mod plot;
+mod route;
 mod run;
 mod sim;
 mod sweep;
@@ -102,6 +103,11 @@ enum Command {
     /// computed against the CPU pool (--plot OUT.svg|png).
     #[command(after_long_help = sweep::HELP)]
     Sweep(Box<SweepArgs>),
+    /// A KV-aware router over N engines: each request to the engine holding its longest cached
+    /// prefix (as the engines' KV events say), against round robin, side by side (--json for
+    /// machines).
+    #[command(after_long_help = route::HELP)]
+    Route(Box<route::RouteArgs>),
 }
 
 fn main() -> ExitCode {
@@ -122,6 +128,10 @@ fn main() -> ExitCode {
         Command::Sweep(args) => {
             init_tracing();
             sweep::run(&args)
+        }
+        Command::Route(args) => {
+            init_tracing();
+            route::run(&args)
         }
     }
 }

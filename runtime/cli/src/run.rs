@@ -225,6 +225,27 @@ pub(crate) struct RunArgs {
     /// final totals [default: 0].
     #[arg(long, value_name = "SECONDS")]
     pub metrics_linger: Option<f64>,
+    /// Publish KV events in vLLM's wire format on a ZMQ PUB socket: tcp://*:PORT binds (port 0
+    /// picks a free one, printed on stderr), tcp://HOST:PORT connects to a subscriber that
+    /// bound it. See docs/KV_EVENTS.md.
+    #[arg(long, value_name = "ENDPOINT")]
+    pub kv_events: Option<String>,
+    /// Answer replay requests (vLLM's ROUTER protocol) on this endpoint, always bound.
+    #[arg(long, value_name = "ENDPOINT")]
+    pub kv_events_replay: Option<String>,
+    /// The topic frame of every event message [default: empty].
+    #[arg(long, value_name = "TOPIC")]
+    pub kv_events_topic: Option<String>,
+    /// Batches (steps with events) kept for replay [default: 10000].
+    #[arg(long, value_name = "N")]
+    pub kv_events_buffer_steps: Option<usize>,
+    /// vLLM's NONE_HASH seed: the PYTHONHASHSEED of the vLLM engines whose block hashes are
+    /// compared with kvrelay's [default: vllm-none-hash, vLLM's when it is unset].
+    #[arg(long, value_name = "SEED")]
+    pub kv_events_hash_seed: Option<String>,
+    /// Keep answering replay requests this many seconds after the run ended [default: 0].
+    #[arg(long, value_name = "SECONDS")]
+    pub kv_events_linger: Option<f64>,
 }
 
 impl RunArgs {
@@ -252,7 +273,48 @@ impl RunArgs {
             }
             c.metrics_linger_s = s;
         }
+        self.kv_events(&mut c)?;
         Ok(c)
+    }
+
+    /// The `--kv-events*` flags over the configuration's `[kv_events]`.
+    fn kv_events(&self, c: &mut RunConfig) -> Result<(), String> {
+        if let Some(e) = &self.kv_events {
+            c.kv_events.get_or_insert_with(Default::default).endpoint = e.clone();
+        }
+        let any_other = self.kv_events_replay.is_some()
+            || self.kv_events_topic.is_some()
+            || self.kv_events_buffer_steps.is_some()
+            || self.kv_events_hash_seed.is_some()
+            || self.kv_events_linger.is_some();
+        let Some(k) = c.kv_events.as_mut() else {
+            return match any_other {
+                true => Err("--kv-events-*: publish with --kv-events ENDPOINT first".into()),
+                false => Ok(()),
+            };
+        };
+        if let Some(r) = &self.kv_events_replay {
+            k.replay = Some(r.clone());
+        }
+        if let Some(t) = &self.kv_events_topic {
+            k.topic = t.clone();
+        }
+        if let Some(n) = self.kv_events_buffer_steps {
+            if n == 0 {
+                return Err("--kv-events-buffer-steps: 1 or more".into());
+            }
+            k.buffer_steps = n;
+        }
+        if let Some(h) = &self.kv_events_hash_seed {
+            k.hash_seed = h.clone();
+        }
+        if let Some(s) = self.kv_events_linger {
+            if !(s >= 0.0 && s.is_finite()) {
+                return Err(format!("--kv-events-linger {s}: seconds, 0 or more"));
+            }
+            k.linger_s = s;
+        }
+        Ok(())
     }
 }
 
@@ -266,6 +328,17 @@ struct Bar {
 
 /// How often progress is printed as a plain line.
 const PLAIN_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl Bar {
+    /// A line above the bar, or on stderr when there is no bar.
+    fn say(&self, line: String) {
+        if self.bar.is_hidden() {
+            eprintln!("{line}");
+        } else {
+            self.bar.println(line);
+        }
+    }
+}
 
 impl Progress for Bar {
     fn step(&mut self, finished: u64, total: u64, steps: u64, preemptions: u64, loaded: u64) {
@@ -290,11 +363,12 @@ impl Progress for Bar {
     }
 
     fn metrics_serving(&mut self, addr: std::net::SocketAddr) {
-        self.bar
-            .println(format!("kvrelay run: metrics on http://{addr}/metrics"));
-        if self.bar.is_hidden() {
-            eprintln!("kvrelay run: metrics on http://{addr}/metrics");
-        }
+        self.say(format!("kvrelay run: metrics on http://{addr}/metrics"));
+    }
+
+    fn kv_events_publishing(&mut self, endpoint: &str, replay: Option<&str>) {
+        let replay = replay.map_or(String::new(), |r| format!(", replay on {r}"));
+        self.say(format!("kvrelay run: KV events on {endpoint}{replay}"));
     }
 }
 

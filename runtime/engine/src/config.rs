@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use kvrelay_core::{Mode, PolicyKind};
 use serde::{Deserialize, Serialize};
 
+use crate::events::KvEventsConfig;
 use crate::rank::Completions;
 use crate::transfer::Backend;
 use crate::workload::WorkloadConfig;
@@ -104,6 +105,8 @@ pub struct RunConfig {
     pub metrics_linger_s: f64,
     /// The `model_name` label of every series (vLLM's served model name).
     pub metrics_model_name: String,
+    /// Publish KV events in vLLM's wire format (see `docs/KV_EVENTS.md`); `None`: none.
+    pub kv_events: Option<KvEventsConfig>,
 }
 
 impl Default for RunConfig {
@@ -138,6 +141,7 @@ impl Default for RunConfig {
             metrics: None,
             metrics_linger_s: 0.0,
             metrics_model_name: "kvrelay".into(),
+            kv_events: None,
         }
     }
 }

@@ -24,13 +24,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvrelay_core::{
-    EngineCore, FinishReason, GroupKind, KvLayout, LayoutError, LayoutOrder, ManagerConfig,
-    OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta, Rank, RequestId, RequestOutput,
-    RequestSpec, ScheduledStep, SchedulerConfig, StepId, Token,
+    BlockHash, BlockId, EngineCore, FinishReason, GroupKind, KvLayout, LayoutError, LayoutOrder,
+    ManagerConfig, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta, Rank, RequestId,
+    RequestOutput, RequestSpec, ScheduledStep, Scheduler, SchedulerConfig, StepId, Token,
 };
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
+use crate::events::Publisher;
 use crate::metrics::{FINISHED_REASONS, Levels, Metrics, Total};
 use crate::rank::{Completions, RankDelta, RankReport, RankSetup, RankStats, StepMsg};
 use crate::report::perfetto::{Recorder, now_us};
@@ -78,6 +79,9 @@ pub struct Figures {
     /// Engine-side time per step (schedule, rank outputs, apply), in µs.
     pub core_us: Samples<f64>,
     pub invariant_checks: u64,
+    /// What the KV-event publisher did (`None`: no events published, or the publisher did
+    /// not end within its deadline).
+    pub kv_events: Option<crate::events::PublisherStats>,
     /// Engine steps, for the timeline (`--timeline`).
     pub timeline: Recorder,
 }
@@ -122,6 +126,8 @@ pub struct Engine {
     /// The ranks' counters so far: the sum of every report's delta (added as it arrives, fresh
     /// or not: the rank did the work), published after each step.
     ranks_live: RankDelta,
+    /// Where each step's KV events go ([`RunConfig::kv_events`]).
+    events: Option<Publisher>,
     pub figures: Figures,
 }
 
@@ -229,8 +235,13 @@ impl Engine {
         );
         let connector =
             OffloadingConnector::new(off, &sc).map_err(|e| RunError::Config(e.to_string()))?;
-        let core = EngineCore::new(sc.clone(), connector, c.ranks)?;
+        let mut core = EngineCore::new(sc.clone(), connector, c.ranks)?;
         let free_blocks = core.scheduler().view().num_free_blocks();
+        let events = match &c.kv_events {
+            Some(e) => Some(Publisher::start(e).await?),
+            None => None,
+        };
+        core.set_cache_events(events.is_some());
 
         let wake = Arc::new(Notify::new());
         let (report_tx, reports) = mpsc::channel::<RankReport>(c.ranks as usize);
@@ -272,6 +283,7 @@ impl Engine {
             max_model_len,
             metrics: None,
             ranks_live: RankDelta::default(),
+            events,
             figures: Figures {
                 backend,
                 gpu_blocks,
@@ -324,6 +336,25 @@ impl Engine {
     /// Resets the connector's cache (vLLM's `reset_prefix_cache` reaching the connector).
     pub fn reset_cache(&mut self) -> Result<Option<bool>, RunError> {
         Ok(self.core.reset_connector_cache()?)
+    }
+
+    /// Resets the GPU prefix cache and the connector's (vLLM's `reset_prefix_cache(
+    /// reset_connector=True)`): `false`, and nothing dropped from the GPU cache, while a block
+    /// is in use. With KV events on, the next step publishes `AllBlocksCleared`.
+    pub fn reset_prefix_cache(&mut self) -> Result<bool, RunError> {
+        Ok(self.core.reset_prefix_cache(true)?)
+    }
+
+    /// Batches of KV events published so far, when events are published.
+    pub fn kv_events_published(&self) -> Option<u64> {
+        self.events.as_ref().map(Publisher::published)
+    }
+
+    /// The KV-event endpoints as bound (PUB, replay), when events are published.
+    pub fn kv_events_endpoints(&self) -> Option<(&str, Option<&str>)> {
+        self.events
+            .as_ref()
+            .map(|p| (p.endpoint(), p.replay_endpoint()))
     }
 
     /// One engine step (see the module docs): the oldest step in flight is run by the ranks
@@ -439,7 +470,7 @@ impl Engine {
         }
         f.timeline
             .span(|| format!("step {}", step.0), started, 0, 0);
-        self.publish(Some(core_time), &applied.result.outputs);
+        self.after_step(core_time, &applied.result.outputs).await?;
         if let Some(s) = self.ahead.take() {
             // The step scheduled ahead goes to the ranks with the tokens just sampled.
             self.send(s).await?;
@@ -505,6 +536,26 @@ impl Engine {
             cpu_pinned: cpu.num_pinned(),
             cpu_write_pending: cpu.num_write_pending(),
         });
+    }
+
+    /// After a step: its figures to the metrics, its KV events to the publisher.
+    async fn after_step(
+        &mut self,
+        core_time: Duration,
+        outputs: &[RequestOutput],
+    ) -> Result<(), RunError> {
+        self.publish(Some(core_time), outputs);
+        self.publish_events().await
+    }
+
+    /// Hands this step's KV events to the publisher, if any.
+    async fn publish_events(&mut self) -> Result<(), RunError> {
+        let Some(p) = &mut self.events else {
+            return Ok(());
+        };
+        let events = self.core.take_cache_events();
+        let sched = self.core.scheduler();
+        p.step(&events, || live_hashes(sched)).await
     }
 
     /// Schedules one step.
@@ -647,11 +698,15 @@ impl Engine {
         let Engine {
             to_ranks,
             mut handles,
-            figures,
+            mut figures,
             clock,
+            events,
             ..
         } = self;
         drop(to_ranks);
+        if let Some(p) = events {
+            figures.kv_events = p.finish().await;
+        }
         let mut ranks = Vec::with_capacity(handles.len());
         tokio::select! {
             () = join_in_order(&mut handles, &mut ranks) => {}
@@ -681,6 +736,23 @@ impl Engine {
             ranks_killed,
         }
     }
+}
+
+/// Every block hash the core may still name in an event: the GPU pool's cached blocks, the
+/// offloading connector's and manager's, the requests' (see [`crate::events`]).
+fn live_hashes(s: &Scheduler<OffloadingConnector>) -> Vec<BlockHash> {
+    let pool = s.block_pool();
+    let mut out: Vec<BlockHash> = (0..u64::from(pool.num_blocks()))
+        .filter_map(|b| pool.cached_hash(BlockId(b)).map(|(h, _)| h))
+        .collect();
+    out.extend(s.connector().referenced_hashes());
+    let view = s.view();
+    for id in s.request_ids() {
+        if let Some(r) = view.request(id) {
+            out.extend_from_slice(r.block_hashes());
+        }
+    }
+    out
 }
 
 /// vLLM's `finished_reason` label for a core finish.

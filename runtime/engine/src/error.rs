@@ -14,6 +14,10 @@ pub enum RunError {
     /// The configuration is unusable.
     #[error("configuration: {0}")]
     Config(String),
+    /// The KV-event publisher stopped (`--kv-events`): its task ended, or the core named a
+    /// block the publisher never saw stored.
+    #[error("kv-events: {0}")]
+    Events(String),
     /// The trace could not be read or written.
     #[error(transparent)]
     Trace(#[from] TraceError),

@@ -36,6 +36,7 @@
 //! | [`workload`] | the requests: Mooncake-format traces, the generated default |
 //! | [`report`] | the figures of a run (readable and `--json`), its Perfetto timeline |
 //! | [`metrics`] | Prometheus metrics with vLLM's names, served on `--metrics HOST:PORT` |
+//! | [`events`] | KV events in vLLM's wire format, published on `--kv-events tcp://HOST:PORT` |
 //! | [`error`] | [`RunError`] |
 //!
 //! A simulation (`kvrelay-sim`) replaces the three seams — [`transport::Transport`],
@@ -47,6 +48,7 @@ pub mod config;
 pub mod content;
 pub mod engine;
 pub mod error;
+pub mod events;
 pub mod metrics;
 pub mod rank;
 pub mod report;

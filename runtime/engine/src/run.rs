@@ -61,6 +61,10 @@ pub trait Progress: Send {
     /// Called once when the metrics are served ([`RunConfig::metrics`]), with the address
     /// bound.
     fn metrics_serving(&mut self, _addr: std::net::SocketAddr) {}
+
+    /// Called once when KV events are published ([`RunConfig::kv_events`]), with the
+    /// endpoints as bound.
+    fn kv_events_publishing(&mut self, _endpoint: &str, _replay: Option<&str>) {}
 }
 
 impl Progress for () {
@@ -176,6 +180,9 @@ fn run_on(
         };
         if let Some((m, _)) = &served {
             engine.set_metrics(m.clone());
+        }
+        if let Some((e, r)) = engine.kv_events_endpoints() {
+            progress.kv_events_publishing(e, r);
         }
         let started = Instant::now();
         let mut latency = Latency::new(records);

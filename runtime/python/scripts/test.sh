@@ -22,14 +22,7 @@ fi
 if [ -z "${VLLM_SRC:-}" ]; then
   VLLM_SRC=$cache/vllm-0.33.0
   if [ ! -f "$VLLM_SRC/vllm/v1/kv_offload/cpu/manager.py" ]; then
-    sdist=$cache/vllm-0.33.0.tar.gz
-    if [ ! -f "$sdist" ]; then
-      url=$("$venv/bin/python" "$here/scripts/sdist_url.py" vllm 0.33.0)
-      curl -sSfL --retry 3 -o "$sdist.part" "$url"
-      mv "$sdist.part" "$sdist"
-    fi
-    echo "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112  $sdist" | sha256sum -c --quiet -
-    tar xzf "$sdist" -C "$cache" --wildcards 'vllm-0.33.0/vllm/*.py'
+    "$here/scripts/vllm-src.sh" "$cache" "$venv/bin/python" 'vllm/*.py'
   fi
 fi
 export VLLM_SRC

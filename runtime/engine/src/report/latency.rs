@@ -13,7 +13,7 @@ use crate::workload::TraceRecord;
 /// arrived, when its first token came out and when it finished, in virtual ms, and the tokens
 /// it generated.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Latency {
+pub struct Latency {
     arrival_ms: Vec<f64>,
     first_token_ms: Vec<Option<f64>>,
     finish_ms: Vec<Option<f64>>,
@@ -31,7 +31,7 @@ pub(crate) struct LatencyFigures {
 impl Latency {
     /// A request's arrival is its trace timestamp: time to first token includes its wait for
     /// admission, as a client sees it.
-    pub(crate) fn new(records: &[TraceRecord]) -> Self {
+    pub fn new(records: &[TraceRecord]) -> Self {
         let n = records.len();
         Self {
             arrival_ms: records.iter().map(|r| r.timestamp as f64).collect(),
@@ -42,7 +42,7 @@ impl Latency {
     }
 
     /// Records a step's outputs, which came out at virtual time `now_ms` (the end of the step).
-    pub(crate) fn record(&mut self, now_ms: f64, outputs: &[RequestOutput]) {
+    pub fn record(&mut self, now_ms: f64, outputs: &[RequestOutput]) {
         for o in outputs {
             let i = o.id.0 as usize;
             let Some(tokens) = self.tokens.get_mut(i) else {

@@ -18,7 +18,7 @@ use crate::metrics::{Metrics, Total};
 use crate::rank::RankStats;
 use crate::workload::TraceRecord;
 
-pub(crate) use self::latency::Latency;
+pub use self::latency::Latency;
 pub use self::text::bytes;
 
 /// What a run did. Every figure is counted by the run itself; none is estimated.
@@ -111,6 +111,9 @@ pub struct Report {
     pub invariants_checked: bool,
     /// Invariant checks performed (engine and ranks).
     pub invariant_checks: u64,
+    /// What the KV-event publisher did (`--kv-events`; absent without it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<crate::events::PublisherStats>,
     /// Wall-clock seconds.
     pub wall_s: f64,
 }
@@ -167,7 +170,9 @@ fn gb_per_s(bytes: u64, t: Duration) -> f64 {
     }
 }
 
-pub(crate) fn build(
+/// The report of a run of `records` on `c`: the engine's figures `f`, the ranks' `ranks`, the
+/// request times `latency`, the wall time `wall`.
+pub fn build(
     c: &RunConfig,
     records: &[TraceRecord],
     f: &Figures,
@@ -232,6 +237,7 @@ pub(crate) fn build(
         rank_hooks_us_p99: quantile(&hooks, 0.99),
         invariants_checked: c.check,
         invariant_checks: f.invariant_checks + s.invariant_checks,
+        kv_events: f.kv_events,
         wall_s: wall.as_secs_f64(),
     }
 }

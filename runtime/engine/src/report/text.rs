@@ -96,6 +96,13 @@ impl fmt::Display for Report {
             "rank hooks      {:.1} µs median, {:.1} µs p99 per step and rank (rank driver + worker connector)",
             self.rank_hooks_us_median, self.rank_hooks_us_p99
         )?;
+        if let Some(k) = &self.kv_events {
+            writeln!(
+                f,
+                "kv events       {} batches, {} events, {} bytes published; {} replays answered ({} refused)",
+                k.batches, k.events, k.bytes, k.replays, k.bad_replays
+            )?;
+        }
         if self.invariants_checked {
             write!(
                 f,
