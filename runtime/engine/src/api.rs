@@ -1,6 +1,6 @@
 //! The embedding API: an [`EngineHandle`] an inference server calls from its own tasks —
 //! [`EngineHandle::submit`] a request and read its tokens as they are sampled,
-//! [`EngineHandle::abort`], [`EngineHandle::reset_cache`] — while one task steps the
+//! [`EngineHandle::abort`], [`EngineHandle::reset_cache`], [`EngineHandle::reset_prefix_cache`] — while one task steps the
 //! [`Engine`].
 //!
 //! # When to call what
@@ -58,6 +58,9 @@ enum Command {
     },
     Reset {
         reply: oneshot::Sender<Result<Option<bool>, RunError>>,
+    },
+    ResetPrefix {
+        reply: oneshot::Sender<Result<bool, RunError>>,
     },
 }
 
@@ -130,6 +133,18 @@ impl EngineHandle {
         let (reply, rx) = oneshot::channel();
         self.commands
             .send(Command::Reset { reply })
+            .await
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())?
+    }
+
+    /// Resets the GPU prefix cache and the connector's (vLLM's `reset_prefix_cache(
+    /// reset_connector=True)`): `false`, and the GPU cache kept, while a request holds blocks.
+    /// With KV events on, the next step publishes `AllBlocksCleared`.
+    pub async fn reset_prefix_cache(&self) -> Result<bool, RunError> {
+        let (reply, rx) = oneshot::channel();
+        self.commands
+            .send(Command::ResetPrefix { reply })
             .await
             .map_err(|_| stopped())?;
         rx.await.map_err(|_| stopped())?
@@ -270,6 +285,9 @@ fn apply(
         }
         Command::Reset { reply } => {
             let _ = reply.send(engine.reset_cache());
+        }
+        Command::ResetPrefix { reply } => {
+            let _ = reply.send(engine.reset_prefix_cache());
         }
     }
 }

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use kvrelay_core::RequestId;
-use kvrelay_engine::events::KvEventsConfig;
+use kvrelay_engine::events::{KvEventsConfig, WireEvent};
 use kvrelay_engine::{Engine, RunConfig};
 use kvrelay_router::{Policy, PrefixIndex, StreamError, Subscriber, route};
 
@@ -120,6 +120,48 @@ fn a_stream_that_never_delivers_times_out() {
             ),
             "{err}"
         );
+        e.shutdown().await;
+    });
+}
+
+/// Protects `AllBlocksCleared` on a reset, end to end: once every request finished, a prefix
+/// cache reset succeeds, the next step publishes the event (and only it), and a follower's
+/// index drops the engine's GPU blocks.
+#[test]
+fn a_reset_clears_the_followers_gpu_index() {
+    let rt = kvrelay_engine::run::runtime().unwrap();
+    rt.block_on(async {
+        let mut e = Engine::start(&with_events(), 4096).await.unwrap();
+        let (p, r) = e.kv_events_endpoints().unwrap();
+        let mut s = Subscriber::connect(&local(p), &local(r.unwrap()))
+            .await
+            .unwrap();
+        e.add(RequestId(0), (0..100).collect(), 8).unwrap();
+        while e.has_work() {
+            e.step().await.unwrap();
+        }
+        let mut events = Vec::new();
+        let want = e.kv_events_published().unwrap();
+        s.sync(want, Duration::from_secs(30), &mut |b| {
+            events.extend(b.events)
+        })
+        .await
+        .unwrap();
+        let mut ix = PrefixIndex::default();
+        events.iter().for_each(|ev| ix.apply(ev));
+        assert!(ix.sizes().0 > 0);
+        assert!(e.reset_prefix_cache().unwrap());
+        e.step().await.unwrap();
+        let mut after = Vec::new();
+        let want = e.kv_events_published().unwrap();
+        s.sync(want, Duration::from_secs(30), &mut |b| {
+            after.extend(b.events)
+        })
+        .await
+        .unwrap();
+        assert_eq!(after, vec![WireEvent::AllCleared]);
+        after.iter().for_each(|ev| ix.apply(ev));
+        assert_eq!(ix.sizes().0, 0);
         e.shutdown().await;
     });
 }

@@ -44,6 +44,8 @@ pub fn encode_batch(ts: f64, events: &[WireEvent], data_parallel_rank: u32) -> V
     let mut out = Vec::with_capacity(64 + events.len() * 64);
     // Writing to a Vec cannot fail.
     let _ = write_batch(&mut out, ts, events, data_parallel_rank);
+    // The replay buffer keeps the payload: no spare capacity kept with it.
+    out.shrink_to_fit();
     out
 }
 
