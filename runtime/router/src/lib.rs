@@ -10,7 +10,7 @@
 //! | [`decode`] | a `KVEventBatch` frame, validated ([`decode_batch`]) |
 //! | [`subscriber`] | one engine's stream, gap-free (SUB, and replay for what the SUB missed) |
 //! | [`index`] | what one engine holds, and a prompt's longest cached prefix there |
-//! | [`route`] | the routed replay over N engines ([`route()`]), its [`RouteReport`] |
+//! | [`mod@route`] | the routed replay over N engines ([`route()`]), its [`RouteReport`] |
 //!
 //! To route for engines of your own, keep one [`Subscriber`] and one [`PrefixIndex`] per
 //! engine, apply every synced batch to its index, and score a prompt by walking its vLLM hash
