@@ -29,5 +29,9 @@ if [ -z "${VLLM_SRC:-}" ]; then
   fi
 fi
 export VLLM_SRC
-cd "$here"
+# A relative KVRELAY_BIN is made absolute, whatever directory pytest runs the tests from.
+if [ -n "${KVRELAY_BIN:-}" ]; then
+  KVRELAY_BIN=$(realpath "$KVRELAY_BIN")
+  export KVRELAY_BIN
+fi
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "$here" "$@"
