@@ -44,22 +44,26 @@ def free_port():
 
 
 class Run:
-    """A `kvrelay run` publishing on fixed free ports, with vLLM's subscriber attached before
-    it starts (so the live stream misses as little as ZMQ's slow-joiner rule allows)."""
+    """A `kvrelay run` whose PUB socket connects to vLLM's subscriber, bound first (vLLM's
+    `tcp://HOST:PORT` form): kvrelay publishes only once connected, so the live stream misses
+    at most what ZMQ's subscription handshake races with (a run of 60 requests takes 0.2 s,
+    less than a subscriber's reconnect interval: a bound publisher would be done before the
+    subscriber found it). The replay socket is bound by kvrelay, as always."""
 
-    def __init__(self, *args, topic="kvrelay", linger=20):
+    def __init__(self, *args, topic="kvrelay", linger=8):
         self.pub, self.replay = free_port(), free_port()
         self.sub = MockSubscriber(
-            [f"tcp://127.0.0.1:{self.pub}"],
+            [],
             [f"tcp://127.0.0.1:{self.replay}"],
             topic,
             decode_type=EV.KVEventBatch,
         )
+        self.sub.sub.bind(f"tcp://127.0.0.1:{self.pub}")
         self.sub.decoder = msgspec.msgpack.Decoder(type=EV.KVEventBatch)
         self.raw = {}
         cmd = [
             kvrelay_bin(), "run", "--json", *args,
-            "--kv-events", f"tcp://*:{self.pub}",
+            "--kv-events", f"tcp://127.0.0.1:{self.pub}",
             "--kv-events-replay", f"tcp://*:{self.replay}",
             "--kv-events-topic", topic,
             "--kv-events-linger", str(linger),
