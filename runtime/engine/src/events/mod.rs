@@ -72,7 +72,6 @@ const FINISH_DEADLINE: Duration = Duration::from_secs(5);
 pub struct Publisher {
     hashes: VllmHashes,
     running: publisher::Running,
-    linger: Duration,
     /// Batches handed to the task: the next batch's sequence number.
     published: u64,
 }
@@ -84,7 +83,6 @@ impl Publisher {
         Ok(Self {
             hashes: VllmHashes::new(&c.hash_seed),
             running,
-            linger: Duration::from_secs_f64(c.linger_s.clamp(0.0, 86_400.0)),
             published: 0,
         })
     }
@@ -188,12 +186,10 @@ impl Publisher {
     /// Ends publishing: the task sends what is queued, keeps answering replays for the
     /// configured linger, and returns its figures (`None` if it did not end in time).
     pub async fn finish(self) -> Option<PublisherStats> {
-        let Publisher {
-            running, linger, ..
-        } = self;
+        let Publisher { running, .. } = self;
         drop(running.tx);
         let mut task = running.task;
-        match tokio::time::timeout(linger + FINISH_DEADLINE, &mut task).await {
+        match tokio::time::timeout(running.linger + FINISH_DEADLINE, &mut task).await {
             Ok(Ok(stats)) => Some(stats),
             _ => {
                 task.abort();

@@ -66,6 +66,8 @@ pub(super) struct Running {
     pub task: JoinHandle<PublisherStats>,
     pub endpoint: String,
     pub replay: Option<String>,
+    /// How long the task keeps answering replays after the engine's sender is dropped.
+    pub linger: Duration,
 }
 
 /// Opens the sockets of `c` (binding wildcard and `ipc://` endpoints, connecting to the rest,
@@ -98,6 +100,7 @@ pub(super) async fn start(c: &KvEventsConfig) -> Result<Running, String> {
         task,
         endpoint,
         replay,
+        linger,
     })
 }
 
