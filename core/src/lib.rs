@@ -96,10 +96,11 @@ pub use messages::{
     ScheduledRequest, ScheduledStep, SchedulerOutput, WorkerMeta, WorkerOutput, build_multi, merge,
 };
 pub use offloading::{
-    Access, ChunkId, CpuOffloadingManager, GpuSpec, KeyLookup, ManagerConfig, ManagerError,
-    OffloadEvent, OffloadKey, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta,
-    OffloadingError, OffloadingWorker, OffloadingWorkerConfig, PolicyKind, PrepareStoreOutput,
-    TransferJob,
+    Access, ChunkId, CpuOffloadingManager, GpuSpec, KeyLookup, LookupResult, ManagerConfig,
+    ManagerError, OffloadEvent, OffloadKey, OffloadingConfig, OffloadingConnector,
+    OffloadingConnectorMeta, OffloadingError, OffloadingWorker, OffloadingWorkerConfig,
+    PolicyKind, PrepareStoreOutput, TierId, TierJobId, TierReport, TierWork, TieringConfig,
+    TieringError, TieringManager, TieringStats, TransferJob,
 };
 #[cfg(feature = "fault-injection")]
 pub use scheduler::SchedulerFault;

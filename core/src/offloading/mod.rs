@@ -63,6 +63,7 @@ mod lookup;
 mod manager;
 mod meta;
 mod store;
+mod tiering;
 mod worker;
 
 #[cfg(test)]
@@ -79,6 +80,10 @@ pub use manager::{
     OffloadKey, PolicyKind, PrepareStoreOutput,
 };
 pub use meta::{GpuSpec, OffloadingConnectorMeta, TransferJob};
+pub use tiering::{
+    LookupResult, TierId, TierJobId, TierReport, TierWork, TieringConfig, TieringError,
+    TieringManager, TieringStats,
+};
 pub use worker::{OffloadingWorker, OffloadingWorkerConfig};
 
 use crate::ids::{BlockId, JobId, RequestId};

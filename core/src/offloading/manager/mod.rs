@@ -154,6 +154,12 @@ impl CpuOffloadingManager {
         }
     }
 
+    /// The key's `ref_cnt` (−1: being written; n ≥ 0: ready, pinned n times); `None` when
+    /// absent. Read-only: for the tiering manager's invariants.
+    pub fn ref_count(&self, key: OffloadKey) -> Option<i32> {
+        self.arena.chunk(&key).map(|c| c.ref_cnt)
+    }
+
     /// Pins ready keys for a load (no eviction until [`Self::complete_load`]); counts as the
     /// request's reuse of them. Atomic: a key that is absent or not ready changes nothing.
     pub fn prepare_load(

@@ -1,0 +1,223 @@
+//! Unit tests of the tiering manager: the probe round trip, promotion, cascade pins, failed
+//! promotions (vLLM #49176), strict deadlines (vLLM #49829), report validation, and that
+//! `check_invariants()` catches a broken state.
+
+use alloc::vec;
+use alloc::vec::Vec;
+
+use super::*;
+use crate::offloading::{Access, ManagerConfig, PolicyKind};
+use crate::tokens::BlockHash;
+
+fn key(n: u64) -> OffloadKey {
+    OffloadKey {
+        hash: BlockHash(n),
+        group: 0,
+    }
+}
+
+const R: RequestId = RequestId(1);
+
+fn manager(capacity: u32, deadline: Option<u32>) -> TieringManager {
+    let primary = ManagerConfig {
+        capacity_chunks: capacity,
+        policy: PolicyKind::Lru,
+        store_threshold: 1,
+    };
+    let config = TieringConfig {
+        tiers: 1,
+        deadline_steps: deadline,
+    };
+    let mut m = TieringManager::new(primary, config).expect("valid config");
+    m.on_new_request(R);
+    m
+}
+
+fn access() -> Access<'static> {
+    Access {
+        request: Some(R),
+        positions: None,
+    }
+}
+
+fn step(m: &mut TieringManager) -> Vec<TierWork> {
+    m.on_schedule_end();
+    m.check_invariants().expect("invariants hold");
+    m.take_tier_work()
+}
+
+/// Answers every probe of `work` with `found`.
+fn answer(m: &mut TieringManager, work: &[TierWork], found: bool) {
+    for w in work {
+        if let TierWork::Probe { tier, keys } = w {
+            for &(key, generation) in keys {
+                let r = TierReport::Probed {
+                    tier: *tier,
+                    key,
+                    generation,
+                    found,
+                };
+                m.report(r).expect("a probe in flight");
+            }
+        }
+    }
+}
+
+fn loads(work: &[TierWork]) -> Vec<(TierJobId, Vec<OffloadKey>)> {
+    work.iter()
+        .filter_map(|w| match w {
+            TierWork::Load { job, keys, .. } => Some((*job, keys.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn finish(m: &mut TieringManager, job: TierJobId, success: bool) {
+    let r = TierReport::Finished {
+        tier: TierId(0),
+        job,
+        success,
+        successful_keys: None,
+    };
+    m.report(r).expect("a job in flight");
+}
+
+// Protects the promotion path (SEMANTICS.md §5.9): retry while probing, pending while loading,
+// then a primary hit.
+#[test]
+fn a_secondary_hit_is_probed_promoted_then_read() {
+    let mut m = manager(4, None);
+    assert_eq!(m.lookup(key(1), R, 0), LookupResult::Retry);
+    let work = step(&mut m);
+    answer(&mut m, &work, true);
+    assert_eq!(m.lookup(key(1), R, 0), LookupResult::HitPending);
+    let work = step(&mut m);
+    let jobs = loads(&work);
+    assert_eq!(jobs.len(), 1, "one batched load per tier and request");
+    assert!(m.has_pending_work());
+    assert_eq!(m.lookup(key(1), R, 0), LookupResult::HitPending, "this step's poll");
+    finish(&mut m, jobs[0].0, true);
+    assert_eq!(m.lookup(key(1), R, 0), LookupResult::HitPending, "polled once per step");
+    step(&mut m);
+    assert_eq!(m.lookup(key(1), R, 0), LookupResult::Hit);
+    assert!(!m.has_pending_work());
+}
+
+// Protects I-50 and the cascade: a stored chunk is copied to the tier with its primary chunk
+// pinned, so it cannot be evicted until the copy ends.
+#[test]
+fn a_cascade_pins_its_chunk_until_it_ends() {
+    let mut m = manager(1, None);
+    let out = m.prepare_store(&[key(1)], access()).expect("known").expect("room");
+    assert_eq!(out.keys_to_store, vec![key(1)]);
+    m.complete_store(&[key(1)], R, true).expect("in flight");
+    let work = m.take_tier_work();
+    let TierWork::Store { job, .. } = work[0] else {
+        panic!("a cascade: {work:?}");
+    };
+    assert_eq!(m.prepare_store(&[key(2)], access()), Ok(None), "pinned: no eviction");
+    finish(&mut m, job, true);
+    let out = m.prepare_store(&[key(2)], access()).expect("known").expect("room now");
+    assert_eq!(out.evicted, vec![key(1)]);
+    m.check_invariants().expect("invariants hold");
+}
+
+// Protects the livelock fix of vLLM #49176: a failed promotion frees its chunk and marks the key
+// missing for the request, so the next lookup misses instead of promoting again.
+#[test]
+fn a_failed_promotion_is_a_miss_not_a_retry_loop() {
+    let mut m = manager(4, None);
+    m.lookup(key(1), R, 0);
+    let work = step(&mut m);
+    answer(&mut m, &work, true);
+    m.lookup(key(1), R, 0);
+    let jobs = loads(&step(&mut m));
+    finish(&mut m, jobs[0].0, false);
+    assert_eq!(m.lookup(key(1), R, 0), LookupResult::Miss);
+    assert_eq!(m.primary().ref_count(key(1)), None, "the reserved chunk is freed");
+    assert_eq!(m.stats().promotion_failures, 1);
+}
+
+// Protects the strict departure (vLLM #49829): a probe that is never answered stops being
+// waited for after its deadline; in compat it is retried for ever.
+#[test]
+fn strict_gives_up_an_unanswered_probe() {
+    for (deadline, after) in [(None, LookupResult::Retry), (Some(2), LookupResult::Miss)] {
+        let mut m = manager(4, deadline);
+        assert_eq!(m.lookup(key(1), R, 0), LookupResult::Retry);
+        for _ in 0..3 {
+            step(&mut m);
+        }
+        assert_eq!(m.lookup(key(1), R, 0), after, "deadline {deadline:?}");
+    }
+}
+
+// Protects the strict departure for promotions: an overdue promotion looks missing, but its
+// chunk stays reserved until the runtime reports the job (no late write into a reused chunk).
+#[test]
+fn strict_gives_up_a_silent_promotion_but_keeps_its_chunk() {
+    let mut m = manager(4, Some(1));
+    m.lookup(key(1), R, 0);
+    let work = step(&mut m);
+    answer(&mut m, &work, true);
+    assert_eq!(m.lookup(key(1), R, 0), LookupResult::HitPending);
+    let jobs = loads(&step(&mut m));
+    step(&mut m);
+    assert_eq!(m.lookup(key(1), R, 0), LookupResult::Miss);
+    assert_eq!(m.primary().ref_count(key(1)), Some(-1), "still reserved");
+    finish(&mut m, jobs[0].0, true);
+    step(&mut m);
+    assert_eq!(m.lookup(key(1), R, 0), LookupResult::Hit, "a late success still lands");
+    assert_eq!(m.stats().promotions_expired, 1);
+}
+
+// Protects report validation: what the manager did not hand out is refused and changes nothing.
+#[test]
+fn reports_of_unknown_work_are_refused() {
+    let mut m = manager(4, None);
+    let before = m.clone();
+    let bad = [
+        TierReport::Finished {
+            tier: TierId(0),
+            job: TierJobId(7),
+            success: true,
+            successful_keys: None,
+        },
+        TierReport::Finished {
+            tier: TierId(3),
+            job: TierJobId(0),
+            success: true,
+            successful_keys: None,
+        },
+        TierReport::Probed {
+            tier: TierId(0),
+            key: key(1),
+            generation: 0,
+            found: true,
+        },
+    ];
+    let kinds: Vec<&str> = bad
+        .into_iter()
+        .map(|r| m.report(r).expect_err("refused").kind())
+        .collect();
+    assert_eq!(kinds, ["unknown_job", "unknown_tier", "unknown_probe"]);
+    assert_eq!(m, before);
+}
+
+// Protects that the invariants can fail: a promoted key that is not write-pending is caught.
+#[test]
+fn check_invariants_catches_a_promotion_without_a_reserved_chunk() {
+    let mut m = manager(4, None);
+    m.promotions.push((
+        TierId(0),
+        vec![(
+            R,
+            Promotion {
+                keys: vec![key(9)],
+                chunks: vec![ChunkId(0)],
+            },
+        )],
+    ));
+    let err = m.check_invariants().expect_err("broken");
+    assert_eq!(err.id, "I-50");
+}
