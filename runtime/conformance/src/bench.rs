@@ -68,6 +68,7 @@ pub fn bench_case(case: &AnyCase, repeat: usize) -> Result<BenchReport, String> 
         AnyCase::WorkerProtocol(c) => bench_prepared(c, repeat),
         AnyCase::Engine(c) => bench_prepared(c, repeat),
         AnyCase::OffloadManager(c) => bench_prepared(c, repeat),
+        AnyCase::TieringManager(c) => bench_prepared(c, repeat),
         AnyCase::Multi(c) => bench_prepared(c, repeat),
     }
 }

@@ -15,7 +15,8 @@
 //! * `json.rs`: decoding arguments and encoding results, for every harness;
 //! * one file per machine, each a [`Harness`]: `aggregator.rs`, `worker_meta.rs`,
 //!   `event_accumulator.rs`, `worker_protocol.rs`, `engine.rs` (with `engine_offload.rs`, its
-//!   offloading connector on the engine step), `offload_manager.rs`, `multi.rs`;
+//!   offloading connector on the engine step), `offload_manager.rs`, `tiering_manager.rs`,
+//!   `multi.rs`;
 //! * this file: the dispatch on a case's `machine`, and running case files.
 
 use std::fmt;
@@ -31,6 +32,7 @@ mod event_accumulator;
 mod json;
 mod multi;
 mod offload_manager;
+mod tiering_manager;
 mod worker_meta;
 mod worker_protocol;
 
@@ -42,19 +44,21 @@ pub use engine_offload::OffloadEngine;
 pub use event_accumulator::{EventHarness, EventOp};
 pub use multi::MultiHarness;
 pub use offload_manager::OffloadManagerHarness;
+pub use tiering_manager::TieringHarness;
 pub use worker_meta::{WorkerMetaHarness, WorkerMetaOp};
 pub use worker_protocol::{ProtocolHarness, ProtocolOp};
 
 use case::RawCase;
 
 /// The machines a case may name, and whether this build implements them.
-pub const MACHINES: [(&str, bool); 7] = [
+pub const MACHINES: [(&str, bool); 8] = [
     ("aggregator", true),
     ("worker_meta", true),
     ("event_accumulator", true),
     ("worker_protocol", true),
     ("engine", true),
     ("offload_manager", true),
+    ("tiering_manager", true),
     ("multi", true),
 ];
 
@@ -91,6 +95,8 @@ pub enum AnyCase {
     Engine(PreparedCase<EngineHarness>),
     /// An `offload_manager` case.
     OffloadManager(PreparedCase<OffloadManagerHarness>),
+    /// A `tiering_manager` case.
+    TieringManager(PreparedCase<TieringHarness>),
     /// A `multi` case.
     Multi(PreparedCase<MultiHarness>),
 }
@@ -106,6 +112,7 @@ impl AnyCase {
             "worker_protocol" => PreparedCase::prepare(raw).map(AnyCase::WorkerProtocol),
             "engine" => PreparedCase::prepare(raw).map(AnyCase::Engine),
             "offload_manager" => PreparedCase::prepare(raw).map(AnyCase::OffloadManager),
+            "tiering_manager" => PreparedCase::prepare(raw).map(AnyCase::TieringManager),
             "multi" => PreparedCase::prepare(raw).map(AnyCase::Multi),
             m => Err((
                 raw.name,
@@ -126,6 +133,7 @@ impl AnyCase {
             AnyCase::WorkerProtocol(c) => &c.name,
             AnyCase::Engine(c) => &c.name,
             AnyCase::OffloadManager(c) => &c.name,
+            AnyCase::TieringManager(c) => &c.name,
             AnyCase::Multi(c) => &c.name,
         }
     }
@@ -139,6 +147,7 @@ impl AnyCase {
             AnyCase::WorkerProtocol(c) => c.run(),
             AnyCase::Engine(c) => c.run(),
             AnyCase::OffloadManager(c) => c.run(),
+            AnyCase::TieringManager(c) => c.run(),
             AnyCase::Multi(c) => c.run(),
         }
     }

@@ -60,14 +60,14 @@ pub enum ManagerOut {
     Events(Vec<OffloadEvent>),
 }
 
-fn key(name: &str, ids: &mut Interner) -> OffloadKey {
+pub(crate) fn key(name: &str, ids: &mut Interner) -> OffloadKey {
     OffloadKey {
         hash: BlockHash(u64::from(ids.intern(name).0)),
         group: 0,
     }
 }
 
-fn keys(names: &[String], ids: &mut Interner) -> Vec<OffloadKey> {
+pub(crate) fn keys(names: &[String], ids: &mut Interner) -> Vec<OffloadKey> {
     names.iter().map(|n| key(n, ids)).collect()
 }
 
@@ -79,15 +79,15 @@ fn key_name(k: &OffloadKey, ids: &Interner) -> String {
         .to_owned()
 }
 
-fn render_list(ks: &[OffloadKey], ids: &Interner) -> Value {
+pub(crate) fn render_list(ks: &[OffloadKey], ids: &Interner) -> Value {
     json!(ks.iter().map(|k| key_name(k, ids)).collect::<Vec<_>>())
 }
 
-fn render_set(ks: &[OffloadKey], ids: &Interner) -> Value {
+pub(crate) fn render_set(ks: &[OffloadKey], ids: &Interner) -> Value {
     json!(ks.iter().map(|k| key_name(k, ids)).collect::<BTreeSet<_>>())
 }
 
-fn norm_set(v: &Value) -> Result<Value, CaseError> {
+pub(crate) fn norm_set(v: &Value) -> Result<Value, CaseError> {
     let names: Vec<String> =
         serde_json::from_value(v.clone()).map_err(|e| CaseError(format!("not a key set: {e}")))?;
     Ok(json!(names.into_iter().collect::<BTreeSet<_>>()))
