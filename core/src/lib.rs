@@ -98,9 +98,9 @@ pub use messages::{
 pub use offloading::{
     Access, ChunkId, CpuOffloadingManager, GpuSpec, KeyLookup, LookupResult, ManagerConfig,
     ManagerError, OffloadEvent, OffloadKey, OffloadingConfig, OffloadingConnector,
-    OffloadingConnectorMeta, OffloadingError, OffloadingWorker, OffloadingWorkerConfig,
-    PolicyKind, PrepareStoreOutput, TierId, TierJobId, TierReport, TierWork, TieringConfig,
-    TieringError, TieringManager, TieringStats, TransferJob,
+    OffloadingConnectorMeta, OffloadingError, OffloadingWorker, OffloadingWorkerConfig, PolicyKind,
+    PrepareStoreOutput, TierId, TierJobId, TierReport, TierWork, TieringConfig, TieringError,
+    TieringManager, TieringStats, TransferJob,
 };
 #[cfg(feature = "fault-injection")]
 pub use scheduler::SchedulerFault;

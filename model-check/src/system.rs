@@ -383,6 +383,7 @@ impl Connectors for OffloadingPair {
                 policy: model.policy,
                 store_threshold: 0,
             },
+            tiering: None,
         };
         let inner = OffloadingConnector::new(off, config).map_err(|e| e.to_string())?;
         Ok(Faulty {

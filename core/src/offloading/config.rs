@@ -3,6 +3,7 @@
 use alloc::string::String;
 
 use super::manager::ManagerConfig;
+use super::tiering::TieringConfig;
 
 /// Configuration of the scheduler-side offloading connector.
 #[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -16,8 +17,12 @@ pub struct OffloadingConfig {
     /// Tokens that may be loaded synchronously per step (vLLM's `sync_load_budget_bytes`
     /// divided by the KV bytes per token); `0` disables synchronous loads.
     pub sync_load_budget_tokens: u32,
-    /// The CPU manager's configuration.
+    /// The CPU manager's configuration (the primary tier's, when tiered).
     pub manager: ManagerConfig,
+    /// Secondary tiers behind the CPU manager (vLLM's `TieringOffloadingManager`); `None`:
+    /// the CPU manager alone.
+    #[serde(default)]
+    pub tiering: Option<TieringConfig>,
 }
 
 impl OffloadingConfig {
@@ -29,6 +34,7 @@ impl OffloadingConfig {
             offload_prompt_only: true,
             sync_load_budget_tokens: 0,
             manager,
+            tiering: None,
         }
     }
 }

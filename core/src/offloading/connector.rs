@@ -45,6 +45,7 @@ impl SchedulerConnector for OffloadingConnector {
             param_u32(view, request, "max_offload_tokens"),
         );
         self.requests.insert(request, st);
+        self.manager.on_new_request(request);
     }
 
     fn get_num_new_matched_tokens(
@@ -71,8 +72,11 @@ impl SchedulerConnector for OffloadingConnector {
         st.update_keys(r.block_hashes(), bpc);
         st.num_locally_computed_tokens = num_computed_tokens;
         let num_tokens = r.tokens().len() as u32;
-        let st = &self.requests[&request];
-        let Some(hit) = self.lookup_chunks(st, num_tokens) else {
+        // Out of the map for the lookup, which may change the manager (a tier's promotion).
+        let st = self.requests.remove(&request).expect("tracked above");
+        let found = self.lookup_chunks(&st, request, num_tokens);
+        self.requests.insert(request, st);
+        let Some(hit) = found else {
             return Lookup::Pending;
         };
         // `_reserve_sync_load`.
@@ -262,6 +266,8 @@ impl SchedulerConnector for OffloadingConnector {
                 self.requests.remove(&id);
             }
         }
+        // The last manager call of the step (tiers hand out their promotions and probes).
+        self.manager.on_schedule_end();
         meta
     }
 
@@ -294,6 +300,7 @@ impl SchedulerConnector for OffloadingConnector {
                         self.reset_fence.remove(&job);
                         if self.reset_fence.is_empty() {
                             self.resets_flushed += 1;
+                            self.manager.on_reset_flushed();
                         }
                     }
                 }
@@ -316,7 +323,14 @@ impl SchedulerConnector for OffloadingConnector {
             let j = self.jobs.remove(&job).expect("present above");
             if j.is_store {
                 // A store that failed on any rank left its chunks incomplete: freed.
-                self.manager.complete_store(&j.keys, !j.failed);
+                if let Err(e) = self.manager.complete_store(&j.keys, j.request, !j.failed) {
+                    self.fail(ConnectorError::StoreRefused {
+                        op: "complete_store".into(),
+                        request: j.request,
+                        kind: e.kind().into(),
+                        detail: e.to_string(),
+                    });
+                }
             } else {
                 if let Err(e) = self.manager.complete_load(&j.keys) {
                     self.fail(ConnectorError::StoreRefused {
@@ -468,6 +482,10 @@ impl SchedulerConnector for OffloadingConnector {
         {
             return Some(false);
         }
+        if self.manager.reset_blocked() {
+            // vLLM blocks until every tier job ended; here the runtime reports them first.
+            return Some(false);
+        }
         self.batch.jobs_to_flush.extend(self.jobs.keys().copied());
         let finished: Vec<RequestId> = self
             .requests
@@ -495,6 +513,7 @@ impl SchedulerConnector for OffloadingConnector {
             }
         } else if self.reset_fence.is_empty() {
             self.resets_flushed += 1;
+            self.manager.on_reset_flushed();
         }
         self.jobs.clear();
         self.block_to_jobs.clear();

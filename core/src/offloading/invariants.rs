@@ -74,7 +74,7 @@ impl OffloadingConnector {
         // I-44: `on_request_finished` comes after the request's last `prepare_store` and is
         // the last call about it: no scope stays open for a request already signalled finished,
         // or for one the connector no longer tracks (it would never be closed).
-        for rid in self.manager.scoped_requests() {
+        for rid in self.manager.primary().scoped_requests() {
             let open = self
                 .requests
                 .get(&rid)

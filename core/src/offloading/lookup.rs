@@ -1,9 +1,10 @@
 //! Hits: how many tokens beyond the local hit can be loaded from ready chunks (full attention:
 //! the longest prefix; sliding window: the last window), and the hybrid convergence of groups.
 
-use super::KeyLookup;
+use super::LookupResult;
 use super::cdiv;
 use super::{OffloadingConnector, ReqState};
+use crate::ids::RequestId;
 use crate::scheduler::GroupKind;
 
 impl OffloadingConnector {
@@ -29,65 +30,95 @@ impl OffloadingConnector {
     // Lookup.
 
     /// `_maximal_prefix_lookup`: consecutive ready-or-pending chunks from `from`; `None` when a
-    /// counted one is write-pending.
+    /// counted one is write-pending or a tier asks to retry (the scan goes on past a retry, so
+    /// that every tier probe of the prefix starts this step).
     pub(super) fn prefix_lookup(
-        &self,
+        &mut self,
         st: &ReqState,
+        request: RequestId,
         g: usize,
         from: usize,
         to: usize,
     ) -> Option<u32> {
         let mut hits = 0;
-        let mut pending = false;
+        let mut defer = false;
         for c in from..to {
-            match self.manager.lookup(st.key(c, g)) {
-                KeyLookup::Hit => hits += 1,
-                KeyLookup::HitPending => {
+            match self.lookup_key(st, request, c, g) {
+                LookupResult::Hit => hits += 1,
+                LookupResult::HitPending => {
                     hits += 1;
-                    pending = true;
+                    defer = true;
                 }
-                KeyLookup::Miss => break,
+                LookupResult::Retry => defer = true,
+                LookupResult::Miss => break,
             }
         }
-        (!pending).then_some(hits)
+        (!defer).then_some(hits)
     }
 
     /// `_sliding_window_lookup`: the end (relative to `from`) of the last run of `window`
     /// consecutive hits, scanning from the end; the first (rightmost) run may need `initial`.
     pub(super) fn window_lookup(
-        &self,
+        &mut self,
         st: &ReqState,
+        request: RequestId,
         g: usize,
-        from: usize,
-        to: usize,
+        (from, to): (usize, usize),
         window: u32,
         initial: u32,
     ) -> Option<u32> {
         let mut pending = false;
+        let mut defer = false;
         let mut run = 0;
         let mut required = if initial == 0 { window } else { initial };
         for idx in (0..to - from).rev() {
-            match self.manager.lookup(st.key(from + idx, g)) {
-                KeyLookup::Hit => run += 1,
-                KeyLookup::HitPending => {
+            match self.lookup_key(st, request, from + idx, g) {
+                LookupResult::Hit => run += 1,
+                LookupResult::HitPending => {
                     pending = true;
                     run += 1;
                 }
-                KeyLookup::Miss => {
+                LookupResult::Retry => {
+                    // Not a hit either, but the answer is deferred.
+                    defer = true;
+                    run = 0;
+                    pending = false;
+                    required = window;
+                }
+                LookupResult::Miss => {
                     run = 0;
                     pending = false;
                     required = window;
                 }
             }
             if run == required {
-                return (!pending).then_some(idx as u32 + required);
+                return (!(defer || pending)).then_some(idx as u32 + required);
             }
         }
-        (!pending).then_some(run)
+        (!(defer || pending)).then_some(run)
+    }
+
+    /// The manager's lookup of chunk `c` of group `g` (its key ends at token `(c + 1) × tpc`).
+    fn lookup_key(
+        &mut self,
+        st: &ReqState,
+        request: RequestId,
+        c: usize,
+        g: usize,
+    ) -> LookupResult {
+        let position = (c as u32 + 1) * self.tpc();
+        self.manager.lookup(st.key(c, g), request, position)
     }
 
     /// `_lookup_complete_chunks`: tokens loadable beyond the local hit, `None` = ask again.
-    pub(super) fn lookup_chunks(&self, st: &ReqState, num_tokens: u32) -> Option<u32> {
+    pub(super) fn lookup_chunks(
+        &mut self,
+        st: &ReqState,
+        request: RequestId,
+        num_tokens: u32,
+    ) -> Option<u32> {
+        // The group orders are shared (`Arc`), so holding them does not hold `self`.
+        let (lookup_groups, swa_groups) = (self.lookup_groups.clone(), self.swa_groups.clone());
         let tpc = i64::from(self.tpc());
         let computed = i64::from(st.num_locally_computed_tokens);
         let mut max_hit = i64::from(num_tokens);
@@ -101,7 +132,7 @@ impl OffloadingConnector {
         let nkeys = st.chunk_hashes.len() as i64;
         let mut num_hit: i64 = 0;
         let mut defer = false;
-        let mut groups: &[usize] = &self.lookup_groups;
+        let mut groups: &[usize] = &lookup_groups;
         while !groups.is_empty() {
             let mut looked_up_swa = false;
             let current = groups;
@@ -117,13 +148,13 @@ impl OffloadingConnector {
                 let num_chunks = ((max_hit + tpc - 1) / tpc).min(nkeys) as usize;
                 let start = (computed / tpc) as usize;
                 let hits = match self.window_chunks(g) {
-                    None => self.prefix_lookup(st, g, start, num_chunks),
+                    None => self.prefix_lookup(st, request, g, start, num_chunks),
                     Some(window) => {
                         let candidate_end = max_hit.min(num_chunks as i64 * tpc);
                         let initial = self
                             .load_window(g, candidate_end as u32)
                             .expect("a sliding-window group");
-                        self.window_lookup(st, g, start, num_chunks, window, initial)
+                        self.window_lookup(st, request, g, (start, num_chunks), window, initial)
                     }
                 };
                 match hits {
@@ -138,9 +169,9 @@ impl OffloadingConnector {
                 if new_hit < num_hit {
                     if defer {
                         defer = false;
-                        groups = &self.lookup_groups;
+                        groups = &lookup_groups;
                     } else if looked_up_swa && groups.is_empty() {
-                        groups = &self.swa_groups;
+                        groups = &swa_groups;
                     }
                 }
                 looked_up_swa |= self.window_chunks(g).is_some();

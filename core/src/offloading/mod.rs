@@ -61,6 +61,7 @@ mod connector;
 mod invariants;
 mod lookup;
 mod manager;
+mod managers;
 mod meta;
 mod store;
 mod tiering;
@@ -79,6 +80,7 @@ pub use manager::{
     Access, ChunkId, CpuOffloadingManager, KeyLookup, ManagerConfig, ManagerError, OffloadEvent,
     OffloadKey, PolicyKind, PrepareStoreOutput,
 };
+pub use managers::OffloadingManager;
 pub use meta::{GpuSpec, OffloadingConnectorMeta, TransferJob};
 pub use tiering::{
     LookupResult, TierId, TierJobId, TierReport, TierWork, TieringConfig, TieringError,
@@ -201,7 +203,7 @@ pub struct OffloadingConnector {
     /// Full-attention groups, then sliding-window groups by decreasing window (lookup order).
     lookup_groups: Arc<[usize]>,
     swa_groups: Arc<[usize]>,
-    manager: CpuOffloadingManager,
+    manager: OffloadingManager,
     requests: BTreeMap<RequestId, ReqState>,
     /// Tracked requests that finished and were not yet handed over in a step's
     /// `finished_req_ids`, in the order they finished. vLLM iterates `finished_req_ids`, a Python
@@ -272,8 +274,16 @@ impl OffloadingConnector {
         {
             return bad("tokens per chunk overflow");
         }
-        let manager = CpuOffloadingManager::new(config.manager)
-            .map_err(|e| OffloadingError::InvalidConfig(format!("manager: {e:?}")))?;
+        let bad_manager = |e| OffloadingError::InvalidConfig(format!("manager: {e:?}"));
+        let manager = match config.tiering {
+            None => OffloadingManager::Cpu(
+                CpuOffloadingManager::new(config.manager).map_err(bad_manager)?,
+            ),
+            Some(t) => OffloadingManager::Tiering(
+                TieringManager::new(config.manager, t)
+                    .map_err(|e| OffloadingError::InvalidConfig(format!("tiering: {e}")))?,
+            ),
+        };
         let groups = scheduler.groups.clone();
         let mut swa: Vec<usize> = (0..groups.len())
             .filter(|&g| matches!(groups[g], GroupKind::SlidingWindow { .. }))
@@ -314,7 +324,10 @@ impl OffloadingConnector {
     /// The same connector with a store-threshold tracker of `n` keys in its manager
     /// ([`CpuOffloadingManager::with_max_tracker_size`]). Call right after [`Self::new`].
     pub fn with_max_tracker_size(mut self, n: usize) -> Self {
-        self.manager = self.manager.with_max_tracker_size(n);
+        self.manager = match self.manager {
+            OffloadingManager::Cpu(m) => OffloadingManager::Cpu(m.with_max_tracker_size(n)),
+            OffloadingManager::Tiering(t) => OffloadingManager::Tiering(t.with_max_tracker_size(n)),
+        };
         self
     }
 
@@ -323,9 +336,26 @@ impl OffloadingConnector {
         &self.config
     }
 
-    /// The CPU manager (read-only).
+    /// The CPU manager (read-only; the primary tier when tiered).
     pub fn manager(&self) -> &CpuOffloadingManager {
-        &self.manager
+        self.manager.primary()
+    }
+
+    /// The tiering manager (read-only), when tiered.
+    pub fn tiering(&self) -> Option<&TieringManager> {
+        self.manager.tiering()
+    }
+
+    /// The secondary tiers' work since the last call, for the runtime to carry out (none
+    /// without tiers): see [`TieringManager::take_tier_work`]. Call after every step.
+    pub fn take_tier_work(&mut self) -> Vec<TierWork> {
+        self.manager.take_tier_work()
+    }
+
+    /// What the runtime did with the tiers' work: see [`TieringManager::report`]. A refused
+    /// report changes nothing.
+    pub fn report_tier(&mut self, report: TierReport) -> Result<(), TieringError> {
+        self.manager.report(report)
     }
 
     /// Jobs in flight (created, not yet acknowledged by every rank), ascending.
@@ -392,7 +422,7 @@ impl OffloadingConnector {
             .values()
             .flat_map(|j| j.keys.iter().map(|k| k.hash));
         let loading = self.chunks_being_loaded.iter().flatten().map(|k| k.hash);
-        let manager = self.manager.referenced_keys().map(|k| k.hash);
+        let manager = self.manager.primary().referenced_keys().map(|k| k.hash);
         requests.chain(jobs).chain(loading).chain(manager)
     }
 

@@ -18,6 +18,7 @@ use crate::scheduler::GroupKind;
 use crate::scheduler::SchedulerView;
 use crate::sorted_set::SortedSet;
 use alloc::collections::BTreeMap;
+use alloc::string::ToString;
 use alloc::vec::Vec;
 
 impl OffloadingConnector {
@@ -115,9 +116,21 @@ impl OffloadingConnector {
                 positions: Some(&positions),
             },
         );
-        let Some(out) = out else {
-            self.allocation_failures += 1;
-            return;
+        let out = match out {
+            Ok(Some(out)) => out,
+            Ok(None) => {
+                self.allocation_failures += 1;
+                return;
+            }
+            Err(e) => {
+                self.fail(ConnectorError::StoreRefused {
+                    op: "prepare_store".into(),
+                    request: id,
+                    kind: e.kind().into(),
+                    detail: e.to_string(),
+                });
+                return;
+            }
         };
         let st = self.requests.get_mut(&id).expect("looked up above");
         if out.keys_to_store.is_empty() {

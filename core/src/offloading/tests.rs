@@ -76,14 +76,22 @@ fn lookup_fixture(groups: &[GroupKind], patterns: &[&str]) -> (OffloadingConnect
                 request: None,
                 positions: None,
             };
-            let out = conn.manager.prepare_store(&key, access).expect("room");
+            let out = cpu(&mut conn).prepare_store(&key, access).expect("room");
             assert_eq!(out.keys_to_store, key);
             if kind == 'h' {
-                conn.manager.complete_store(&key, true);
+                cpu(&mut conn).complete_store(&key, true);
             }
         }
     }
     (conn, st)
+}
+
+/// The connector's CPU manager (these tests build no tiers).
+fn cpu(conn: &mut OffloadingConnector) -> &mut CpuOffloadingManager {
+    match &mut conn.manager {
+        OffloadingManager::Cpu(m) => m,
+        OffloadingManager::Tiering(_) => panic!("built without tiers"),
+    }
 }
 
 /// `lookup_chunks` for a fresh request of `num_tokens` tokens: `(locally computed tokens,
@@ -94,10 +102,10 @@ fn hit(
     num_tokens: u32,
     bounds: (u32, Option<u32>),
 ) -> Option<u32> {
-    let (conn, mut st) = lookup_fixture(groups, patterns);
+    let (mut conn, mut st) = lookup_fixture(groups, patterns);
     st.num_locally_computed_tokens = bounds.0;
     st.max_load_tokens = bounds.1;
-    conn.lookup_chunks(&st, num_tokens)
+    conn.lookup_chunks(&st, RequestId(0), num_tokens)
 }
 
 #[test]
@@ -238,10 +246,10 @@ fn cpu_events_render_as_before_and_are_kept_structured_only_when_on() {
     };
     // Stores `ok` (completed) then `failed` (a failed store: a removal), returns the strings.
     let cycle = |conn: &mut OffloadingConnector, ok: &[OffloadKey], failed: &[OffloadKey]| {
-        conn.manager.prepare_store(ok, access).expect("room");
-        conn.manager.complete_store(ok, true);
-        conn.manager.prepare_store(failed, access).expect("room");
-        conn.manager.complete_store(failed, false);
+        cpu(conn).prepare_store(ok, access).expect("room");
+        cpu(conn).complete_store(ok, true);
+        cpu(conn).prepare_store(failed, access).expect("room");
+        cpu(conn).complete_store(failed, false);
         SchedulerConnector::take_events(conn)
     };
     let texts = |v: &[&str]| -> Vec<KvEvent> { v.iter().map(|s| KvEvent((*s).into())).collect() };

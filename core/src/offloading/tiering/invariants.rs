@@ -12,7 +12,12 @@ impl TieringManager {
     /// I-49 to I-52 and the primary tier's I-40; a sticky protocol error is reported as I-50.
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.primary.check_invariants()?;
-        ensure_invariant!(self.error.is_none(), "I-50", "primary tier refused: {:?}", self.error);
+        ensure_invariant!(
+            self.error.is_none(),
+            "I-50",
+            "primary tier refused: {:?}",
+            self.error
+        );
         self.check_jobs()?;
         self.check_pins()?;
         self.check_probes()?;
@@ -131,7 +136,11 @@ impl TieringManager {
                 .jobs
                 .values()
                 .any(|j| j.promotion && j.expired && j.keys.contains(key));
-            ensure_invariant!(owned, "I-52", "overdue key {key:?} has no expired promotion");
+            ensure_invariant!(
+                owned,
+                "I-52",
+                "overdue key {key:?} has no expired promotion"
+            );
         }
         Ok(())
     }

@@ -167,6 +167,19 @@ impl TieringManager {
         self.requests.contains_key(&request)
     }
 
+    /// Whether tier jobs are in flight (handed out, not reported): `reset` is refused until
+    /// they are reported.
+    pub fn jobs_in_flight(&self) -> bool {
+        self.tiers.iter().any(|t| !t.in_flight.is_empty())
+    }
+
+    /// The same manager with a store-threshold tracker of `n` keys in its primary tier
+    /// ([`CpuOffloadingManager::with_max_tracker_size`]). Call right after [`Self::new`].
+    pub fn with_max_tracker_size(mut self, n: usize) -> Self {
+        self.primary = self.primary.with_max_tracker_size(n);
+        self
+    }
+
     /// `on_new_request`: sets up the request's state. Object-store tiers store chunk by chunk
     /// (`CHUNK_LEVEL`), so there is no policy to return.
     pub fn on_new_request(&mut self, request: RequestId) {
@@ -539,7 +552,8 @@ impl TieringManager {
         for t in 0..self.tiers.len() {
             for result in self.tiers[t].take_finished() {
                 let Some(job) = self.jobs.remove(&result.job) else {
-                    self.error.get_or_insert(TieringError::UnknownJob(result.job.0, t as u8));
+                    self.error
+                        .get_or_insert(TieringError::UnknownJob(result.job.0, t as u8));
                     continue;
                 };
                 if job.promotion {

@@ -95,9 +95,17 @@ fn a_secondary_hit_is_probed_promoted_then_read() {
     let jobs = loads(&work);
     assert_eq!(jobs.len(), 1, "one batched load per tier and request");
     assert!(m.has_pending_work());
-    assert_eq!(m.lookup(key(1), R, 0), LookupResult::HitPending, "this step's poll");
+    assert_eq!(
+        m.lookup(key(1), R, 0),
+        LookupResult::HitPending,
+        "this step's poll"
+    );
     finish(&mut m, jobs[0].0, true);
-    assert_eq!(m.lookup(key(1), R, 0), LookupResult::HitPending, "polled once per step");
+    assert_eq!(
+        m.lookup(key(1), R, 0),
+        LookupResult::HitPending,
+        "polled once per step"
+    );
     step(&mut m);
     assert_eq!(m.lookup(key(1), R, 0), LookupResult::Hit);
     assert!(!m.has_pending_work());
@@ -108,16 +116,26 @@ fn a_secondary_hit_is_probed_promoted_then_read() {
 #[test]
 fn a_cascade_pins_its_chunk_until_it_ends() {
     let mut m = manager(1, None);
-    let out = m.prepare_store(&[key(1)], access()).expect("known").expect("room");
+    let out = m
+        .prepare_store(&[key(1)], access())
+        .expect("known")
+        .expect("room");
     assert_eq!(out.keys_to_store, vec![key(1)]);
     m.complete_store(&[key(1)], R, true).expect("in flight");
     let work = m.take_tier_work();
     let TierWork::Store { job, .. } = work[0] else {
         panic!("a cascade: {work:?}");
     };
-    assert_eq!(m.prepare_store(&[key(2)], access()), Ok(None), "pinned: no eviction");
+    assert_eq!(
+        m.prepare_store(&[key(2)], access()),
+        Ok(None),
+        "pinned: no eviction"
+    );
     finish(&mut m, job, true);
-    let out = m.prepare_store(&[key(2)], access()).expect("known").expect("room now");
+    let out = m
+        .prepare_store(&[key(2)], access())
+        .expect("known")
+        .expect("room now");
     assert_eq!(out.evicted, vec![key(1)]);
     m.check_invariants().expect("invariants hold");
 }
@@ -134,7 +152,11 @@ fn a_failed_promotion_is_a_miss_not_a_retry_loop() {
     let jobs = loads(&step(&mut m));
     finish(&mut m, jobs[0].0, false);
     assert_eq!(m.lookup(key(1), R, 0), LookupResult::Miss);
-    assert_eq!(m.primary().ref_count(key(1)), None, "the reserved chunk is freed");
+    assert_eq!(
+        m.primary().ref_count(key(1)),
+        None,
+        "the reserved chunk is freed"
+    );
     assert_eq!(m.stats().promotion_failures, 1);
 }
 
@@ -167,7 +189,11 @@ fn strict_gives_up_a_silent_promotion_but_keeps_its_chunk() {
     assert_eq!(m.primary().ref_count(key(1)), Some(-1), "still reserved");
     finish(&mut m, jobs[0].0, true);
     step(&mut m);
-    assert_eq!(m.lookup(key(1), R, 0), LookupResult::Hit, "a late success still lands");
+    assert_eq!(
+        m.lookup(key(1), R, 0),
+        LookupResult::Hit,
+        "a late success still lands"
+    );
     assert_eq!(m.stats().promotions_expired, 1);
 }
 

@@ -11,8 +11,8 @@
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::vec::Vec;
 
-use super::types::{TierId, TierJobId, TierWork, TieringError};
 use super::super::OffloadKey;
+use super::types::{TierId, TierJobId, TierWork, TieringError};
 use crate::RequestId;
 
 /// `LookupPhase`.
@@ -123,7 +123,10 @@ impl Tier {
             keys.push((key, generation));
         }
         if !keys.is_empty() {
-            work.push(TierWork::Probe { tier: self.id, keys });
+            work.push(TierWork::Probe {
+                tier: self.id,
+                keys,
+            });
         }
     }
 
@@ -233,12 +236,8 @@ impl Tier {
             if let Some(keys) = promotion_keys
                 && !result.success
             {
-                let ok: BTreeSet<OffloadKey> = result
-                    .successful_keys
-                    .iter()
-                    .flatten()
-                    .copied()
-                    .collect();
+                let ok: BTreeSet<OffloadKey> =
+                    result.successful_keys.iter().flatten().copied().collect();
                 self.mark_miss(keys.into_iter().filter(|k| !ok.contains(k)));
             }
             out.push(result);

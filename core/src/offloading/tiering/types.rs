@@ -119,7 +119,9 @@ pub enum TierReport {
 }
 
 /// The tiering manager's running figures.
-#[derive(Clone, Copy, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize,
+)]
 pub struct TieringStats {
     /// Promotions started (keys).
     pub promotions: u64,
