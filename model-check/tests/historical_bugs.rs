@@ -160,7 +160,7 @@ fn issue_46014_readmission_with_unacknowledged_stores() {
 /// once; another request got them and the load then wrote into them. A bug of the scheduler
 /// itself, so the fault is re-introduced inside kvrelay-core, behind its `fault-injection`
 /// feature (run: `cargo test --release -p kvrelay-model-check --features scheduler-faults
-/// --test historical_bugs`). Without it, the same P/D configuration holds
+/// --test model_check -- historical_bugs::`). Without it, the same P/D configuration holds
 /// (tests/pd.rs, `pd_ci_explores_exhaustively_and_every_property_holds`).
 #[cfg(feature = "scheduler-faults")]
 #[test]

@@ -1,6 +1,6 @@
 //! The system model with the P/D connector pair: async remote loads (`WAITING_FOR_REMOTE_KVS`),
 //! load failures and their recovery, delayed frees for sends. Run in release:
-//! `cargo test --release -p kvrelay-model-check --test pd`.
+//! `cargo test --release -p kvrelay-model-check --test model_check -- pd::`.
 
 use kvrelay_model_check::{
     CheckOptions, CheckReport, MultiPair, PdFault, PdPair, PdRole, Stop, SystemConfig, SystemModel,

@@ -4,7 +4,7 @@
 //! `sometimes` property has an example in both or in neither — with and without symmetry,
 //! breadth-first and depth-first, with aborts, transfer failures and seeded faults; and the
 //! reduced search visits fewer states. Run in release:
-//! `cargo test --release -p kvrelay-model-check --test system_por`.
+//! `cargo test --release -p kvrelay-model-check --test model_check -- system_por::`.
 //!
 //! Each comparison runs with `stop_at_first_violation: false`, so a property's verdict is final
 //! (every property has its own counterexample or example, or the space was exhausted).
