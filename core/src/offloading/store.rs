@@ -6,6 +6,8 @@ use super::ChunkId;
 use super::GpuSpec;
 use super::JobStatus;
 use super::OffloadKey;
+use super::PrepareStoreOutput;
+use super::TieringError;
 use super::TransferJob;
 use super::{OffloadingConnector, ReqState};
 use crate::ids::BlockId;
@@ -116,21 +118,8 @@ impl OffloadingConnector {
                 positions: Some(&positions),
             },
         );
-        let out = match out {
-            Ok(Some(out)) => out,
-            Ok(None) => {
-                self.allocation_failures += 1;
-                return;
-            }
-            Err(e) => {
-                self.fail(ConnectorError::StoreRefused {
-                    op: "prepare_store".into(),
-                    request: id,
-                    kind: e.kind().into(),
-                    detail: e.to_string(),
-                });
-                return;
-            }
+        let Some(out) = self.prepared(id, out) else {
+            return;
         };
         let st = self.requests.get_mut(&id).expect("looked up above");
         if out.keys_to_store.is_empty() {
@@ -325,6 +314,33 @@ impl OffloadingConnector {
                 if set.is_empty() {
                     self.block_to_jobs.remove(b);
                 }
+            }
+        }
+    }
+}
+
+impl OffloadingConnector {
+    /// What a store's `prepare_store` came to: the output, or `None` after counting an
+    /// allocation failure or failing the connector on a refusal.
+    fn prepared(
+        &mut self,
+        id: RequestId,
+        out: Result<Option<PrepareStoreOutput>, TieringError>,
+    ) -> Option<PrepareStoreOutput> {
+        match out {
+            Ok(Some(out)) => Some(out),
+            Ok(None) => {
+                self.allocation_failures += 1;
+                None
+            }
+            Err(e) => {
+                self.fail(ConnectorError::StoreRefused {
+                    op: "prepare_store".into(),
+                    request: id,
+                    kind: e.kind().into(),
+                    detail: e.to_string(),
+                });
+                None
             }
         }
     }

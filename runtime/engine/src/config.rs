@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::events::KvEventsConfig;
 use crate::rank::Completions;
+use crate::tier::TierConfig;
 use crate::transfer::Backend;
 use crate::workload::WorkloadConfig;
 
@@ -107,6 +108,9 @@ pub struct RunConfig {
     pub metrics_model_name: String,
     /// Publish KV events in vLLM's wire format (see `docs/KV_EVENTS.md`); `None`: none.
     pub kv_events: Option<KvEventsConfig>,
+    /// A shared tier behind the CPU pools (see `docs/TIERING.md`); `None`: the CPU pools only.
+    /// Needs in-process ranks and the host backend.
+    pub tier: Option<TierConfig>,
 }
 
 impl Default for RunConfig {
@@ -142,6 +146,7 @@ impl Default for RunConfig {
             metrics_linger_s: 0.0,
             metrics_model_name: "kvrelay".into(),
             kv_events: None,
+            tier: None,
         }
     }
 }

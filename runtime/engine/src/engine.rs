@@ -24,19 +24,24 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvrelay_core::{
-    BlockHash, BlockId, EngineCore, FinishReason, GroupKind, KvLayout, LayoutError, LayoutOrder,
-    ManagerConfig, OffloadingConfig, OffloadingConnector, OffloadingConnectorMeta, Rank, RequestId,
-    RequestOutput, RequestSpec, ScheduledStep, Scheduler, SchedulerConfig, StepId, Token,
+    BlockHash, BlockId, ChunkId, EngineCore, FinishReason, GroupKind, KvLayout, LayoutError,
+    LayoutOrder, ManagerConfig, Mode, OffloadingConfig, OffloadingConnector,
+    OffloadingConnectorMeta, Rank, RequestId, RequestOutput, RequestSpec, ScheduledStep, Scheduler,
+    SchedulerConfig, StepId, TierWork, TieringConfig, Token,
 };
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
 use crate::events::Publisher;
 use crate::metrics::{FINISHED_REASONS, Levels, Metrics, Total};
-use crate::rank::{Completions, RankDelta, RankReport, RankSetup, RankStats, StepMsg};
+use crate::rank::{
+    Completions, PromotedChunk, RankDelta, RankReport, RankSetup, RankStats, StepMsg,
+};
 use crate::report::perfetto::{Recorder, now_us};
 use crate::report::samples::Samples;
 use crate::stop::{STOP_GRACE, StopSignal};
+use crate::tier::{Pools, StoreError, Tier};
+use crate::transfer::host::HostPool;
 use crate::transport::{self, Clock, TokioClock, Transport};
 use crate::{RunConfig, RunError, workload};
 
@@ -82,6 +87,8 @@ pub struct Figures {
     /// What the KV-event publisher did (`None`: no events published, or the publisher did
     /// not end within its deadline).
     pub kv_events: Option<crate::events::PublisherStats>,
+    /// What the shared tier did (`None`: no tier).
+    pub tier: Option<crate::tier::TierFigures>,
     /// Engine steps, for the timeline (`--timeline`).
     pub timeline: Recorder,
 }
@@ -128,6 +135,12 @@ pub struct Engine {
     ranks_live: RankDelta,
     /// Where each step's KV events go ([`RunConfig::kv_events`]).
     events: Option<Publisher>,
+    /// The shared tier ([`RunConfig::tier`]).
+    tier: Option<Tier>,
+    /// Per CPU chunk being promoted, the prefix hash of each token slot it will hold.
+    promoting: HashMap<ChunkId, Vec<u64>>,
+    /// Chunks promoted since the last step sent, for the ranks' checks.
+    promoted: Vec<PromotedChunk>,
     pub figures: Figures,
 }
 
@@ -179,6 +192,100 @@ fn pools(c: &RunConfig, max_model_len: u32) -> Result<(u32, u32), RunError> {
     Ok((gpu_blocks, cpu_blocks))
 }
 
+/// The scheduler of a run: one full-attention group, prefix caching and chunked prefill on.
+fn scheduler_config(c: &RunConfig, gpu_blocks: u32, max_model_len: u32) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: c.block_size,
+        num_gpu_blocks: gpu_blocks,
+        groups: vec![GroupKind::FullAttention],
+        max_num_batched_tokens: c.max_batched_tokens(),
+        max_num_seqs: c.max_seqs(),
+        max_model_len,
+        enable_prefix_caching: true,
+        enable_chunked_prefill: true,
+        async_depth: c.async_depth,
+        mode: c.mode,
+        ..SchedulerConfig::default()
+    }
+}
+
+/// With a shared tier: its manager in the connector's config, and the CPU pools the engine
+/// shares with its ranks (`None` without a tier).
+fn tier_pools(
+    c: &RunConfig,
+    backend: crate::Backend,
+    host: &KvLayout,
+    off: &mut OffloadingConfig,
+) -> Result<Option<Pools>, RunError> {
+    let Some(t) = &c.tier else {
+        return Ok(None);
+    };
+    check_tier(c, backend)?;
+    off.tiering = Some(TieringConfig {
+        tiers: 1,
+        deadline_steps: (c.mode == Mode::Strict).then_some(t.deadline_steps.max(1)),
+    });
+    let pools = (0..c.ranks)
+        .map(|_| HostPool::new(host.total_bytes() as usize))
+        .collect();
+    Ok(Some(Pools {
+        pools,
+        host: host.clone(),
+        blocks_per_chunk: c.blocks_per_chunk,
+    }))
+}
+
+/// A shared tier needs the ranks' CPU pools in this process: in-process ranks, host backend.
+fn check_tier(c: &RunConfig, backend: crate::Backend) -> Result<(), RunError> {
+    if c.workers != crate::config::Workers::InProcess {
+        return Err(RunError::Config(
+            "--tier needs in-process ranks (--workers in-process): the tier reads and writes \
+             the CPU pools from the engine's process"
+                .into(),
+        ));
+    }
+    if backend != crate::Backend::Host {
+        return Err(RunError::Config(
+            "--tier needs the host backend (--backend host) for now".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The shared tier's default key namespace: the KV layout, so that only engines whose chunks
+/// are interchangeable share them.
+fn namespace(c: &RunConfig) -> String {
+    format!(
+        "l{}-b{}-t{}-c{}-w{}",
+        c.layers,
+        c.block_bytes(),
+        c.block_size,
+        c.blocks_per_chunk,
+        c.ranks
+    )
+}
+
+/// The token just past the chunk whose last block hash is `hash`, in a request with
+/// `block_hashes` (`None`: not a chunk of the request).
+fn chunk_end(block_hashes: &[BlockHash], hash: BlockHash, bpc: usize, tpc: usize) -> Option<usize> {
+    let last = (bpc - 1..block_hashes.len())
+        .step_by(bpc)
+        .find(|&i| block_hashes[i] == hash)?;
+    Some((last + 1) / bpc * tpc)
+}
+
+/// The prefix hash after each of `tokens` (what each token's KV slot holds: see `content`).
+fn token_prefixes(tokens: &[Token]) -> Vec<u64> {
+    let mut h = 0;
+    tokens
+        .iter()
+        .map(|&t| {
+            h = crate::content::roll(h, t);
+            h
+        })
+        .collect()
+}
+
 /// The token sampled for `request` at `position` (seeded, no model).
 fn sample(seed: u64, request: RequestId, position: u32) -> Token {
     let mut r = workload::Rng::new(seed ^ (u64::from(request.0) << 32) ^ u64::from(position));
@@ -211,20 +318,8 @@ impl Engine {
         let (gpu_blocks, cpu_blocks) = pools(c, max_model_len)?;
         let (gpu, host) = layouts(c, gpu_blocks, cpu_blocks)?;
         let backend = c.backend.resolve().map_err(RunError::Backend)?;
-        let sc = SchedulerConfig {
-            block_size: c.block_size,
-            num_gpu_blocks: gpu_blocks,
-            groups: vec![GroupKind::FullAttention],
-            max_num_batched_tokens: c.max_batched_tokens(),
-            max_num_seqs: c.max_seqs(),
-            max_model_len,
-            enable_prefix_caching: true,
-            enable_chunked_prefill: true,
-            async_depth: c.async_depth,
-            mode: c.mode,
-            ..SchedulerConfig::default()
-        };
-        let off = OffloadingConfig::new(
+        let sc = scheduler_config(c, gpu_blocks, max_model_len);
+        let mut off = OffloadingConfig::new(
             c.blocks_per_chunk,
             c.ranks,
             ManagerConfig {
@@ -233,6 +328,7 @@ impl Engine {
                 store_threshold: 0,
             },
         );
+        let pools = tier_pools(c, backend, &host, &mut off)?;
         let connector =
             OffloadingConnector::new(off, &sc).map_err(|e| RunError::Config(e.to_string()))?;
         let mut core = EngineCore::new(sc.clone(), connector, c.ranks)?;
@@ -260,6 +356,7 @@ impl Engine {
                 check: c.check,
                 timeline: c.timeline.is_some(),
                 completions: c.completions,
+                host_pool: pools.as_ref().map(|p| p.pools[r as usize].clone()),
             };
             let conn = transport
                 .connect(setup, wake.clone(), report_tx.clone())
@@ -267,6 +364,10 @@ impl Engine {
             to_ranks.push(conn.steps);
             handles.push(conn.task);
         }
+        let tier = match (&c.tier, pools) {
+            (Some(t), Some(pools)) => Some(Tier::connect(t, namespace(c), pools).await?),
+            _ => None,
+        };
         Ok(Self {
             config: c.clone(),
             clock,
@@ -284,6 +385,9 @@ impl Engine {
             metrics: None,
             ranks_live: RankDelta::default(),
             events,
+            tier,
+            promoting: HashMap::new(),
+            promoted: Vec::new(),
             figures: Figures {
                 backend,
                 gpu_blocks,
@@ -363,12 +467,9 @@ impl Engine {
     /// them, with those tokens, once this one is applied.
     pub async fn step(&mut self) -> Result<StepOutcome, RunError> {
         let t0 = self.clock.now();
-        let started = if self.figures.timeline.is_on() {
-            now_us()
-        } else {
-            0
-        };
+        let started = self.figures.timeline.is_on().then(now_us).unwrap_or(0);
         let mut core_time = Duration::ZERO;
+        self.collect_tier().await?;
         let step = match self.at_ranks {
             Some(step) => step,
             None => {
@@ -545,7 +646,87 @@ impl Engine {
         outputs: &[RequestOutput],
     ) -> Result<(), RunError> {
         self.publish(Some(core_time), outputs);
+        self.launch_tier();
         self.publish_events().await
+    }
+
+    /// Hands the tier's work of this step to the tier (it runs while the next step starts).
+    fn launch_tier(&mut self) {
+        let Some(tier) = &mut self.tier else {
+            return;
+        };
+        let sched = self.core.scheduler_mut();
+        let work = sched.connector_mut().take_tier_work();
+        let view = sched.view();
+        let tpc = (self.config.block_size * self.config.blocks_per_chunk) as usize;
+        for w in &work {
+            if let TierWork::Load {
+                request,
+                keys,
+                chunks,
+                ..
+            } = w
+                && let Some(r) = view.request(*request)
+            {
+                let bpc = self.config.blocks_per_chunk as usize;
+                let ends: Vec<Option<usize>> = keys
+                    .iter()
+                    .map(|k| chunk_end(r.block_hashes(), k.hash, bpc, tpc))
+                    .collect();
+                let upto = ends.iter().flatten().max().copied().unwrap_or(0);
+                let prefixes = token_prefixes(&r.tokens()[..upto.min(r.tokens().len())]);
+                for (end, chunk) in ends.into_iter().zip(chunks) {
+                    if let Some(slots) = end.and_then(|e| prefixes.get(e - tpc..e)) {
+                        self.promoting.insert(*chunk, slots.to_vec());
+                    }
+                }
+            }
+        }
+        tier.launch(work);
+    }
+
+    /// Waits for the tier's batch in flight and hands its reports to the core, and the chunks
+    /// it promoted to the ranks (with the next step).
+    async fn collect_tier(&mut self) -> Result<(), RunError> {
+        let Some(tier) = &mut self.tier else {
+            return Ok(());
+        };
+        let done = tier.collect().await?;
+        let conn = self.core.scheduler_mut().connector_mut();
+        for r in done.reports {
+            conn.report_tier(r)
+                .map_err(|e| StoreError::Protocol(e.to_string()))?;
+        }
+        for p in done.promoted {
+            let Some(prefixes) = self.promoting.remove(&p.chunk) else {
+                return Err(StoreError::Protocol(format!(
+                    "promoted chunk {:?} has no recorded content",
+                    p.chunk
+                ))
+                .into());
+            };
+            self.promoted.push(PromotedChunk {
+                chunk: p.chunk.0,
+                prefixes,
+            });
+        }
+        Ok(())
+    }
+
+    /// The shared tier's figures, when there is one.
+    pub fn tier_figures(&self) -> Option<&crate::tier::TierFigures> {
+        self.tier.as_ref().map(|t| &t.figures)
+    }
+
+    /// The shared tier's store, when there is one (tests reach an in-process store through it).
+    pub fn tier_store(&self) -> Option<&crate::tier::Store> {
+        self.tier.as_ref().map(Tier::store)
+    }
+
+    /// Makes the shared tier use `store` (another engine's, for engines of one process that
+    /// share an in-process store): before the first step. `false` without a tier.
+    pub fn share_tier_store(&mut self, store: crate::tier::Store) -> bool {
+        self.tier.as_mut().map(|t| t.use_store(store)).is_some()
     }
 
     /// Hands this step's KV events to the publisher, if any.
@@ -586,11 +767,13 @@ impl Engine {
         let msg_step = Arc::new(step);
         let msg_tokens = Arc::new(std::mem::take(&mut self.tokens));
         let msg_forget = Arc::new(std::mem::take(&mut self.forget));
+        let msg_promoted = Arc::new(std::mem::take(&mut self.promoted));
         for (r, tx) in self.to_ranks.iter().enumerate() {
             let m = StepMsg {
                 step: msg_step.clone(),
                 tokens: msg_tokens.clone(),
                 forget: msg_forget.clone(),
+                promoted: msg_promoted.clone(),
             };
             if tx.send(m).await.is_err() {
                 return Err(rank_gone(&mut self.reports, r as u32));
@@ -621,7 +804,12 @@ impl Engine {
         let busy = self.at_ranks.is_some()
             || self.ahead.is_some()
             || self.core.steps_in_flight().next().is_some()
-            || sched.connector().jobs_in_flight().next().is_some();
+            || sched.connector().jobs_in_flight().next().is_some()
+            || sched
+                .connector()
+                .tiering()
+                .is_some_and(|t| t.has_pending_work())
+            || self.tier.as_ref().is_some_and(Tier::running);
         if busy || !sched.has_requests() {
             return None;
         }
@@ -701,11 +889,18 @@ impl Engine {
             mut figures,
             clock,
             events,
+            tier,
             ..
         } = self;
         drop(to_ranks);
         if let Some(p) = events {
             figures.kv_events = p.finish().await;
+        }
+        if let Some(mut t) = tier {
+            // A batch still running is waited for (its commands have deadlines): its figures
+            // count, its reports have no engine left to go to.
+            let _ = t.collect().await;
+            figures.tier = Some(t.figures);
         }
         let mut ranks = Vec::with_capacity(handles.len());
         tokio::select! {

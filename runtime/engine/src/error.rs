@@ -18,6 +18,9 @@ pub enum RunError {
     /// block the publisher never saw stored.
     #[error("kv-events: {0}")]
     Events(String),
+    /// The shared tier could not be reached at start, or its IO stopped (`--tier`).
+    #[error("tier: {0}")]
+    Tier(#[from] crate::tier::StoreError),
     /// The trace could not be read or written.
     #[error(transparent)]
     Trace(#[from] TraceError),

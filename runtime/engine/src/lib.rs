@@ -37,6 +37,7 @@
 //! | [`report`] | the figures of a run (readable and `--json`), its Perfetto timeline |
 //! | [`metrics`] | Prometheus metrics with vLLM's names, served on `--metrics HOST:PORT` |
 //! | [`events`] | KV events in vLLM's wire format, published on `--kv-events tcp://HOST:PORT` |
+//! | [`tier`] | the shared tier behind the CPU pools (a Redis Cluster), `--tier redis://HOST:PORT` |
 //! | [`error`] | [`RunError`] |
 //!
 //! A simulation (`kvrelay-sim`) replaces the three seams — [`transport::Transport`],
@@ -54,6 +55,7 @@ pub mod rank;
 pub mod report;
 pub mod run;
 pub mod stop;
+pub mod tier;
 pub mod transfer;
 pub mod transport;
 pub mod workload;

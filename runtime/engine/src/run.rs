@@ -21,7 +21,8 @@ use crate::{Engine, RunConfig, RunError};
 const STUCK_STEPS: u64 = 2;
 
 /// Wall time of idle steps in a row after which a run is stalled even with something in flight
-/// (a transfer whose completion never comes).
+/// (a transfer whose completion never comes). A shared tier that finishes a batch of work
+/// during the idle steps is progress: the clock starts again.
 const STALL_WALL: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The idle steps in a row of a run, watched for a stall.
@@ -30,6 +31,8 @@ struct Stall {
     idle: u64,
     stuck: u64,
     since: Option<Instant>,
+    /// The shared tier's batches done when `since` was last set.
+    tier_batches: u64,
 }
 
 impl Stall {
@@ -38,6 +41,11 @@ impl Stall {
     /// idle for [`STALL_WALL`].
     fn idle_step(&mut self, engine: &Engine, arriving: bool) -> Result<(), RunError> {
         self.idle += 1;
+        let batches = engine.tier_figures().map_or(0, |t| t.batches);
+        if batches != self.tier_batches {
+            self.tier_batches = batches;
+            self.since = None;
+        }
         let since = *self.since.get_or_insert_with(Instant::now);
         self.stuck = match engine.stuck() {
             Some(_) if !arriving => self.stuck + 1,

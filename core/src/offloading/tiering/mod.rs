@@ -396,7 +396,7 @@ impl TieringManager {
     /// `_flush_pending_promotions`.
     fn flush_promotions(&mut self) {
         for (tier, by_request) in core::mem::take(&mut self.promotions) {
-            for (_request, p) in by_request {
+            for (request, p) in by_request {
                 let job = self.next_job();
                 self.jobs.insert(
                     job,
@@ -411,6 +411,7 @@ impl TieringManager {
                 self.tiers[tier.0 as usize].submit(job, Some(p.keys.clone()));
                 self.work.push(TierWork::Load {
                     tier,
+                    request,
                     job,
                     keys: p.keys,
                     chunks: p.chunks,

@@ -80,6 +80,8 @@ pub enum TierWork {
     Load {
         /// The tier.
         tier: TierId,
+        /// The request whose lookup started the promotion (vLLM's `req_context`).
+        request: RequestId,
         /// The job, reported with [`TierReport::Finished`].
         job: TierJobId,
         /// The keys, in order.

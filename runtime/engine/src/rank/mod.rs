@@ -47,7 +47,7 @@ use crate::content::{POISON, TokenBook, UNWRITTEN, salt, salted};
 use crate::report::perfetto::{Recorder, now_us};
 use crate::report::samples::Samples;
 use crate::transfer::cuda::{CudaArena, CudaEngine, Device};
-use crate::transfer::host::{HostArena, HostEngine};
+use crate::transfer::host::{HostArena, HostEngine, HostPool};
 use crate::transfer::{
     Backend, COPY_QUEUE_BOUND, CopyDone, CopyJob, KvArena, Slot, TransferEngine, TransferError,
 };
@@ -60,6 +60,18 @@ pub struct StepMsg {
     pub tokens: Arc<Vec<(RequestId, Vec<Token>)>>,
     /// Requests the engine released: their tokens are forgotten.
     pub forget: Arc<Vec<RequestId>>,
+    /// CPU chunks the shared tier filled since the previous step (promotions): what each now
+    /// holds, for the checks of later loads. Always empty over worker processes (a shared
+    /// tier needs in-process ranks).
+    pub promoted: Arc<Vec<PromotedChunk>>,
+}
+
+/// A CPU chunk the shared tier filled, and the prefix hash of each of its token slots (what
+/// the chunk must hold, derived by the engine from the tokens of the request that promoted it).
+#[derive(Clone, Debug, Eq, PartialEq)]
+pub struct PromotedChunk {
+    pub chunk: u32,
+    pub prefixes: Vec<u64>,
 }
 
 /// What a rank sends the engine.
@@ -112,6 +124,7 @@ pub struct RankShape {
     pub gpu: KvLayout,
     pub host: KvLayout,
     pub block_size: u32,
+    pub blocks_per_chunk: u32,
 }
 
 /// Everything a rank is built from: the same for an in-process rank and a worker process
@@ -133,6 +146,10 @@ pub struct RankSetup {
     pub timeline: bool,
     /// When the driver hears of a completed transfer.
     pub completions: Completions,
+    /// The CPU pool, when the engine shares it (a shared tier reads and writes it; host backend,
+    /// in-process ranks only). `None`: the rank allocates its own.
+    #[serde(skip)]
+    pub host_pool: Option<HostPool>,
 }
 
 /// When a rank's driver hears that a transfer completed.
@@ -180,6 +197,11 @@ impl RankSetup {
         let slot_bytes = (self.gpu.block_bytes() / u64::from(self.block_size)) as usize;
         let (done_tx, done_rx) = mpsc::channel(COPY_QUEUE_BOUND);
         let (arena, engine): (Box<dyn KvArena>, Box<dyn TransferEngine>) = match self.backend {
+            Backend::Cuda if self.host_pool.is_some() => {
+                return Err(RunError::Config(
+                    "a shared CPU pool (the shared tier) needs the host backend".into(),
+                ));
+            }
             Backend::Cuda => {
                 let dev = Device::open(arena_bytes).map_err(failed)?;
                 let engine = CudaEngine::spawn(self.rank, dev.clone(), host_bytes, done_tx, wake)
@@ -189,8 +211,12 @@ impl RankSetup {
             }
             Backend::Host | Backend::Auto => {
                 let arena = HostArena::new(arena_bytes, slot_bytes);
-                let engine = HostEngine::spawn(self.rank, &arena, host_bytes, done_tx, wake)
-                    .map_err(failed)?;
+                let pool = match &self.host_pool {
+                    Some(p) => p.clone(),
+                    None => HostPool::new(host_bytes),
+                };
+                let engine =
+                    HostEngine::spawn(self.rank, &arena, pool, done_tx, wake).map_err(failed)?;
                 (Box::new(arena), Box::new(engine))
             }
         };
@@ -220,6 +246,7 @@ impl RankSetup {
             gpu: self.gpu.clone(),
             host: self.host.clone(),
             block_size: self.block_size,
+            blocks_per_chunk: self.blocks_per_chunk,
         };
         let mut task = RankTask::new(
             self.rank,
@@ -400,6 +427,9 @@ impl RankTask {
         }
         for (r, t) in m.tokens.iter() {
             self.book.extend(*r, t);
+        }
+        for p in m.promoted.iter() {
+            self.learn_promoted(p)?;
         }
         for r in tables_reset(&m.step.output) {
             self.watch.reset(r);
@@ -882,6 +912,27 @@ enum Due {
     Collect,
     /// A wait for these jobs.
     Jobs(Vec<JobId>),
+}
+
+impl RankTask {
+    /// Records what a promoted CPU chunk holds (the prefix hashes of its tokens), so that a
+    /// later load from it is checked as one the rank stored itself would be.
+    fn learn_promoted(&mut self, p: &PromotedChunk) -> Result<(), RunError> {
+        let slots = self.shape.blocks_per_chunk as usize * self.shape.block_size as usize;
+        let at = p.chunk as usize * slots;
+        match self.host_shadow.get_mut(at..at + slots) {
+            Some(shadow) if p.prefixes.len() == slots => {
+                shadow.copy_from_slice(&p.prefixes);
+                Ok(())
+            }
+            _ => Err(RunError::Config(format!(
+                "rank {}: promoted chunk {} is not a chunk of the pool ({} slot hashes)",
+                self.rank,
+                p.chunk,
+                p.prefixes.len()
+            ))),
+        }
+    }
 }
 
 /// The prefix hashes of `request`'s tokens at `positions`, or the error naming the first

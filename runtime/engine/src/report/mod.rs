@@ -114,8 +114,61 @@ pub struct Report {
     /// What the KV-event publisher did (`--kv-events`; absent without it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<crate::events::PublisherStats>,
+    /// What the shared tier did (`--tier`; absent without it).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub tier: Option<TierSummary>,
     /// Wall-clock seconds.
     pub wall_s: f64,
+}
+
+/// The shared tier's figures, as the report names them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct TierSummary {
+    /// Existence probes answered, and how many found the chunk (tier hits).
+    pub tier_probes: u64,
+    pub tier_hits: u64,
+    /// Chunks cascaded to the tier: blocks and bytes over every rank's shard.
+    pub tier_blocks_stored: u64,
+    pub tier_bytes_stored: u64,
+    /// Promotions (one job per request and step) and what they loaded into the CPU pools.
+    pub tier_promotions: u64,
+    pub tier_blocks_loaded: u64,
+    pub tier_bytes_loaded: u64,
+    /// Chunks a cascade could not write, or a promotion could not read (recomputed).
+    pub tier_store_failures: u64,
+    pub tier_load_failures: u64,
+    /// Why: absent at load, refused by the header check, store errors, past the deadline.
+    pub tier_values_missing: u64,
+    pub tier_values_refused: u64,
+    pub tier_io_errors: u64,
+    pub tier_timeouts: u64,
+    /// Wall time of a step's tier IO (every command of the step, concurrently): µs.
+    pub tier_batch_us_median: f64,
+    pub tier_batch_us_p99: f64,
+}
+
+impl TierSummary {
+    fn of(t: &crate::tier::TierFigures) -> Self {
+        let mut us = t.batch_us.values().to_vec();
+        us.sort_by(f64::total_cmp);
+        Self {
+            tier_probes: t.probes,
+            tier_hits: t.probes_found,
+            tier_blocks_stored: t.blocks_stored,
+            tier_bytes_stored: t.bytes_stored,
+            tier_promotions: t.load_jobs,
+            tier_blocks_loaded: t.blocks_loaded,
+            tier_bytes_loaded: t.bytes_loaded,
+            tier_store_failures: t.store_failures,
+            tier_load_failures: t.load_failures,
+            tier_values_missing: t.values_missing,
+            tier_values_refused: t.values_refused,
+            tier_io_errors: t.io_errors,
+            tier_timeouts: t.timeouts,
+            tier_batch_us_median: quantile(&us, 0.5),
+            tier_batch_us_p99: quantile(&us, 0.99),
+        }
+    }
 }
 
 /// The ranks' figures summed (per-request loaded tokens are read from rank 0 alone).
@@ -238,6 +291,7 @@ pub fn build(
         invariants_checked: c.check,
         invariant_checks: f.invariant_checks + s.invariant_checks,
         kv_events: f.kv_events,
+        tier: f.tier.as_ref().map(TierSummary::of),
         wall_s: wall.as_secs_f64(),
     }
 }

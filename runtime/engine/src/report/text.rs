@@ -103,6 +103,7 @@ impl fmt::Display for Report {
                 k.batches, k.events, k.bytes, k.replays, k.bad_replays
             )?;
         }
+        self.fmt_tier(f)?;
         if self.invariants_checked {
             write!(
                 f,
@@ -112,5 +113,38 @@ impl fmt::Display for Report {
         } else {
             write!(f, "invariants      not checked (pass --check)")
         }
+    }
+}
+
+impl Report {
+    /// The shared tier's two lines, when there is one.
+    fn fmt_tier(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(t) = &self.tier else {
+            return Ok(());
+        };
+        writeln!(
+            f,
+            "tier            {} hits of {} probes; {} promotions loaded {} blocks ({} B); {} blocks ({} B) stored",
+            t.tier_hits,
+            t.tier_probes,
+            t.tier_promotions,
+            t.tier_blocks_loaded,
+            t.tier_bytes_loaded,
+            t.tier_blocks_stored,
+            t.tier_bytes_stored
+        )?;
+        writeln!(
+            f,
+            "tier failures   {} loads, {} stores ({} missing, {} refused values, {} store errors, {} timeouts); IO {:.0} µs median, {:.0} µs p99 per step",
+            t.tier_load_failures,
+            t.tier_store_failures,
+            t.tier_values_missing,
+            t.tier_values_refused,
+            t.tier_io_errors,
+            t.tier_timeouts,
+            t.tier_batch_us_median,
+            t.tier_batch_us_p99
+        )?;
+        Ok(())
     }
 }

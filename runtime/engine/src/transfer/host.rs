@@ -47,6 +47,46 @@ impl HostArena {
     }
 }
 
+/// A rank's CPU offload pool in host memory, shared by its copy thread and, with a shared tier,
+/// the engine's tier IO (which reads chunks being cascaded and writes chunks being promoted:
+/// the core's pins and reservations keep it off every chunk a transfer touches).
+#[derive(Clone, Debug)]
+pub struct HostPool(Arc<RwLock<Vec<u8>>>);
+
+impl HostPool {
+    /// A zeroed pool of `total` bytes.
+    pub fn new(total: usize) -> Self {
+        Self(Arc::new(RwLock::new(vec![0u8; total])))
+    }
+
+    /// Reads the pool.
+    pub fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<u8>> {
+        self.0.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Writes the pool.
+    pub fn write(&self) -> std::sync::RwLockWriteGuard<'_, Vec<u8>> {
+        self.0.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.read().len()
+    }
+
+    /// Whether it has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Two handles are equal when they share the pool.
+impl PartialEq for HostPool {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
 impl KvArena for HostArena {
     fn fill(&mut self, slots: &[Slot]) -> Result<(), TransferError> {
         let mut arena = self.bytes.write().unwrap_or_else(|p| p.into_inner());
@@ -72,12 +112,12 @@ pub struct HostEngine {
 }
 
 impl HostEngine {
-    /// Starts the copy thread of a rank whose arena is `gpu` and whose host pool has
-    /// `host_bytes` bytes. Completions go to `done`; `wake` is notified after each.
+    /// Starts the copy thread of a rank whose arena is `gpu` and whose CPU pool is `host`.
+    /// Completions go to `done`; `wake` is notified after each.
     pub fn spawn(
         rank: u32,
         gpu: &HostArena,
-        host_bytes: usize,
+        host: HostPool,
         done: mpsc::Sender<CopyDone>,
         wake: Arc<Notify>,
     ) -> Result<Self, TransferError> {
@@ -85,7 +125,7 @@ impl HostEngine {
         let gpu = gpu.bytes.clone();
         let thread = std::thread::Builder::new()
             .name(format!("kvrelay-copy-{rank}"))
-            .spawn(move || copy_loop(&rx, &gpu, vec![0u8; host_bytes], &done, &wake))
+            .spawn(move || copy_loop(&rx, &gpu, &host, &done, &wake))
             .map_err(|e| TransferError::Thread(e.to_string()))?;
         Ok(Self {
             tx: Some(tx),
@@ -116,7 +156,7 @@ impl Drop for HostEngine {
 fn copy_loop(
     rx: &Receiver<CopyJob>,
     gpu: &RwLock<Vec<u8>>,
-    mut host: Vec<u8>,
+    host: &HostPool,
     done: &mpsc::Sender<CopyDone>,
     wake: &Notify,
 ) {
@@ -124,11 +164,13 @@ fn copy_loop(
         let (bytes, elapsed) = match job.direction {
             TransferDirection::Store => {
                 let arena = gpu.read().unwrap_or_else(|p| p.into_inner());
+                let mut host = host.write();
                 let started = Instant::now();
                 (store(&job.runs, &arena, &mut host), started.elapsed())
             }
             TransferDirection::Load => {
                 let mut arena = gpu.write().unwrap_or_else(|p| p.into_inner());
+                let host = host.read();
                 let started = Instant::now();
                 (load(&job.runs, &host, &mut arena), started.elapsed())
             }

@@ -548,6 +548,7 @@ async fn serve(
                             step: Arc::new(step),
                             tokens: Arc::new(tokens),
                             forget: Arc::new(forget),
+                            promoted: Arc::default(),
                         };
                         if let Some(tx) = &step_tx && tx.send(m).await.is_err() {
                             step_tx = None;

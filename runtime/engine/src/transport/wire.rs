@@ -157,6 +157,7 @@ mod tests {
             check: true,
             timeline: false,
             completions: crate::rank::Completions::AfterSteps(2),
+            host_pool: None,
         }
     }
 

@@ -1,0 +1,229 @@
+//! The store behind the shared tier: a Redis Cluster (`redis://HOST:PORT,…`), or an in-process
+//! map (`memory`, for tests and the simulation). A chunk is one command either way: every
+//! rank's shard of it shares a hash slot, so `EXISTS`, `MSET` and `MGET` name all of them at
+//! once; commands of a batch go out together over the cluster client's multiplexed connections.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+
+/// Why a store call failed.
+#[derive(Clone, Debug, Eq, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The endpoints are not a store this build reaches.
+    #[error("bad tier endpoint {0:?}: expected redis://HOST:PORT[,HOST:PORT...] or memory")]
+    BadEndpoint(String),
+    /// The cluster could not be reached.
+    #[error("cannot connect to the tier at {endpoints}: {reason}")]
+    Connect { endpoints: String, reason: String },
+    /// A command failed.
+    #[error("tier command failed: {0}")]
+    Command(String),
+    /// The core refused what the tier reported (a bug of the tier's runtime, never of input).
+    #[error("the tiering manager refused a report: {0}")]
+    Protocol(String),
+}
+
+/// The store. Cheap to clone (a handle).
+#[derive(Clone)]
+pub enum Store {
+    /// A Redis Cluster.
+    Redis(ClusterConnection),
+    /// An in-process map, shared by clones.
+    Memory(MemoryStore),
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Redis(_) => f.write_str("Store::Redis"),
+            Self::Memory(m) => f.debug_tuple("Store::Memory").field(&m.len()).finish(),
+        }
+    }
+}
+
+/// The in-process store: values by key.
+#[derive(Clone, Debug, Default)]
+pub struct MemoryStore {
+    values: Arc<Mutex<HashMap<String, Vec<u8>>>>,
+}
+
+impl MemoryStore {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<u8>>> {
+        self.values.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How many values it holds.
+    pub fn len(&self) -> usize {
+        self.map().len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The keys it holds, sorted.
+    pub fn keys(&self) -> Vec<String> {
+        let mut k: Vec<String> = self.map().keys().cloned().collect();
+        k.sort();
+        k
+    }
+
+    /// Replaces a value (a test's way to corrupt or evict one: `None` removes it).
+    pub fn set_raw(&self, key: &str, value: Option<Vec<u8>>) {
+        match value {
+            Some(v) => self.map().insert(key.to_string(), v),
+            None => self.map().remove(key),
+        };
+    }
+
+    /// A value as stored.
+    pub fn get_raw(&self, key: &str) -> Option<Vec<u8>> {
+        self.map().get(key).cloned()
+    }
+}
+
+impl Store {
+    /// Connects to `endpoints` (`memory`, or Redis Cluster nodes, any of which finds the rest),
+    /// within `timeout`; every later command has `timeout` too.
+    pub async fn connect(endpoints: &[String], timeout: Duration) -> Result<Self, StoreError> {
+        if endpoints == ["memory"] {
+            return Ok(Self::Memory(MemoryStore::default()));
+        }
+        let nodes: Vec<String> = endpoints
+            .iter()
+            .map(|e| match e.strip_prefix("redis://") {
+                Some(rest) if !rest.is_empty() && !rest.contains('/') => Ok(e.clone()),
+                _ => Err(StoreError::BadEndpoint(e.clone())),
+            })
+            .collect::<Result<_, _>>()?;
+        if nodes.is_empty() {
+            return Err(StoreError::BadEndpoint(String::new()));
+        }
+        let failed = |e: redis::RedisError| StoreError::Connect {
+            endpoints: nodes.join(","),
+            reason: e.to_string(),
+        };
+        let client = ClusterClientBuilder::new(nodes.clone())
+            .connection_timeout(timeout)
+            .response_timeout(timeout)
+            .retries(2)
+            .build()
+            .map_err(failed)?;
+        let connect = client.get_async_connection();
+        match tokio::time::timeout(timeout, connect).await {
+            Ok(conn) => Ok(Self::Redis(conn.map_err(failed)?)),
+            Err(_) => Err(StoreError::Connect {
+                endpoints: nodes.join(","),
+                reason: format!("no answer within {timeout:?}"),
+            }),
+        }
+    }
+
+    /// Per group, whether every key of it exists. A group is one chunk's shard keys; every
+    /// group of a call must hash to one slot (one pipeline, one round trip). `Err`: the whole
+    /// call failed; a group's own error is its entry's.
+    pub async fn exists_many(
+        &self,
+        groups: &[Vec<String>],
+    ) -> Result<Vec<Result<bool, StoreError>>, StoreError> {
+        match self {
+            Self::Memory(m) => {
+                let map = m.map();
+                Ok(groups
+                    .iter()
+                    .map(|g| Ok(g.iter().all(|k| map.contains_key(k))))
+                    .collect())
+            }
+            Self::Redis(c) => {
+                let mut pipe = redis::pipe();
+                for g in groups {
+                    pipe.cmd("EXISTS").arg(g);
+                }
+                let out: Vec<redis::RedisResult<usize>> = pipeline(c.clone(), &mut pipe).await?;
+                Ok(out
+                    .into_iter()
+                    .zip(groups)
+                    .map(|(r, g)| r.map(|n| n == g.len()).map_err(command))
+                    .collect())
+            }
+        }
+    }
+
+    /// Writes every group's pairs (one `MSET` per group; groups as in [`Store::exists_many`]).
+    pub async fn put_many(
+        &self,
+        groups: &[Vec<(String, Vec<u8>)>],
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        match self {
+            Self::Memory(m) => {
+                let mut map = m.map();
+                for (k, v) in groups.iter().flatten() {
+                    map.insert(k.clone(), v.clone());
+                }
+                Ok(groups.iter().map(|_| Ok(())).collect())
+            }
+            Self::Redis(c) => {
+                let mut pipe = redis::pipe();
+                for g in groups {
+                    let cmd = pipe.cmd("MSET");
+                    for (k, v) in g {
+                        cmd.arg(k).arg(v.as_slice());
+                    }
+                }
+                let out: Vec<redis::RedisResult<redis::Value>> =
+                    pipeline(c.clone(), &mut pipe).await?;
+                Ok(out
+                    .into_iter()
+                    .map(|r| r.map(|_| ()).map_err(command))
+                    .collect())
+            }
+        }
+    }
+
+    /// Every group's values (`None`: absent; one `MGET` per group, groups as in
+    /// [`Store::exists_many`]).
+    pub async fn get_many(
+        &self,
+        groups: &[Vec<String>],
+    ) -> Result<Vec<Result<Vec<Option<Vec<u8>>>, StoreError>>, StoreError> {
+        match self {
+            Self::Memory(m) => {
+                let map = m.map();
+                Ok(groups
+                    .iter()
+                    .map(|g| Ok(g.iter().map(|k| map.get(k).cloned()).collect()))
+                    .collect())
+            }
+            Self::Redis(c) => {
+                let mut pipe = redis::pipe();
+                for g in groups {
+                    pipe.cmd("MGET").arg(g);
+                }
+                let out: Vec<redis::RedisResult<Vec<Option<Vec<u8>>>>> =
+                    pipeline(c.clone(), &mut pipe).await?;
+                Ok(out.into_iter().map(|r| r.map_err(command)).collect())
+            }
+        }
+    }
+}
+
+fn command(e: redis::RedisError) -> StoreError {
+    StoreError::Command(e.to_string())
+}
+
+/// Sends `pipe` (one slot) and returns each command's own result.
+async fn pipeline<T: redis::FromRedisValue>(
+    mut conn: ClusterConnection,
+    pipe: &mut redis::Pipeline,
+) -> Result<Vec<redis::RedisResult<T>>, StoreError> {
+    pipe.ignore_errors()
+        .query_async::<Vec<redis::RedisResult<T>>>(&mut conn)
+        .await
+        .map_err(command)
+}

@@ -1,0 +1,169 @@
+"""kvrelay's shared tier against a real Redis Cluster that each test starts (tests/tier/cluster.sh).
+
+Every run below is `kvrelay run --json` on a slice of the Mooncake conversation trace with every
+load and every read checked (content words derive from the prefix, so a wrong value cannot pass);
+a run that served wrong KV stops with an error, which these tests would see as a failed exit.
+"""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = ROOT / "tests" / "tier" / "cluster.sh"
+TRACE = ROOT / "tests" / "traces" / "mooncake" / "conversation_trace.jsonl.gz"
+BIN = os.environ.get("KVRELAY_BIN", str(ROOT / "target" / "release" / "kvrelay"))
+REQUESTS = os.environ.get("KVRELAY_TIER_REQUESTS", "60")
+# The run's default pools: a fresh engine's CPU pool is empty, so what it reuses beyond its own
+# GPU prefix cache comes from the tier.
+POOLS = []
+
+
+def cluster(*args, base=7200, **kw):
+    out = subprocess.run(
+        [str(CLUSTER), *args, "--port", str(base), "--dir", f"/tmp/kvrelay-tier-test-{base}"],
+        check=True, capture_output=True, text=True, **kw)
+    return out.stdout.strip()
+
+
+@pytest.fixture
+def tier():
+    spec = cluster("start")
+    yield spec
+    cluster("stop")
+
+
+def run(tier_spec, *extra, requests=REQUESTS, timeout=600):
+    cmd = [BIN, "run", "--trace", str(TRACE), "--requests", requests, "--json", *POOLS]
+    if tier_spec:
+        cmd += ["--tier", tier_spec]
+    p = subprocess.run(cmd + list(extra), capture_output=True, text=True, timeout=timeout)
+    report = json.loads(p.stdout) if p.returncode == 0 else None
+    return p, report
+
+
+def redis(port, *args):
+    return subprocess.run(["redis-cli", "-p", str(port), *args], check=True,
+                          capture_output=True, text=True).stdout
+
+
+def masters():
+    return [7200, 7201, 7202]
+
+
+def kvrelay_keys(port):
+    return [k for k in redis(port, "--scan", "--pattern", "kvrelay:*").split() if k]
+
+
+def finished_all(report):
+    return report["finished"] == report["requests"] == int(REQUESTS)
+
+
+# Protects the point of the tier (issue 36 item 3): a second engine process gets prefix hits
+# from what the first stored, each verified byte for byte, and computes fewer tokens.
+def test_a_second_engine_hits_what_the_first_stored(tier):
+    p1, first = run(tier)
+    assert p1.returncode == 0, p1.stderr
+    assert first["tier_blocks_stored"] > 0 and first["tier_store_failures"] == 0
+    stored = sum(len(kvrelay_keys(m)) for m in masters())
+    assert stored > 0, "the first engine's chunks are in the cluster"
+    p2, second = run(tier)
+    assert p2.returncode == 0, p2.stderr
+    assert finished_all(first) and finished_all(second)
+    assert second["tier_hits"] > 0 and second["tier_blocks_loaded"] > 0
+    assert second["tier_load_failures"] == 0 and second["tier_values_refused"] == 0
+    assert second["loaded_blocks_verified"] >= second["blocks_loaded"] > 0
+    assert second["tokens_computed"] < first["tokens_computed"]
+    # Without the tier, the same second run computes what the first did.
+    p3, alone = run(None)
+    assert p3.returncode == 0, p3.stderr
+    assert alone["tokens_computed"] == first["tokens_computed"]
+
+
+# Protects "a failed load is never served" (LMCache #4991, Dynamo #15079): values truncated or
+# replaced by foreign bytes under kvrelay's keys are refused by the header check; the requests
+# recompute and every one finishes with verified KV.
+def test_truncated_and_foreign_values_are_refused_not_served(tier):
+    p1, _ = run(tier)
+    assert p1.returncode == 0, p1.stderr
+    spoiled = 0
+    for m in masters():
+        lines = []
+        for i, k in enumerate(kvrelay_keys(m)):
+            # Half truncated (kvrelay's magic, then nothing), half foreign bytes.
+            lines.append(f"SET {k} KVRT" if i % 2 else f"SET {k} not-a-kvrelay-value")
+            spoiled += 1
+        subprocess.run(["redis-cli", "-p", str(m)], input="\n".join(lines) + "\n",
+                       check=True, capture_output=True, text=True)
+    assert spoiled > 0
+    p2, second = run(tier)
+    assert p2.returncode == 0, p2.stderr
+    assert finished_all(second)
+    assert second["tier_values_refused"] > 0
+    assert second["tier_blocks_loaded"] == 0, "nothing refused reaches a CPU pool"
+    assert second["tier_load_failures"] > 0
+
+
+# Protects "the cluster down at start is a clear error", never a silent CPU-only run.
+def test_an_unreachable_cluster_is_a_clear_error_at_start():
+    p, _ = run("redis://127.0.0.1:7299", "--tier-timeout-ms", "500", requests="5")
+    assert p.returncode != 0
+    assert "cannot connect to the tier" in p.stderr, p.stderr
+
+
+def during_run(tier_spec, timeout_ms, fault):
+    """Runs the workload against the tier, with `fault()` injected 0.3 s into the run; returns
+    the report of a run that finished every request."""
+    cmd = [BIN, "run", "--trace", str(TRACE), "--requests", REQUESTS, "--json", *POOLS,
+           "--tier", tier_spec, "--tier-timeout-ms", str(timeout_ms)]
+    running = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    assert running.poll() is None, "the run is still going when the fault lands"
+    fault()
+    out, err = running.communicate(timeout=600)
+    assert running.returncode == 0, err
+    report = json.loads(out)
+    assert finished_all(report)
+    return report
+
+
+# Protects liveness under a dead master (no replicas: its slots, and the keys in them, are
+# gone): every request finishes, failed tier IO is counted, nothing wrong is served.
+def test_a_master_killed_mid_run_loses_keys_not_requests(tier):
+    p1, _ = run(tier)
+    assert p1.returncode == 0, p1.stderr
+    pid = int(Path("/tmp/kvrelay-tier-test-7200/7201/redis.pid").read_text().strip())
+    report = during_run(tier, 300, lambda: os.kill(pid, 9))
+    assert report["tier_io_errors"] + report["tier_timeouts"] > 0
+
+
+# Protects keys evicted by Redis (maxmemory, allkeys-lru) under a running engine: probes that
+# found a chunk may meet it gone at load; every request still finishes with verified KV.
+def test_keys_evicted_by_redis_are_recomputed():
+    spec = cluster("start", "--maxmemory", str(2 * 1024 * 1024), base=7300)
+    try:
+        tier_spec = spec
+        p1, first = run(tier_spec)
+        assert p1.returncode == 0, p1.stderr
+        p2, second = run(tier_spec)
+        assert p2.returncode == 0, p2.stderr
+        assert finished_all(second)
+        evicted = sum(int(redis(7300 + i, "info", "stats").split("evicted_keys:")[1].split()[0])
+                      for i in range(3))
+        assert evicted > 0, "maxmemory evicted kvrelay's values"
+    finally:
+        cluster("stop", base=7300)
+
+
+# Protects deadlines on a slow store: a node that does not answer for seconds turns commands
+# into timeouts (failed probes and jobs), and the run goes on.
+def test_a_slow_node_times_out_and_the_run_goes_on(tier):
+    p1, _ = run(tier)
+    assert p1.returncode == 0, p1.stderr
+    pause = ["redis-cli", "-p", "7200", "CLIENT", "PAUSE", "3000", "ALL"]
+    report = during_run(tier, 200, lambda: subprocess.run(pause, check=True, capture_output=True))
+    assert report["tier_timeouts"] + report["tier_io_errors"] > 0
