@@ -159,14 +159,47 @@ struct ManagerCaseConfig {
 /// The eviction policy, as cases name it.
 #[derive(Deserialize, Debug, Default)]
 #[serde(rename_all = "lowercase")]
-enum Policy {
+pub(crate) enum Policy {
     #[default]
     Lru,
     Arc,
 }
 
-fn one() -> u32 {
+impl Policy {
+    pub(crate) fn kind(&self) -> PolicyKind {
+        match self {
+            Policy::Lru => PolicyKind::Lru,
+            Policy::Arc => PolicyKind::Arc,
+        }
+    }
+}
+
+pub(crate) fn one() -> u32 {
     1
+}
+
+/// `prepare_store`'s result: null, or the keys to store in order and the evicted ones as a set.
+pub(crate) fn render_store(
+    out: &Option<(Vec<OffloadKey>, Vec<OffloadKey>)>,
+    ids: &Interner,
+) -> Value {
+    match out {
+        None => Value::Null,
+        Some((stored, evicted)) => json!({
+            "keys_to_store": render_list(stored, ids),
+            "evicted_keys": render_set(evicted, ids),
+        }),
+    }
+}
+
+/// `take_events`' result: the events in order, each one's keys as a set.
+pub(crate) fn render_events(events: &[OffloadEvent], ids: &Interner) -> Value {
+    Value::Array(
+        events
+            .iter()
+            .map(|e| json!({"keys": render_set(&e.keys, ids), "removed": e.removed}))
+            .collect(),
+    )
 }
 
 /// `keys` in the context of an optional `request`.
@@ -190,10 +223,7 @@ impl Harness for OffloadManagerHarness {
         let c: ManagerCaseConfig = parse_config(config)?;
         let manager = CpuOffloadingManager::new(ManagerConfig {
             capacity_chunks: c.capacity_chunks,
-            policy: match c.policy {
-                Policy::Lru => PolicyKind::Lru,
-                Policy::Arc => PolicyKind::Arc,
-            },
+            policy: c.policy.kind(),
             store_threshold: c.store_threshold,
         })
         .map_err(|e| CaseError(format!("bad config: {e}")))?;
@@ -284,17 +314,8 @@ impl Harness for OffloadManagerHarness {
             ManagerOut::Lookup(KeyLookup::Miss) => json!("miss"),
             ManagerOut::Lookup(KeyLookup::Hit) => json!("hit"),
             ManagerOut::Lookup(KeyLookup::HitPending) => json!("hit_pending"),
-            ManagerOut::Store(None) => Value::Null,
-            ManagerOut::Store(Some((stored, evicted))) => json!({
-                "keys_to_store": render_list(stored, ids),
-                "evicted_keys": render_set(evicted, ids),
-            }),
-            ManagerOut::Events(events) => Value::Array(
-                events
-                    .iter()
-                    .map(|e| json!({"keys": render_set(&e.keys, ids), "removed": e.removed}))
-                    .collect(),
-            ),
+            ManagerOut::Store(out) => render_store(out, ids),
+            ManagerOut::Events(events) => render_events(events, ids),
         }
     }
 

@@ -10,15 +10,18 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvrelay_core::{
-    Access, Interner, LookupResult, ManagerConfig, OffloadEvent, OffloadKey, PolicyKind, RequestId,
-    TierId, TierJobId, TierReport, TierWork, TieringConfig, TieringManager,
+    Access, Interner, LookupResult, ManagerConfig, OffloadEvent, OffloadKey, RequestId, TierId,
+    TierJobId, TierReport, TierWork, TieringConfig, TieringManager,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::case::{CaseError, Harness};
 use super::json::{NoArgs, parse_call, parse_config};
-use super::offload_manager::{OffloadManagerHarness, key, keys, norm_set, render_list, render_set};
+use super::offload_manager::{
+    OffloadManagerHarness, Policy, key, keys, norm_set, one, render_events, render_list,
+    render_set, render_store,
+};
 
 /// What one tier was handed since the last `tier_submitted`.
 #[derive(Debug, Default)]
@@ -186,14 +189,6 @@ struct Config {
     deadline_steps: Option<u32>,
 }
 
-#[derive(Deserialize, Debug, Default)]
-#[serde(rename_all = "lowercase")]
-enum Policy {
-    #[default]
-    Lru,
-    Arc,
-}
-
 #[derive(Deserialize, Debug, Default, PartialEq)]
 #[serde(rename_all = "lowercase")]
 enum Mode {
@@ -216,10 +211,6 @@ struct ExpectedSubmitted {
 struct ExpectedJob {
     job: u64,
     keys: Vec<String>,
-}
-
-fn one() -> u32 {
-    1
 }
 
 fn one_u8() -> u8 {
@@ -422,10 +413,7 @@ impl Harness for TieringHarness {
         let c: Config = parse_config(config)?;
         let primary = ManagerConfig {
             capacity_chunks: c.capacity_chunks,
-            policy: match c.policy {
-                Policy::Lru => PolicyKind::Lru,
-                Policy::Arc => PolicyKind::Arc,
-            },
+            policy: c.policy.kind(),
             store_threshold: c.store_threshold,
         };
         let deadline_steps = match c.mode {
@@ -498,17 +486,8 @@ impl Harness for TieringHarness {
                 LookupResult::Retry => "retry",
             }),
             TieringOut::Bool(b) => json!(b),
-            TieringOut::Store(None) => Value::Null,
-            TieringOut::Store(Some((stored, evicted))) => json!({
-                "keys_to_store": render_list(stored, ids),
-                "evicted_keys": render_set(evicted, ids),
-            }),
-            TieringOut::Events(events) => Value::Array(
-                events
-                    .iter()
-                    .map(|e| json!({"keys": render_set(&e.keys, ids), "removed": e.removed}))
-                    .collect(),
-            ),
+            TieringOut::Store(out) => render_store(out, ids),
+            TieringOut::Events(events) => render_events(events, ids),
             TieringOut::Submitted(s) => json!({
                 "probes": render_set(&s.probes.iter().copied().collect::<Vec<_>>(), ids),
                 "stores": render_jobs(&s.stores, ids),
