@@ -35,6 +35,17 @@ pub fn roll(prefix: u64, token: Token) -> u64 {
     if h == UNWRITTEN { 1 } else { h }
 }
 
+/// Appends to `prefixes` (the prefix hashes of a request's tokens so far) those of `tokens`,
+/// which follow them.
+pub fn extend_prefixes(prefixes: &mut Vec<u64>, tokens: &[Token]) {
+    let mut h = prefixes.last().copied().unwrap_or(0);
+    prefixes.reserve(tokens.len());
+    for &t in tokens {
+        h = roll(h, t);
+        prefixes.push(h);
+    }
+}
+
 /// The word a token with prefix hash `prefix` has in `layer` of `group` on `rank`.
 pub fn word(prefix: u64, layer: u32, group: u32, rank: u32) -> u64 {
     salted(prefix, salt(layer, group, rank))
@@ -75,13 +86,7 @@ pub struct TokenBook {
 impl TokenBook {
     /// Appends `tokens` to `request`'s tokens.
     pub fn extend(&mut self, request: RequestId, tokens: &[Token]) {
-        let v = self.prefixes.entry(request).or_default();
-        let mut h = v.last().copied().unwrap_or(0);
-        v.reserve(tokens.len());
-        for &t in tokens {
-            h = roll(h, t);
-            v.push(h);
-        }
+        extend_prefixes(self.prefixes.entry(request).or_default(), tokens);
     }
 
     /// Forgets `request`.

@@ -274,18 +274,6 @@ fn chunk_end(block_hashes: &[BlockHash], hash: BlockHash, bpc: usize, tpc: usize
     Some((last + 1) / bpc * tpc)
 }
 
-/// The prefix hash after each of `tokens` (what each token's KV slot holds: see `content`).
-fn token_prefixes(tokens: &[Token]) -> Vec<u64> {
-    let mut h = 0;
-    tokens
-        .iter()
-        .map(|&t| {
-            h = crate::content::roll(h, t);
-            h
-        })
-        .collect()
-}
-
 /// The token sampled for `request` at `position` (seeded, no model).
 fn sample(seed: u64, request: RequestId, position: u32) -> Token {
     let mut r = workload::Rng::new(seed ^ (u64::from(request.0) << 32) ^ u64::from(position));
@@ -674,7 +662,11 @@ impl Engine {
                     .map(|k| chunk_end(r.block_hashes(), k.hash, bpc, tpc))
                     .collect();
                 let upto = ends.iter().flatten().max().copied().unwrap_or(0);
-                let prefixes = token_prefixes(&r.tokens()[..upto.min(r.tokens().len())]);
+                let mut prefixes = Vec::new();
+                crate::content::extend_prefixes(
+                    &mut prefixes,
+                    &r.tokens()[..upto.min(r.tokens().len())],
+                );
                 for (end, chunk) in ends.into_iter().zip(chunks) {
                     if let Some(slots) = end.and_then(|e| prefixes.get(e - tpc..e)) {
                         self.promoting.insert(*chunk, slots.to_vec());

@@ -79,10 +79,7 @@ impl TierConfig {
             })?;
             for node in rest.split(',') {
                 let node = node.strip_prefix("redis://").unwrap_or(node);
-                let ok = node
-                    .rsplit_once(':')
-                    .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
-                if !ok {
+                if !store::is_node(node) {
                     return Err(format!("--tier: {node:?} is not HOST:PORT"));
                 }
                 endpoints.push(format!("redis://{node}"));

@@ -97,9 +97,10 @@ impl Store {
         }
         let nodes: Vec<String> = endpoints
             .iter()
-            .map(|e| match e.strip_prefix("redis://") {
-                Some(rest) if !rest.is_empty() && !rest.contains('/') => Ok(e.clone()),
-                _ => Err(StoreError::BadEndpoint(e.clone())),
+            .map(|e| {
+                let node = e.strip_prefix("redis://").filter(|n| is_node(n));
+                node.map(|_| e.clone())
+                    .ok_or_else(|| StoreError::BadEndpoint(e.clone()))
             })
             .collect::<Result<_, _>>()?;
         if nodes.is_empty() {
@@ -211,6 +212,13 @@ impl Store {
             }
         }
     }
+}
+
+/// Whether `node` is `HOST:PORT` (a port from 1): what every Redis endpoint names after
+/// `redis://`, from `--tier` or from a config file.
+pub fn is_node(node: &str) -> bool {
+    node.rsplit_once(':')
+        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0))
 }
 
 fn command(e: redis::RedisError) -> StoreError {
