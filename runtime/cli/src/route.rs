@@ -47,6 +47,10 @@ pub(crate) fn run(args: &RouteArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(s) = config.trace_split {
+        eprintln!("kvrelay route: trace_split {s}: the router deals the requests out itself");
+        return ExitCode::from(2);
+    }
     let records = match kvrelay_engine::requests(&config) {
         Ok(r) => r,
         Err(e) => {

@@ -38,7 +38,10 @@ Mooncake traces', by default with --trace). The Mooncake FAST'25 conversation tr
 tests/traces/mooncake/. --requests N and --until SECONDS replay a slice. --write-trace FILE
 writes the generated workload in that format, with 64-token hash blocks: replay it with
 --trace FILE --hash-block-tokens 64 (the same requests, prompts and arrivals; with 512 the
-trace is refused, its hash ids too many for its prompts).
+trace is refused, its hash ids too many for its prompts). --trace-split K/N replays engine K
+of N's share (a round robin over arrivals, after --requests and --until): N such runs, one a
+process, are N engines behind a router that knows nothing of prefixes; with --tier they share
+one store (tests/tier/split_trace.py runs the comparison).
 
 Progress: a bar on a terminal; otherwise a plain line on stderr every 5 seconds.
 
@@ -211,6 +214,11 @@ pub(crate) struct RunArgs {
     /// CPU eviction policy [default: lru].
     #[arg(long, value_parser = ["lru", "arc"])]
     pub policy: Option<String>,
+    /// Replay only engine K of N's share of the workload: the requests whose index, after
+    /// --requests and --until, is K mod N (a round robin over arrivals). The default
+    /// --max-model-len stays the whole workload's. In TOML: trace_split = "K/N".
+    #[arg(long, value_name = "K/N")]
+    pub trace_split: Option<String>,
     /// Write a Chrome / Perfetto timeline of the engine's and every rank's steps and transfers
     /// (open in ui.perfetto.dev).
     #[arg(long, value_name = "FILE.json")]
@@ -272,6 +280,9 @@ impl RunArgs {
         }
         if let Some(p) = self.policy.as_deref().and_then(policy) {
             c.policy = p;
+        }
+        if let Some(s) = &self.trace_split {
+            c.trace_split = Some(s.parse().map_err(|e| format!("--trace-split: {e}"))?);
         }
         if let Some(p) = &self.timeline {
             c.timeline = Some(p.clone());
@@ -419,14 +430,14 @@ impl Progress for Bar {
 
 /// `kvrelay run`: see [`HELP`].
 pub(crate) fn run(args: &RunArgs) -> ExitCode {
-    let config = match args.config() {
+    let mut config = match args.config() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("kvrelay run: {e}");
             return ExitCode::from(2);
         }
     };
-    let records = match kvrelay_engine::requests(&config) {
+    let records = match kvrelay_engine::requests_of_run(&mut config) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("kvrelay run: {e}");

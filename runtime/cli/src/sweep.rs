@@ -225,7 +225,7 @@ pub(crate) fn run(args: &SweepArgs) -> ExitCode {
         eprintln!("kvrelay sweep: {e}");
         ExitCode::from(2)
     };
-    let base = match args.engine.config() {
+    let mut base = match args.engine.config() {
         Ok(c) => c,
         Err(e) => return fail(&e),
     };
@@ -237,7 +237,7 @@ pub(crate) fn run(args: &SweepArgs) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(&e),
     };
-    let records = match kvrelay_engine::requests(&base) {
+    let records = match kvrelay_engine::requests_of_run(&mut base) {
         Ok(r) => r,
         Err(e) => return fail(&e),
     };

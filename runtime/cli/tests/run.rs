@@ -322,3 +322,51 @@ fn assert_same_run(w: &serde_json::Value, v: &serde_json::Value) {
         assert_eq!(w[k], v[k], "{k}");
     }
 }
+
+// Protects `--trace-split K/N` (issue 36): the N shares are the whole workload's requests,
+// prompt for prompt, each run on an engine built for the whole (its max_model_len); a bad
+// split, on the command line or in TOML, is refused at start with exit status 2.
+#[test]
+fn trace_split_shares_are_the_whole_workload() {
+    let json = |args: &[&str]| -> serde_json::Value {
+        let out = kvrelay(&[&["run", "--conversations", "24", "--json"], args].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {err}");
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
+    let whole = json(&["--requests", "30"]);
+    let shares = [
+        json(&["--requests", "30", "--trace-split", "0/2"]),
+        json(&["--requests", "30", "--trace-split", "1/2"]),
+    ];
+    for k in ["requests", "finished", "prompt_tokens"] {
+        assert_eq!(
+            n(&whole, k),
+            shares.iter().map(|s| n(s, k)).sum::<u64>(),
+            "{k}"
+        );
+    }
+    assert_eq!(n(&shares[0], "requests"), 15);
+    for s in &shares {
+        assert_eq!(s["max_model_len"], whole["max_model_len"]);
+        assert_eq!(s["gpu_blocks"], whole["gpu_blocks"]);
+    }
+    for bad in ["2/2", "1", "0/0"] {
+        let out = kvrelay(&["run", "--trace-split", bad]);
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--trace-split") && err.contains("K"), "{err}");
+    }
+    let dir = std::env::temp_dir().join(format!("kvrelay-split-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let toml = dir.join("split.toml");
+    std::fs::write(&toml, "trace_split = \"3/2\"\n").unwrap();
+    let out = kvrelay(&["run", "--config", toml.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("engine K of N"));
+    std::fs::write(&toml, "trace_split = \"1/2\"\nrequests = 10\n").unwrap();
+    let v = json(&["--config", toml.to_str().unwrap()]);
+    assert_eq!(n(&v, "requests"), 5);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -10,7 +10,7 @@ use crate::events::KvEventsConfig;
 use crate::rank::Completions;
 use crate::tier::TierConfig;
 use crate::transfer::Backend;
-use crate::workload::WorkloadConfig;
+use crate::workload::{TraceSplit, WorkloadConfig};
 
 /// Where ranks run.
 #[derive(Clone, Copy, Debug, Default, Eq, PartialEq, Serialize, Deserialize)]
@@ -90,6 +90,10 @@ pub struct RunConfig {
     pub requests: Option<usize>,
     /// Replay only the requests that arrive before this many seconds.
     pub until_s: Option<f64>,
+    /// Replay only engine K of N's share (`"K/N"`: the requests whose index, after `requests`
+    /// and `until_s`, is K mod N; see [`TraceSplit`]). The default `max_model_len` stays the
+    /// whole workload's, so each share's engine has the pools the whole's would.
+    pub trace_split: Option<TraceSplit>,
     /// Call every machine's `check_invariants()` after every step.
     pub check: bool,
     /// Write a Chrome / Perfetto timeline of steps and transfers here.
@@ -139,6 +143,7 @@ impl Default for RunConfig {
             trace: None,
             requests: None,
             until_s: None,
+            trace_split: None,
             check: false,
             timeline: None,
             completions: Completions::default(),

@@ -64,6 +64,6 @@ pub use self::config::{RunConfig, Workers};
 pub use self::engine::{Engine, StepOutcome, Stopped};
 pub use self::error::RunError;
 pub use self::report::Report;
-pub use self::run::{Progress, requests, run, run_until, run_with, runtime};
+pub use self::run::{Progress, requests, requests_of_run, run, run_until, run_with, runtime};
 pub use self::stop::{StopRequest, StopSignal, Stopper, stop_channel};
 pub use self::transfer::{Backend, TransferError};

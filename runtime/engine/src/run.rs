@@ -80,8 +80,39 @@ impl Progress for () {
 }
 
 /// The requests of a run: the trace, or the generated workload; the first `requests` of
-/// them that arrive before `until_s`.
+/// them that arrive before `until_s`; of those, the share `trace_split` names.
 pub fn requests(config: &RunConfig) -> Result<Vec<TraceRecord>, RunError> {
+    share(config, whole_workload(config)?)
+}
+
+/// [`requests`], for a run of `config`: with a `trace_split` and no `max_model_len`, the
+/// whole workload's longest request becomes `config.max_model_len`, so every share's engine
+/// is built as the whole workload's would be (engines of one shape behind a router).
+pub fn requests_of_run(config: &mut RunConfig) -> Result<Vec<TraceRecord>, RunError> {
+    let all = whole_workload(config)?;
+    if config.trace_split.is_some() && config.max_model_len.is_none() {
+        config.max_model_len = Some(longest(&all));
+    }
+    share(config, all)
+}
+
+/// `records`' share for `config.trace_split` (all of them without one).
+fn share(config: &RunConfig, records: Vec<TraceRecord>) -> Result<Vec<TraceRecord>, RunError> {
+    let Some(split) = config.trace_split else {
+        return Ok(records);
+    };
+    let n = records.len();
+    let share = split.share(records);
+    if share.is_empty() {
+        return Err(RunError::Config(format!(
+            "--trace-split {split}: no request left of {n} (--requests / --until)"
+        )));
+    }
+    Ok(share)
+}
+
+/// The trace or the generated workload, cut by `requests` and `until_s`.
+fn whole_workload(config: &RunConfig) -> Result<Vec<TraceRecord>, RunError> {
     let hb = config.hash_block();
     let mut all = match &config.trace {
         Some(p) => workload::read_trace(p, hb)?,
@@ -286,7 +317,9 @@ async fn replay(
             && r.timestamp as f64 <= now
         {
             pending.pop_front();
-            let prompt = workload::prompt_tokens(r, c.hash_block(), i as u64);
+            // The whole workload's index: a share's requests are the whole's, token for token.
+            let unique = c.trace_split.map_or(i, |s| s.index(i)) as u64;
+            let prompt = workload::prompt_tokens(r, c.hash_block(), unique);
             match engine.add(RequestId(i as u32), prompt, r.output_length) {
                 // Counted by the engine; the run goes on, as a server's does.
                 Err(RunError::Refused { .. }) => continue,

@@ -13,11 +13,13 @@
 //! | `mooncake.rs` | the trace format: [`TraceRecord`], [`read_trace`], [`write_trace`] |
 //! | `generated.rs` | the generated default: [`WorkloadConfig`], [`generate`] |
 //! | `reuse.rs` | the reuse a trace allows at most: [`unbounded_reuse`] |
+//! | `split.rs` | one engine's share of a workload (`--trace-split K/N`): [`TraceSplit`] |
 //! | this file | the tokens of a record's prompt ([`prompt_tokens`]) |
 
 mod generated;
 mod mooncake;
 mod reuse;
+mod split;
 
 use kvrelay_core::Token;
 
@@ -25,6 +27,7 @@ pub(crate) use self::generated::Rng;
 pub use self::generated::{WorkloadConfig, generate};
 pub use self::mooncake::{TraceError, TraceRecord, read_trace, write_trace};
 pub use self::reuse::{TraceReuse, unbounded_reuse};
+pub use self::split::TraceSplit;
 
 /// The prompt tokens of `r`: block `i` holds the tokens of `hash_ids[i]` (equal ids, equal
 /// tokens); positions past the hash ids get tokens unique to request `unique`.
