@@ -18,12 +18,15 @@ CLUSTER = ROOT / "tests" / "tier" / "cluster.sh"
 TRACE = ROOT / "tests" / "traces" / "mooncake" / "conversation_trace.jsonl.gz"
 BIN = os.environ.get("KVRELAY_BIN", str(ROOT / "target" / "release" / "kvrelay"))
 REQUESTS = os.environ.get("KVRELAY_TIER_REQUESTS", "60")
+# The first port of the tests' clusters (BASE, BASE+1, ...; the failover test's at BASE+50, the
+# eviction test's at BASE+100): another range lets two checkouts run these tests at once.
+BASE = int(os.environ.get("KVRELAY_TIER_PORT", "7200"))
 # The run's default pools: a fresh engine's CPU pool is empty, so what it reuses beyond its own
 # GPU prefix cache comes from the tier.
 POOLS = []
 
 
-def cluster(*args, base=7200, **kw):
+def cluster(*args, base=BASE, **kw):
     out = subprocess.run(
         [str(CLUSTER), *args, "--port", str(base), "--dir", f"/tmp/kvrelay-tier-test-{base}"],
         check=True, capture_output=True, text=True, **kw)
@@ -52,7 +55,7 @@ def redis(port, *args):
 
 
 def masters():
-    return [7200, 7201, 7202]
+    return [BASE, BASE + 1, BASE + 2]
 
 
 def kvrelay_keys(port):
@@ -110,15 +113,15 @@ def test_truncated_and_foreign_values_are_refused_not_served(tier):
 
 # Protects "the cluster down at start is a clear error", never a silent CPU-only run.
 def test_an_unreachable_cluster_is_a_clear_error_at_start():
-    p, _ = run("redis://127.0.0.1:7299", "--tier-timeout-ms", "500", requests="5")
+    p, _ = run(f"redis://127.0.0.1:{BASE + 99}", "--tier-timeout-ms", "500", requests="5")
     assert p.returncode != 0
     assert "cannot connect to the tier" in p.stderr, p.stderr
 
 
-def during_run(tier_spec, timeout_ms, fault):
+def during_run(tier_spec, timeout_ms, fault, requests=REQUESTS):
     """Runs the workload against the tier, with `fault()` injected 0.3 s into the run; returns
     the report of a run that finished every request."""
-    cmd = [BIN, "run", "--trace", str(TRACE), "--requests", REQUESTS, "--json", *POOLS,
+    cmd = [BIN, "run", "--trace", str(TRACE), "--requests", requests, "--json", *POOLS,
            "--tier", tier_spec, "--tier-timeout-ms", str(timeout_ms)]
     running = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(0.3)
@@ -127,7 +130,7 @@ def during_run(tier_spec, timeout_ms, fault):
     out, err = running.communicate(timeout=600)
     assert running.returncode == 0, err
     report = json.loads(out)
-    assert finished_all(report)
+    assert report["finished"] == report["requests"] == int(requests)
     return report
 
 
@@ -136,15 +139,56 @@ def during_run(tier_spec, timeout_ms, fault):
 def test_a_master_killed_mid_run_loses_keys_not_requests(tier):
     p1, _ = run(tier)
     assert p1.returncode == 0, p1.stderr
-    pid = int(Path("/tmp/kvrelay-tier-test-7200/7201/redis.pid").read_text().strip())
+    pid = int(Path(f"/tmp/kvrelay-tier-test-{BASE}/{BASE + 1}/redis.pid").read_text().strip())
     report = during_run(tier, 300, lambda: os.kill(pid, 9))
     assert report["tier_io_errors"] + report["tier_timeouts"] > 0
+
+
+def info(port, section):
+    """`INFO section` of a node as a dict."""
+    lines = redis(port, "info", section).splitlines()
+    return dict(line.split(":", 1) for line in lines if ":" in line)
+
+
+# Protects failover (issue 36 item 4): with a replica per master, a master SIGKILLed mid-run is
+# replaced by its replica (cluster-node-timeout 1 s), the running engine finds the new master
+# (a fresh cluster connection once its commands fail: the redis crate's own stays wedged),
+# every request finishes, nothing wrong is served (the run's content checks pass, no value is
+# refused), and the report says what happened: failed commands, then a reconnection. The
+# replica held what the first engine had stored under the dead master (`cluster.sh synced`).
+def test_a_master_killed_with_replicas_fails_over_and_the_run_goes_on():
+    base = BASE + 50
+    spec = cluster("start", "--replicas", "1", "--node-timeout", "1000", base=base)
+    try:
+        p1, first = run(spec)
+        assert p1.returncode == 0, p1.stderr
+        assert first["tier_blocks_stored"] > 0 and first["tier_store_failures"] == 0
+        cluster("synced", base=base)
+        victim = base + 1
+        replica = int(info(victim, "replication")["slave0"].split("port=")[1].split(",")[0])
+        redis(replica, "config", "resetstat")
+        pid = int(Path(f"/tmp/kvrelay-tier-test-{base}/{victim}/redis.pid").read_text().strip())
+        # Long enough (about 8 s or more) to outlast the failover (about 2 to 3 s).
+        second = during_run(spec, 300, lambda: os.kill(pid, 9), requests="300")
+        assert second["tier_io_errors"] + second["tier_timeouts"] > 0, "the failover was seen"
+        assert second["tier_reconnects"] >= 1
+        assert second["tier_values_refused"] == 0
+        assert second["tier_hits"] > 0 and second["tier_blocks_stored"] > 0
+        assert info(replica, "replication")["role"] == "master", "the replica was promoted"
+        assert "cluster_state:ok" in redis(base, "cluster", "info")
+        # Since the kill, the promoted replica answered the engine's own commands: probes,
+        # and cascades or promotions (a replica is sent no EXISTS nor MGET by replication).
+        calls = info(replica, "commandstats")
+        assert "calls=" in calls.get("cmdstat_exists", ""), calls
+        assert int(calls["cmdstat_exists"].split("calls=")[1].split(",")[0]) > 0
+    finally:
+        cluster("stop", base=base)
 
 
 # Protects keys evicted by Redis (maxmemory, allkeys-lru) under a running engine: probes that
 # found a chunk may meet it gone at load; every request still finishes with verified KV.
 def test_keys_evicted_by_redis_are_recomputed():
-    spec = cluster("start", "--maxmemory", str(2 * 1024 * 1024), base=7300)
+    spec = cluster("start", "--maxmemory", str(2 * 1024 * 1024), base=BASE + 100)
     try:
         tier_spec = spec
         p1, first = run(tier_spec)
@@ -152,11 +196,11 @@ def test_keys_evicted_by_redis_are_recomputed():
         p2, second = run(tier_spec)
         assert p2.returncode == 0, p2.stderr
         assert finished_all(second)
-        evicted = sum(int(redis(7300 + i, "info", "stats").split("evicted_keys:")[1].split()[0])
+        evicted = sum(int(redis(BASE + 100 + i, "info", "stats").split("evicted_keys:")[1].split()[0])
                       for i in range(3))
         assert evicted > 0, "maxmemory evicted kvrelay's values"
     finally:
-        cluster("stop", base=7300)
+        cluster("stop", base=BASE + 100)
 
 
 # Protects deadlines on a slow store: a node that does not answer for seconds turns commands
@@ -164,6 +208,6 @@ def test_keys_evicted_by_redis_are_recomputed():
 def test_a_slow_node_times_out_and_the_run_goes_on(tier):
     p1, _ = run(tier)
     assert p1.returncode == 0, p1.stderr
-    pause = ["redis-cli", "-p", "7200", "CLIENT", "PAUSE", "3000", "ALL"]
+    pause = ["redis-cli", "-p", str(BASE), "CLIENT", "PAUSE", "3000", "ALL"]
     report = during_run(tier, 200, lambda: subprocess.run(pause, check=True, capture_output=True))
     assert report["tier_timeouts"] + report["tier_io_errors"] > 0

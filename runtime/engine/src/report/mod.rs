@@ -142,6 +142,8 @@ pub struct TierSummary {
     pub tier_values_refused: u64,
     pub tier_io_errors: u64,
     pub tier_timeouts: u64,
+    /// Fresh connections that replaced a failing one (a Redis Cluster after a failover).
+    pub tier_reconnects: u64,
     /// Wall time of a step's tier IO (every command of the step, concurrently): µs.
     pub tier_batch_us_median: f64,
     pub tier_batch_us_p99: f64,
@@ -165,6 +167,7 @@ impl TierSummary {
             tier_values_refused: t.values_refused,
             tier_io_errors: t.io_errors,
             tier_timeouts: t.timeouts,
+            tier_reconnects: t.reconnects,
             tier_batch_us_median: quantile(&us, 0.5),
             tier_batch_us_p99: quantile(&us, 0.99),
         }

@@ -135,13 +135,14 @@ impl Report {
         )?;
         writeln!(
             f,
-            "tier failures   {} loads, {} stores ({} missing, {} refused values, {} store errors, {} timeouts); IO {:.0} µs median, {:.0} µs p99 per step",
+            "tier failures   {} loads, {} stores ({} missing, {} refused values, {} store errors, {} timeouts); {} reconnects; IO {:.0} µs median, {:.0} µs p99 per step",
             t.tier_load_failures,
             t.tier_store_failures,
             t.tier_values_missing,
             t.tier_values_refused,
             t.tier_io_errors,
             t.tier_timeouts,
+            t.tier_reconnects,
             t.tier_batch_us_median,
             t.tier_batch_us_p99
         )?;

@@ -115,6 +115,9 @@ pub struct TierFigures {
     pub values_refused: u64,
     pub io_errors: u64,
     pub timeouts: u64,
+    /// Fresh connections to the store that replaced one whose commands failed (a Redis
+    /// Cluster after a failover: [`store::RedisLink`]).
+    pub reconnects: u64,
     /// Batches (one per step with work) and their wall time, µs.
     pub batches: u64,
     #[serde(skip)]
@@ -219,6 +222,7 @@ impl Tier {
             .await
             .map_err(|e| StoreError::Command(format!("tier task: {e}")))?;
         self.figures.absorb(&done.figures);
+        self.figures.reconnects = self.store.reconnects();
         Ok(done)
     }
 }
