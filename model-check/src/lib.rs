@@ -112,7 +112,8 @@ pub use shared::Shared;
 pub use system::{
     Connectors, CoreFault, Counted, EnvFaults, Faulty, InFlight, OffloadingPair, PendingStep,
     RankState as SystemRank, SchedFault, SystemAction, SystemConfig, SystemModel, SystemState,
-    WMeta, is_remote_slot, property_names as system_properties, remote_slot,
+    TierEnv, TierModel, TierPending, TierValue, WMeta, is_remote_slot,
+    property_names as system_properties, remote_slot, tier_leak,
 };
 
 /// Model-checks the completion model of `config` breadth-first on `threads` threads (at least

@@ -74,7 +74,9 @@
 //! - **(G)** Every action of `T`, taken in `s`, breaks no property and changes the state. (A
 //!   violation ends a path: taken first, it would hide what the other actions reach; a
 //!   self-loop would postpone the others forever.)
-//! - and the pair's ranks read their own external stores (not [`Connectors::shared_external`]).
+//! - and the pair's ranks read their own external stores (not [`Connectors::shared_external`]),
+//!   and there is no shared tier ([`SystemConfig::tier`]: its answers read and write every
+//!   rank's primary chunks).
 //!
 //! Instead of (A) and (B), **(A2)**: the pipeline holds two steps, the oldest is aggregated (so
 //! `Deliver` is enabled), no `Reset` can happen any more, and `r` output the oldest step but not
@@ -204,8 +206,8 @@ use kvrelay_core::{
     OffloadingConnector, OffloadingConnectorMeta, OffloadingWorker, OffloadingWorkerConfig,
     PolicyKind, Rank, RankAction, RankConfig, RankDriver, RankError, RequestId, RequestSpec,
     RequestStatus, ScheduledStep, Scheduler, SchedulerConfig, SchedulerConnector, SchedulerOutput,
-    SchedulerView, SortedSet, Transfer, TransferDirection, TransferDone, TransferJob, WorkerCall,
-    WorkerConnector, WorkerOutput,
+    SchedulerView, SortedSet, TierReport, TierWork, Transfer, TransferDirection, TransferDone,
+    TransferJob, WorkerCall, WorkerConnector, WorkerOutput,
 };
 use stateright::{Expectation, Model, Property};
 
@@ -213,6 +215,9 @@ use crate::diagram::Arrow;
 use crate::explain::Explain;
 use crate::memo;
 use crate::shared::Shared;
+
+mod tier;
+pub use self::tier::{TierEnv, TierModel, TierPending, TierValue, tier_leak};
 
 /// The names of the properties of [`SystemModel`], as they appear in a [`crate::CheckReport`].
 pub mod property_names {
@@ -260,6 +265,11 @@ pub mod property_names {
     /// `sometimes`: a store transfer failed (its chunks were freed, `strict`) and still every
     /// request finished with nothing in flight.
     pub const STORE_FAILED_DONE: &str = "a store fails and every request still finishes";
+    /// `sometimes`: a GPU load read a primary chunk that a promotion from the shared tier wrote.
+    pub const TIER_PROMOTED_LOADED: &str = "a request loads a chunk promoted from the shared tier";
+    /// `sometimes`: a shared-tier fault struck (a failure, a vanished key, a lost answer) and
+    /// still every request finished with nothing in flight.
+    pub const TIER_FAULT_DONE: &str = "a shared-tier fault and every request still finishes";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -336,6 +346,24 @@ pub trait Connectors: Clone + fmt::Debug + Eq + core::hash::Hash + Send + Sync +
     fn store_may_fail(&self, _store: &Transfer) -> bool {
         false
     }
+    /// Whether the scheduler-side connector drives a shared tier when [`SystemConfig::tier`]
+    /// asks for one (the model refuses the tier otherwise). Default: no.
+    fn has_tier(&self) -> bool {
+        false
+    }
+    /// The shared tier's work since the last call ([`SystemConfig::tier`]). Default: none.
+    fn take_tier_work(&self, _connector: &mut Self::Sched) -> Vec<TierWork> {
+        Vec::new()
+    }
+    /// Hands the connector what the shared tier did. Default: refused (no tier).
+    fn report_tier(&self, _connector: &mut Self::Sched, _report: TierReport) -> Result<(), String> {
+        Err("this pair has no shared tier".to_owned())
+    }
+    /// What the connector still holds once nothing is left to do, if anything (a quiescent
+    /// state must hold nothing). Default: nothing to say.
+    fn leak(&self, _connector: &Self::Sched) -> Option<String> {
+        None
+    }
 }
 
 /// The external location of prompt block `index` of `request` on the remote prefill instance
@@ -383,7 +411,7 @@ impl Connectors for OffloadingPair {
                 policy: model.policy,
                 store_threshold: 0,
             },
-            tiering: None,
+            tiering: model.tier.as_ref().map(TierModel::tiering),
         };
         let inner = OffloadingConnector::new(off, config).map_err(|e| e.to_string())?;
         Ok(Faulty {
@@ -411,6 +439,15 @@ impl Connectors for OffloadingPair {
     /// the GPU prefix cache; no exhaustive or random run so far reached it.)
     fn expected_examples(&self, config: &SystemConfig) -> Vec<&'static str> {
         use property_names as n;
+        if let Some(t) = &config.tier {
+            // The tier's own witnesses (its small configurations are shaped for promotions,
+            // not for preemption).
+            let mut v = vec![n::ALL_DONE, n::TIER_PROMOTED_LOADED];
+            if t.failures + t.vanish + t.lost > 0 {
+                v.push(n::TIER_FAULT_DONE);
+            }
+            return v;
+        }
         let mut v = vec![
             n::FLUSHED,
             n::PREEMPTED,
@@ -435,6 +472,22 @@ impl Connectors for OffloadingPair {
 
     fn store_may_fail(&self, _store: &Transfer) -> bool {
         true
+    }
+
+    fn has_tier(&self) -> bool {
+        true
+    }
+
+    fn take_tier_work(&self, c: &mut Self::Sched) -> Vec<TierWork> {
+        c.inner.take_tier_work()
+    }
+
+    fn report_tier(&self, c: &mut Self::Sched, report: TierReport) -> Result<(), String> {
+        c.inner.report_tier(report).map_err(|e| e.to_string())
+    }
+
+    fn leak(&self, c: &Self::Sched) -> Option<String> {
+        tier_leak(&c.inner)
     }
 
     fn describe_meta(&self, meta: &OffloadingConnectorMeta) -> String {
@@ -816,6 +869,9 @@ pub struct SystemConfig {
     pub idle_steps: u32,
     /// Environment faults.
     pub faults: EnvFaults,
+    /// A shared tier behind the offloading connector's CPU tier, with an adversarial store
+    /// (`system/tier.rs`; [`OffloadingPair`] only). `None`: no tier.
+    pub tier: Option<TierModel>,
 }
 
 impl SystemConfig {
@@ -846,6 +902,7 @@ impl SystemConfig {
             ordered_completions: true,
             idle_steps: 1,
             faults: EnvFaults::default(),
+            tier: None,
         }
     }
 
@@ -1054,6 +1111,7 @@ pub struct Ghost {
     recomputed_after_failure: bool,
     delayed_free: bool,
     store_failed: bool,
+    tier_promoted_loaded: bool,
     /// Consecutive steps without progress.
     idle: u32,
 }
@@ -1119,6 +1177,8 @@ pub struct SystemState<P: Connectors> {
     pub failures_left: u32,
     /// Store failures left.
     pub store_failures_left: u32,
+    /// The shared tier's store and work in flight ([`SystemConfig::tier`]; empty without).
+    pub tier: TierEnv,
     /// Property history.
     pub ghost: Ghost,
 }
@@ -1142,6 +1202,7 @@ impl<P: Connectors> SystemState<P> {
             resets_left,
             failures_left,
             store_failures_left,
+            tier,
             ghost,
         } = a;
         *engine == b.engine
@@ -1151,6 +1212,7 @@ impl<P: Connectors> SystemState<P> {
             && *resets_left == b.resets_left
             && *failures_left == b.failures_left
             && *store_failures_left == b.store_failures_left
+            && *tier == b.tier
             && *ghost == b.ghost
     }
 }
@@ -1248,6 +1310,20 @@ pub enum SystemAction {
     Abort(RequestId),
     /// The environment resets the connector's cache.
     Reset,
+    /// The shared tier answers its work item `item` (`ok: false`: it fails).
+    TierAnswer {
+        /// The index in [`TierEnv::pending`].
+        item: u8,
+        /// Whether the store did what it was asked.
+        ok: bool,
+    },
+    /// A probe's answer is lost ([`TierEnv::pending`] index).
+    TierLose {
+        /// The index in [`TierEnv::pending`].
+        item: u8,
+    },
+    /// The store drops a key.
+    TierVanish(OffloadKey),
 }
 
 impl fmt::Display for SystemAction {
@@ -1266,6 +1342,13 @@ impl fmt::Display for SystemAction {
             Self::Deliver => write!(f, "deliver oldest step"),
             Self::Abort(r) => write!(f, "abort request {}", r.0),
             Self::Reset => write!(f, "reset connector cache"),
+            Self::TierAnswer { item, ok } => write!(
+                f,
+                "tier: work {item} {}",
+                if *ok { "answered" } else { "fails" }
+            ),
+            Self::TierLose { item } => write!(f, "tier: probe {item}'s answer is lost"),
+            Self::TierVanish(k) => write!(f, "tier: key {:#x} vanishes", k.hash.0),
         }
     }
 }
@@ -1303,7 +1386,7 @@ fn next_model_id() -> u64 {
 }
 
 /// The number of properties [`SystemModel`] declares (some filtered out per connector pair).
-const PROPERTIES: usize = 16;
+const PROPERTIES: usize = 18;
 
 /// Each property's slot in `discovered`: named as in [`property_names`], numbered in the order
 /// `properties()` lists them.
@@ -1324,6 +1407,8 @@ mod slot {
     pub(super) const DELAYED_FREE: usize = 13;
     pub(super) const ALL_DONE: usize = 14;
     pub(super) const STORE_FAILED_DONE: usize = 15;
+    pub(super) const TIER_PROMOTED_LOADED: usize = 16;
+    pub(super) const TIER_FAULT_DONE: usize = 17;
 }
 
 impl<P: Connectors> Clone for SystemModel<P> {
@@ -1367,6 +1452,9 @@ impl<P: Connectors> SystemModel<P> {
                  needs kvrelay-model-check's `scheduler-faults` feature (kvrelay: build with \
                  --features scheduler-faults)"
             ));
+        }
+        if config.tier.is_some() && !pair.has_tier() {
+            return Err(format!("{} has no shared tier to model", pair.name()));
         }
         let sched_config = config.scheduler_config();
         sched_config.validate().map_err(|e| e.to_string())?;
@@ -1445,7 +1533,9 @@ impl<P: Connectors> SystemModel<P> {
                 engine.inject_fault(kvrelay_core::EngineFault::OneRankOutput);
             }
         }
+        // The tier's store keeps every rank's shard in rank order: not permuted, so no symmetry.
         let symmetric = !self.pair.shared_external()
+            && c.tier.is_none()
             && !faults.one_rank_output
             && (0..c.ranks).all(|r| self.pair.worker(r, c) == self.pair.worker(0, c));
         let rank_config = RankConfig {
@@ -1483,6 +1573,7 @@ impl<P: Connectors> SystemModel<P> {
             resets_left: c.resets,
             failures_left: c.load_failures,
             store_failures_left: c.store_failures,
+            tier: TierEnv::new(c.tier.as_ref()),
             ghost: Ghost {
                 recv_reports: vec![0; n],
                 recv_failed: vec![0; n],
@@ -1527,6 +1618,8 @@ impl<P: Connectors> SystemModel<P> {
             && !s.scheduler().has_requests()
             && s.steps.is_empty()
             && s.ranks.iter().all(|r| r.in_flight.is_empty())
+            && s.tier.pending.is_empty()
+            && self.pair.leak(&s.scheduler().connector().inner).is_none()
     }
 
     // -----------------------------------------------------------------------------------------
@@ -1832,6 +1925,7 @@ impl<P: Connectors> SystemModel<P> {
                 for slot in &t.transfer.external {
                     s.ranks[domain].make_mut().external.insert(*slot, CORRUPT);
                     s.ghost.stored_by.remove(slot);
+                    s.tier.promoted_slots.remove(slot);
                 }
             }
             (TransferDirection::Store, true) => {
@@ -1849,6 +1943,7 @@ impl<P: Connectors> SystemModel<P> {
                     };
                     s.ranks[domain].make_mut().external.insert(*slot, content);
                     s.ghost.stored_by.insert(*slot, req.0);
+                    s.tier.promoted_slots.remove(slot);
                 }
             }
             (TransferDirection::Load, false) => {
@@ -1867,6 +1962,10 @@ impl<P: Connectors> SystemModel<P> {
                 self.check_owned(s, rank, &t.transfer);
                 for (b, slot) in t.transfer.gpu_blocks.iter().zip(&t.transfer.external) {
                     let content = s.ranks[domain].external.get(slot).copied().unwrap_or(EMPTY);
+                    if s.tier.promoted_slots.contains(slot) {
+                        s.ghost.tier_promoted_loaded |=
+                            self.observes(property_names::TIER_PROMOTED_LOADED);
+                    }
                     if s.ghost.stored_by.get(slot).is_some_and(|&w| w != req.0) {
                         s.ghost.shared_loaded |=
                             self.observes(property_names::SHARED_PREFIX_LOADED);
@@ -2051,6 +2150,7 @@ impl<P: Connectors> SystemModel<P> {
         if s.resets_left > 0 {
             actions.push(SystemAction::Reset);
         }
+        self.tier_actions(s, actions);
     }
 
     /// The ample set of `s` for partial-order reduction (see the module docs): the enabled
@@ -2059,9 +2159,9 @@ impl<P: Connectors> SystemModel<P> {
     /// `None`: explore every enabled action.
     fn ample(&self, s: &SystemState<P>, enabled: &[SystemAction]) -> Option<Vec<SystemAction>> {
         let c = &self.config;
-        // (S) A rank reading another rank's external store would make ranks depend on each
-        // other's transfers.
-        if self.pair.shared_external() || enabled.len() < 2 {
+        // (S) A rank reading another rank's external store, or a shared tier, would make ranks
+        // depend on each other's transfers.
+        if self.pair.shared_external() || c.tier.is_some() || enabled.len() < 2 {
             return None;
         }
         let full = s.steps.len() as u32 >= c.async_depth;
@@ -2559,7 +2659,12 @@ impl<P: Connectors> Explain for SystemModel<P> {
             None => (label, None),
         };
         let (from, to) = match *action {
-            SystemAction::Arrive(_) | SystemAction::Abort(_) | SystemAction::Reset => (env, sched),
+            SystemAction::Arrive(_)
+            | SystemAction::Abort(_)
+            | SystemAction::Reset
+            | SystemAction::TierAnswer { .. }
+            | SystemAction::TierLose { .. }
+            | SystemAction::TierVanish(_) => (env, sched),
             SystemAction::Schedule => (sched, sched),
             SystemAction::Run(r) => (sched, rank_at(r)),
             SystemAction::Complete { rank, .. } => (env, rank_at(rank)),
@@ -2618,12 +2723,21 @@ impl<P: Connectors> Model for SystemModel<P> {
                 s.arrived += 1;
                 s.ghost.idle = 0;
             }
-            SystemAction::Schedule => self.schedule(&mut s),
+            SystemAction::Schedule => {
+                self.schedule(&mut s);
+                self.take_tier_work(&mut s);
+            }
             SystemAction::Run(rank) => self.run(&mut s, rank.index()),
             SystemAction::Complete { rank, job, ok } => {
                 self.complete(&mut s, rank.index(), job, ok)
             }
-            SystemAction::Deliver => self.deliver(&mut s),
+            SystemAction::Deliver => {
+                self.deliver(&mut s);
+                self.take_tier_work(&mut s);
+            }
+            SystemAction::TierAnswer { item, ok } => self.tier_answer(&mut s, item, ok),
+            SystemAction::TierLose { item } => self.tier_lose(&mut s, item),
+            SystemAction::TierVanish(key) => self.tier_vanish(&mut s, key),
             SystemAction::Abort(id) => {
                 s.aborts_left -= 1;
                 s.ghost.idle = 0;
@@ -2631,6 +2745,7 @@ impl<P: Connectors> Model for SystemModel<P> {
                     s.ghost
                         .violate(property_names::CORE, format!("abort failed: {e}"));
                 }
+                self.take_tier_work(&mut s);
             }
             SystemAction::Reset => {
                 s.resets_left -= 1;
@@ -2639,6 +2754,7 @@ impl<P: Connectors> Model for SystemModel<P> {
                     s.ghost
                         .violate(property_names::CORE, format!("reset failed: {e}"));
                 }
+                self.take_tier_work(&mut s);
             }
         }
         self.check(&mut s, Some(last));
@@ -2713,6 +2829,15 @@ impl<P: Connectors> Model for SystemModel<P> {
                 m.first(
                     slot::STORE_FAILED_DONE,
                     s.ghost.store_failed && s.ghost.violations.is_empty() && m.quiescent(s),
+                )
+            }),
+            Property::sometimes(n::TIER_PROMOTED_LOADED, |m: &Self, s: &SystemState<P>| {
+                m.first(slot::TIER_PROMOTED_LOADED, s.ghost.tier_promoted_loaded)
+            }),
+            Property::sometimes(n::TIER_FAULT_DONE, |m: &Self, s: &SystemState<P>| {
+                m.first(
+                    slot::TIER_FAULT_DONE,
+                    s.tier.faulted && s.ghost.violations.is_empty() && m.quiescent(s),
                 )
             }),
         ];

@@ -13,6 +13,7 @@ mod system;
 mod system_liveness;
 mod system_por;
 mod system_symmetry;
+mod tier;
 // Holds the example as its own `write_through` module (`#[path]`, examples/write_through.rs).
 #[allow(clippy::module_inception)]
 mod write_through;

@@ -68,8 +68,9 @@ struct Job {
     keys: Vec<OffloadKey>,
     /// A promotion (tier → primary) or a cascade (primary → tier).
     promotion: bool,
-    /// The step it was handed to the runtime.
-    step: u64,
+    /// Strict: steps ended since it was handed to the runtime (saturating past the deadline;
+    /// compat: always 0, so a spinning engine's state does not change).
+    age: u32,
     /// Strict: a promotion past its deadline (its keys are in `overdue`).
     expired: bool,
 }
@@ -104,8 +105,6 @@ pub struct TieringManager {
     polled_this_step: bool,
     /// `_promotions_held`: from a reset until its flush is acknowledged.
     promotions_held: bool,
-    /// Steps ended (the strict deadlines' clock).
-    step: u64,
     /// Strict: keys of promotions past their deadline (looked up as misses).
     overdue: BTreeSet<OffloadKey>,
     /// Work for the runtime, taken every step (bounded by one step's lookups and stores).
@@ -134,7 +133,6 @@ impl TieringManager {
             promotions: Vec::new(),
             polled_this_step: false,
             promotions_held: false,
-            step: 0,
             overdue: BTreeSet::new(),
             work: Vec::new(),
             stats: TieringStats::default(),
@@ -314,7 +312,7 @@ impl TieringManager {
                 tier,
                 keys: keys.to_vec(),
                 promotion: false,
-                step: self.step,
+                age: 0,
                 expired: false,
             },
         );
@@ -385,12 +383,11 @@ impl TieringManager {
         self.polled_this_step = false;
         self.flush_promotions();
         for tier in &mut self.tiers {
-            tier.flush(self.step, &mut self.work);
+            tier.flush(&mut self.work);
         }
         if let Some(d) = self.config.deadline_steps {
-            self.expire(u64::from(d));
+            self.expire(d);
         }
-        self.step += 1;
     }
 
     /// `_flush_pending_promotions`.
@@ -404,7 +401,7 @@ impl TieringManager {
                         tier,
                         keys: p.keys.clone(),
                         promotion: true,
-                        step: self.step,
+                        age: 0,
                         expired: false,
                     },
                 );
@@ -420,16 +417,20 @@ impl TieringManager {
         }
     }
 
-    /// Strict: probes and promotions handed out `d` steps ago or earlier and still unreported.
-    fn expire(&mut self, d: u64) {
-        let Some(deadline) = self.step.checked_sub(d) else {
-            return;
-        };
+    /// Strict, at the end of every step: probes and promotions in flight grow one step older,
+    /// and those handed out `d` steps ago (counting the step that handed them out) are given
+    /// up. Ages, not an absolute clock: the state of a manager waiting on nothing does not
+    /// change from step to step (what lets the model checker see an idle engine as idle).
+    fn expire(&mut self, d: u32) {
         for tier in &mut self.tiers {
-            self.stats.probes_expired += tier.expire_probes(deadline);
+            self.stats.probes_expired += tier.age_probes(d);
         }
         for job in self.jobs.values_mut() {
-            if job.promotion && job.step <= deadline && !job.expired {
+            if !job.promotion || job.expired {
+                continue;
+            }
+            job.age = job.age.saturating_add(1);
+            if job.age > d {
                 job.expired = true;
                 self.stats.promotions_expired += 1;
                 self.overdue.extend(job.keys.iter().copied());

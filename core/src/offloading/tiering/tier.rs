@@ -20,8 +20,8 @@ use crate::RequestId;
 pub(super) enum Phase {
     /// In this step's batch, not yet handed to the runtime.
     Pending,
-    /// Handed to the runtime at `step`, unanswered.
-    InFlight { step: u64 },
+    /// Handed to the runtime `age` step ends ago (strict; compat: always 0), unanswered.
+    InFlight { age: u32 },
     /// A verdict is cached.
     Resolved,
 }
@@ -108,7 +108,7 @@ impl Tier {
 
     /// `flush` (once per step, from `on_schedule_end`): drain answers, then hand this step's
     /// batch to the runtime.
-    pub(super) fn flush(&mut self, step: u64, work: &mut Vec<TierWork>) {
+    pub(super) fn flush(&mut self, work: &mut Vec<TierWork>) {
         self.drain_answers();
         self.need_to_drain = true;
         let mut keys = Vec::new();
@@ -119,7 +119,7 @@ impl Tier {
             if p.generation != generation {
                 continue;
             }
-            p.phase = Phase::InFlight { step };
+            p.phase = Phase::InFlight { age: 0 };
             keys.push((key, generation));
         }
         if !keys.is_empty() {
@@ -168,12 +168,17 @@ impl Tier {
         }
     }
 
-    /// Strict: probes in flight since `deadline` or before are given up as misses.
-    pub(super) fn expire_probes(&mut self, deadline: u64) -> u64 {
+    /// Strict, at a step's end: probes in flight grow one step older; those older than `d`
+    /// steps are given up as misses. Returns how many.
+    pub(super) fn age_probes(&mut self, d: u32) -> u64 {
         let mut expired = 0;
         let mut orphans = Vec::new();
         for (key, p) in &mut self.probes {
-            if matches!(p.phase, Phase::InFlight { step } if step <= deadline) {
+            let Phase::InFlight { age } = &mut p.phase else {
+                continue;
+            };
+            *age = age.saturating_add(1);
+            if *age > d {
                 p.phase = Phase::Resolved;
                 p.found = Some(false);
                 expired += 1;

@@ -186,6 +186,22 @@ pub(crate) struct CheckArgs {
     /// rank and direction).
     #[arg(long, help_heading = "System model")]
     pub(super) unordered_completions: bool,
+    /// A shared tier behind the offloading connector's CPU tier (issue 36), over an adversarial
+    /// store: by default one key may vanish, one probe or job may fail (a failed cascade lands
+    /// torn) and, under --mode strict, one probe answer may be lost (strict gives it up after
+    /// 2 steps; under compat a lost answer hangs, vLLM #49829: ask for it with --tier-lost 1).
+    /// Turns off symmetry and the partial-order reduction.
+    #[arg(long, help_heading = "System model")]
+    pub(super) tier: bool,
+    /// With --tier: keys the store may drop.
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    pub(super) tier_vanish: Option<u32>,
+    /// With --tier: probes and tier jobs that may fail.
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    pub(super) tier_failures: Option<u32>,
+    /// With --tier: probe answers that may never come.
+    #[arg(long, value_name = "N", help_heading = "System model")]
+    pub(super) tier_lost: Option<u32>,
     /// Inject a historical bug (repeatable; at most one of the scheduler-side faults
     /// drop-zero-external-alloc, lookup-ignores-jobs).
     #[arg(long, value_enum, value_name = "FAULT", help_heading = "System model")]
@@ -399,6 +415,10 @@ pub(super) fn model_flags_given(
         (a.policy.is_some(), "--policy", SYSTEM),
         (a.sliding_window.is_some(), "--sliding-window", SYSTEM),
         (a.unordered_completions, "--unordered-completions", SYSTEM),
+        (a.tier, "--tier", SYSTEM),
+        (a.tier_vanish.is_some(), "--tier-vanish", SYSTEM),
+        (a.tier_failures.is_some(), "--tier-failures", SYSTEM),
+        (a.tier_lost.is_some(), "--tier-lost", SYSTEM),
         (!a.fault.is_empty(), "--fault", SYSTEM),
         (a.partial_order.is_some(), "--partial-order", SYSTEM),
         (a.failures.is_some(), "--failures", COMPLETION),

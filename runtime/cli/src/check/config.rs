@@ -10,7 +10,7 @@
 
 use kvrelay_core::{Mode, PolicyKind};
 use kvrelay_model_check::{
-    CompletionConfig, CoreFault, MultiFault, PdFault, SchedFault, SystemConfig,
+    CompletionConfig, CoreFault, MultiFault, PdFault, SchedFault, SystemConfig, TierModel,
 };
 
 use super::args::{
@@ -137,24 +137,15 @@ pub(super) fn system(a: &CheckArgs) -> Result<SystemSetup, CheckError> {
             value_name(connector)
         )));
     }
-    if c.store_failures > 0 && connector != ConnectorArg::Offloading {
-        return Err(invalid(format!(
-            "--store-failures applies to --connector offloading (the {} connector's stores \
-             cannot fail in the model)",
-            value_name(connector)
-        )));
-    }
-    if a.pd_role.is_some() && connector != ConnectorArg::Pd {
-        return Err(invalid(
-            "--pd-role applies to --connector pd (the multi connectors fix their children's \
-             roles)"
-                .to_owned(),
-        ));
-    }
+    connector_flags(a, &c, connector).map_err(invalid)?;
+    c.tier = tier(a, &c, connector).map_err(invalid)?;
     Ok(SystemSetup {
         preset: a.config,
         connector,
         pd_role: a.pd_role.unwrap_or(PdRoleArg::Both),
+        partial_order: a
+            .partial_order
+            .unwrap_or(a.config == Preset::Deep && c.tier.is_none()),
         config: c,
         sched_fault: sched_fault.map(|f| {
             if f == FaultArg::DropZeroExternalAlloc {
@@ -165,7 +156,6 @@ pub(super) fn system(a: &CheckArgs) -> Result<SystemSetup, CheckError> {
         }),
         pd_fault,
         multi_fault,
-        partial_order: a.partial_order.unwrap_or(a.config == Preset::Deep),
     })
 }
 
@@ -213,6 +203,12 @@ impl SystemSetup {
             (
                 "unordered_completions",
                 (!c.ordered_completions).to_string(),
+            ),
+            (
+                "tier",
+                self.config
+                    .tier
+                    .map_or("none".to_owned(), |t| format!("{t:?}")),
             ),
             ("faults", list(&self.faults())),
             ("partial_order", self.partial_order.to_string()),
@@ -331,4 +327,50 @@ fn list(items: &[FaultArg]) -> String {
         .map(|&f| value_name(f))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// The flags that apply to one connector only.
+fn connector_flags(a: &CheckArgs, c: &SystemConfig, connector: ConnectorArg) -> Result<(), String> {
+    if c.store_failures > 0 && connector != ConnectorArg::Offloading {
+        return Err(format!(
+            "--store-failures applies to --connector offloading (the {} connector's stores \
+             cannot fail in the model)",
+            value_name(connector)
+        ));
+    }
+    if a.pd_role.is_some() && connector != ConnectorArg::Pd {
+        return Err(
+            "--pd-role applies to --connector pd (the multi connectors fix their children's \
+             roles)"
+                .to_owned(),
+        );
+    }
+    Ok(())
+}
+
+/// `--tier` and its budgets: the shared tier's model, `None` without `--tier`.
+fn tier(
+    a: &CheckArgs,
+    c: &SystemConfig,
+    connector: ConnectorArg,
+) -> Result<Option<TierModel>, String> {
+    let budgets = [a.tier_vanish, a.tier_failures, a.tier_lost];
+    if !a.tier {
+        return match budgets.iter().any(Option::is_some) {
+            true => Err("--tier-vanish, --tier-failures and --tier-lost need --tier".to_owned()),
+            false => Ok(None),
+        };
+    }
+    if connector != ConnectorArg::Offloading {
+        return Err(format!(
+            "--tier applies to --connector offloading (the shared tier sits behind its CPU \
+             tier), not {}",
+            value_name(connector)
+        ));
+    }
+    let mut t = TierModel::adversarial(c.mode);
+    t.vanish = a.tier_vanish.unwrap_or(t.vanish);
+    t.failures = a.tier_failures.unwrap_or(t.failures);
+    t.lost = a.tier_lost.unwrap_or(t.lost);
+    Ok(Some(t))
 }
