@@ -108,17 +108,6 @@ fn strict_gives_up_a_lost_probe_answer() {
     assert_all_hold(&run(tier_config(Mode::Strict, tier)));
 }
 
-/// Every fault at once under `strict` (a key vanishing, a failure, a lost answer, a two-step
-/// deadline): about 3 minutes on 2 cores, so `.ci/deep model-check` runs it, not CI.
-#[test]
-#[ignore = "deep: .ci/deep model-check"]
-fn strict_survives_every_tier_fault() {
-    assert_all_hold(&run(tier_config(
-        Mode::Strict,
-        TierModel::adversarial(Mode::Strict),
-    )));
-}
-
 /// The environment's own check guards DATA: a runtime that promotes a torn value (a failed
 /// cascade's partial write) as if it were whole serves garbage, and the checker finds it.
 #[test]
