@@ -518,7 +518,6 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ),
     ("tests/tests/aggregator_model.rs", "aggregate", 110),
     ("tests/tests/scheduler_model.rs", "apply", 109),
-    ("runtime/sim/src/lib.rs", "run_seed", 108),
     ("core/src/offloading/manager/mod.rs", "prepare_store", 108),
     (
         "tests/tests/multi.rs",

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 
-use kvrelay_sim::{SimFailure, SimReport, simulate, soak, sweep};
+use kvrelay_sim::{SimFailure, SimReport, SweepReport, simulate, soak, sweep};
 
 /// `kvrelay sim` flags.
 #[derive(Args, Debug)]
@@ -32,7 +32,9 @@ pub(crate) struct SimArgs {
 pub(crate) const HELP: &str = "\
 Seeds: 0 is fault-free, 1 injects every fault kind, every other seed draws its own mix (transfers
 that fail or are slow, reports delayed or duplicated, step frames delayed, aborts, cache resets,
-a lost rank) and its own shape (ranks, layers, pool sizes, mode, async depth, requests).
+a lost rank) and its own shape (ranks, layers, pool sizes, mode, async depth, requests). One seed
+in four (seed 1 too) has a shared tier, a simulated store that two engines use in turn, with
+faults of its own: keys evicted, writes torn, nodes away (timeouts), slow answers.
 
 A failing seed prints the command that replays it. KVRELAY_SEED=<seed> runs that seed alone and
 prints its whole report.
@@ -118,6 +120,7 @@ pub(crate) fn run(a: &SimArgs) -> ExitCode {
             report.survived("step_delay"),
             report.survived("transfer_slow"),
         );
+        print_tier(&report);
         println!(
             "checked: every machine's invariants {} times (after every step, engine and ranks), \
              {} loaded blocks and read token slots byte for byte",
@@ -132,6 +135,34 @@ pub(crate) fn run(a: &SimArgs) -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// The sweep's shared-tier line.
+fn print_tier(report: &SweepReport) {
+    let t = &report.tier;
+    let i = &t.injected;
+    println!(
+        "tier: {} runs, {} engines (a second engine over the store the first filled); {} probes \
+         ({} found), {} promotions of {} blocks ({} of them a second engine's hits), {} blocks \
+         stored; failed loads {} ({} values missing, {} refused by their header, {} commands past \
+         the deadline); injected: {} keys evicted, {} writes torn, {} nodes away, {} slow answers",
+        report.tier_runs,
+        t.engines,
+        t.probes,
+        t.probes_found,
+        t.promotions,
+        t.blocks_promoted,
+        t.shared_blocks_promoted,
+        t.blocks_stored,
+        t.load_failures,
+        t.values_missing,
+        t.values_refused,
+        t.timeouts,
+        i.keys_evicted,
+        i.writes_torn,
+        i.nodes_away,
+        i.slow_answers,
+    );
 }
 
 /// One seed, its whole report.

@@ -702,6 +702,8 @@ impl Engine {
                 prefixes,
             });
         }
+        // The batch's failed promotions: their chunks hold nothing the ranks must learn.
+        self.promoting.clear();
         Ok(())
     }
 
@@ -821,7 +823,7 @@ impl Engine {
 
     /// What is not back to empty, each as a sentence (empty when nothing is): to call once
     /// every request finished and nothing is in flight, when a run must leave no request, job,
-    /// pinned chunk, fenced block or GPU block behind.
+    /// pinned chunk, fenced block, GPU block, tier batch, tier job or promotion behind.
     pub fn leaks(&self) -> Vec<String> {
         let mut out = Vec::new();
         let sched = self.core.scheduler();
@@ -854,6 +856,15 @@ impl Engine {
             out.push(format!(
                 "{pinned} CPU chunks still pinned, {} stores pending",
                 m.num_write_pending()
+            ));
+        }
+        if conn.tiering().is_some_and(|t| t.has_pending_work()) {
+            out.push("tier jobs (cascades, promotions) still unreported".to_owned());
+        }
+        if self.tier.as_ref().is_some_and(Tier::running) || !self.promoting.is_empty() {
+            let n = self.promoting.len();
+            out.push(format!(
+                "a tier batch not collected ({n} promotions unreported)"
             ));
         }
         out

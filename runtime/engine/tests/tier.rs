@@ -54,7 +54,7 @@ async fn drive(mut engine: Engine, mut between: impl FnMut(&Engine)) -> Figures 
 fn memory(store: &Store) -> kvrelay_engine::tier::MemoryStore {
     match store {
         Store::Memory(m) => m.clone(),
-        Store::Redis(_) => panic!("an in-process store"),
+        _ => panic!("an in-process store"),
     }
 }
 

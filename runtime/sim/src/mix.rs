@@ -34,7 +34,20 @@ impl SimRng {
     }
 }
 
-/// The faults of one run: each a probability per opportunity (a transfer, a frame, a step).
+/// A fault's rate: off, `low` or `high`, drawn from `r`.
+fn rate(r: &mut SimRng, low: f64, high: f64) -> f64 {
+    match r.range(0, 2) {
+        0 => 0.0,
+        1 => low,
+        _ => high,
+    }
+}
+
+/// One seed in this many runs with a shared tier (seed 1 too).
+pub const TIER_SHARE: u64 = 4;
+
+/// The faults of one run: each a probability per opportunity (a transfer, a frame, a step, a
+/// store command).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct FaultMix {
     /// A transfer fails part-way.
@@ -53,6 +66,18 @@ pub struct FaultMix {
     pub reset: f64,
     /// One rank stops answering after a drawn step.
     pub rank_lost: bool,
+    /// The run has a shared tier (the simulated store, `tier.rs`); the `tier_*` faults are
+    /// its, per store command (one slot's pipeline).
+    pub tier: bool,
+    /// A key vanishes: any key of the store, and a key the command reads (evicted between
+    /// probe and load).
+    pub tier_evict: f64,
+    /// A write lands partly: one value of the command truncated or torn under its key.
+    pub tier_torn: f64,
+    /// The command's node goes away for one to three deadlines: commands to it time out.
+    pub tier_away: f64,
+    /// A slow answer, within the deadline.
+    pub tier_slow: f64,
 }
 
 impl FaultMix {
@@ -72,33 +97,44 @@ impl FaultMix {
             abort: 0.03,
             reset: 0.01,
             rank_lost: true,
+            tier: true,
+            tier_evict: 0.05,
+            tier_torn: 0.05,
+            tier_away: 0.01,
+            tier_slow: 0.05,
         }
     }
 
     /// Seed 0: none; seed 1: every kind; others: each kind off, low or high, drawn from the
-    /// seed (a rank is lost in about one seed in eight).
+    /// seed (a rank is lost in about one seed in eight; one in [`TIER_SHARE`] has a shared
+    /// tier, its faults drawn likewise).
     pub fn for_seed(seed: u64) -> Self {
         match seed {
             0 => return Self::none(),
             1 => return Self::every(),
             _ => {}
         }
-        let mut r = SimRng::new(seed ^ 0xfa17);
-        let mut rate = |low: f64, high: f64| match r.range(0, 2) {
-            0 => 0.0,
-            1 => low,
-            _ => high,
-        };
-        Self {
-            transfer_fail: rate(0.01, 0.1),
-            transfer_slow: rate(0.02, 0.2),
-            report_delay: rate(0.05, 0.5),
-            report_duplicate: rate(0.02, 0.2),
-            step_delay: rate(0.05, 0.5),
-            abort: rate(0.01, 0.05),
-            reset: rate(0.003, 0.02),
+        let r = &mut SimRng::new(seed ^ 0xfa17);
+        let mut mix = Self {
+            transfer_fail: rate(r, 0.01, 0.1),
+            transfer_slow: rate(r, 0.02, 0.2),
+            report_delay: rate(r, 0.05, 0.5),
+            report_duplicate: rate(r, 0.02, 0.2),
+            step_delay: rate(r, 0.05, 0.5),
+            abort: rate(r, 0.01, 0.05),
+            reset: rate(r, 0.003, 0.02),
             rank_lost: r.range(0, 7) == 0,
+            ..Self::none()
+        };
+        // Drawn after the others: the seeds' other faults are those they had before the tier.
+        if r.range(0, TIER_SHARE - 1) == 0 {
+            mix.tier = true;
+            mix.tier_evict = rate(r, 0.01, 0.1);
+            mix.tier_torn = rate(r, 0.01, 0.1);
+            mix.tier_away = rate(r, 0.003, 0.02);
+            mix.tier_slow = rate(r, 0.02, 0.2);
         }
+        mix
     }
 
     /// The kinds this mix injects, by name.
@@ -113,6 +149,10 @@ impl FaultMix {
             (self.abort > 0.0, "abort"),
             (self.reset > 0.0, "reset"),
             (self.rank_lost, "rank_lost"),
+            (self.tier_evict > 0.0, "tier_evict"),
+            (self.tier_torn > 0.0, "tier_torn"),
+            (self.tier_away > 0.0, "tier_away"),
+            (self.tier_slow > 0.0, "tier_slow"),
         ] {
             if on {
                 v.push(name);

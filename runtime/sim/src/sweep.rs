@@ -7,7 +7,7 @@ use kvrelay_core::{Mode, RequestId, Token};
 use serde::Serialize;
 
 use super::world::SimTransport;
-use super::{SimFailure, SimReport, disturb, on_paused_clock, shut_down, simulate};
+use super::{SimFailure, SimReport, TierSummary, disturb, on_paused_clock, shut_down, simulate};
 use crate::mix::{FaultMix, SimRng};
 use kvrelay_engine::RunConfig;
 use kvrelay_engine::rank::Completions;
@@ -41,6 +41,9 @@ pub struct SweepReport {
     pub invariant_checks: u64,
     /// Loaded blocks and read token slots verified byte for byte, all runs.
     pub blocks_verified: u64,
+    /// Runs with a shared tier, and what their tiers did.
+    pub tier_runs: u64,
+    pub tier: TierSummary,
     /// Seeds that failed.
     pub failures: Vec<SimFailure>,
 }
@@ -62,6 +65,10 @@ impl SweepReport {
         }
         self.invariant_checks += r.invariant_checks;
         self.blocks_verified += r.blocks_verified;
+        if let Some(t) = &r.tier {
+            self.tier_runs += 1;
+            self.tier.add(t);
+        }
     }
 
     /// How many times a fault of `kind` was injected and survived (runs for the per-run kinds).
@@ -72,6 +79,10 @@ impl SweepReport {
             "abort" => self.aborts,
             "reset" => self.resets,
             "rank_lost" => self.ranks_lost,
+            "tier_evict" => self.tier.injected.keys_evicted,
+            "tier_torn" => self.tier.values_refused,
+            "tier_away" => self.tier.timeouts,
+            "tier_slow" => self.tier.injected.slow_answers,
             other => self.runs_with.get(other).copied().unwrap_or(0),
         }
     }
@@ -185,8 +196,10 @@ async fn soak_run(
     sample_every: u64,
     progress: &mut dyn FnMut(u64),
 ) -> Result<SoakReport, String> {
+    // No tier: the store keeps every chunk ever stored (no capacity), so it would grow.
     let faults = FaultMix {
         rank_lost: false,
+        tier: false,
         ..FaultMix::every()
     };
     let mut r = SimRng::new(seed);
@@ -212,6 +225,7 @@ async fn soak_run(
         lost: None,
         corrupt_first_load: false,
         seed: r.next_u64(),
+        store: None,
     };
     let mut engine = transport.start(&config).await?;
     let mut report = SoakReport {

@@ -1,6 +1,7 @@
 //! The simulated seams: ranks in this process whose frames go through faulty relays
 //! ([`SimTransport`]), and a transfer engine whose transfers take drawn virtual time, move their
-//! bytes when they complete, and may fail part-way ([`SimTransferEngine`]).
+//! bytes when they complete, and may fail part-way ([`SimTransferEngine`]). The shared tier's
+//! store is `tier.rs`'s.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,9 +13,11 @@ use tokio::sync::{Notify, mpsc};
 
 use crate::faults::Loss;
 use crate::mix::{FaultMix, SimRng};
+use crate::tier::SimStore;
 use kvrelay_engine::engine::Engine;
 use kvrelay_engine::rank::{RankDelta, RankReport, RankSetup, StepMsg};
-use kvrelay_engine::transfer::host::{HostArena, load, store};
+use kvrelay_engine::tier::Store;
+use kvrelay_engine::transfer::host::{HostArena, HostPool, load, store};
 use kvrelay_engine::transfer::{
     COPY_QUEUE_BOUND, CopyDone, CopyJob, TransferEngine, TransferError,
 };
@@ -34,6 +37,8 @@ pub(super) struct SimTransport {
     /// Rank 0's first load reads a corrupted host slot.
     pub(super) corrupt_first_load: bool,
     pub(super) seed: u64,
+    /// The shared tier's store, when the run has one (its engines share it).
+    pub(super) store: Option<Arc<SimStore>>,
 }
 
 impl SimTransport {
@@ -51,9 +56,13 @@ impl SimTransport {
         let clock: Arc<dyn Clock> = Arc::new(TokioClock::default());
         // The longest simulated request: a 70-token prompt and 24 output tokens (`arrivals`);
         // the smallest simulated pool (27 usable blocks of 4) holds it.
-        Engine::start_with(config, MAX_MODEL_LEN, self, clock)
+        let mut engine = Engine::start_with(config, MAX_MODEL_LEN, self, clock)
             .await
-            .map_err(|e| format!("engine start: {e}"))
+            .map_err(|e| format!("engine start: {e}"))?;
+        if let Some(s) = &self.store {
+            engine.share_tier_store(Store::Custom(s.clone()));
+        }
+        Ok(engine)
     }
 }
 
@@ -76,9 +85,13 @@ impl Transport for SimTransport {
             let slot_bytes = (setup.gpu.block_bytes() / u64::from(setup.block_size)) as usize;
             let arena = HostArena::new(setup.gpu.total_bytes() as usize, slot_bytes);
             let (done_tx, done_rx) = mpsc::channel(COPY_QUEUE_BOUND);
+            // The CPU pool the engine shares with the rank when it has a tier (the tier reads
+            // and writes it), else the rank's own.
+            let host = (setup.host_pool.clone())
+                .unwrap_or_else(|| HostPool::new(setup.host.total_bytes() as usize));
             let engine = SimTransferEngine::spawn(
                 arena.shared(),
-                setup.host.total_bytes() as usize,
+                host,
                 done_tx,
                 wake,
                 self.draws(r.fork(1)),
@@ -214,7 +227,7 @@ pub(crate) struct SimTransferEngine {
 impl SimTransferEngine {
     fn spawn(
         gpu: Arc<RwLock<Vec<u8>>>,
-        host_bytes: usize,
+        host: HostPool,
         done: mpsc::Sender<CopyDone>,
         wake: Arc<Notify>,
         draws: Draws,
@@ -228,7 +241,7 @@ impl SimTransferEngine {
             more: more.clone(),
             stopped: stopped.clone(),
             gpu,
-            host: vec![0u8; host_bytes],
+            host,
             done,
             wake,
             draws,
@@ -268,7 +281,7 @@ struct Completer {
     more: Arc<Notify>,
     stopped: Arc<AtomicBool>,
     gpu: Arc<RwLock<Vec<u8>>>,
-    host: Vec<u8>,
+    host: HostPool,
     done: mpsc::Sender<CopyDone>,
     wake: Arc<Notify>,
     draws: Draws,
@@ -317,7 +330,7 @@ impl Completer {
             && std::mem::take(&mut self.corrupt_next_load)
             && let Some(r) = job.runs.first()
         {
-            self.host[r.host as usize] ^= 0x5a;
+            self.host.write()[r.host as usize] ^= 0x5a;
         }
         let keep = if failed {
             job.runs.len() / 2
@@ -328,16 +341,17 @@ impl Completer {
         let bytes = match job.direction {
             TransferDirection::Store => {
                 let gpu = self.gpu.read().unwrap_or_else(|p| p.into_inner());
-                let n = store(done, &gpu, &mut self.host);
+                let mut host = self.host.write();
+                let n = store(done, &gpu, &mut host);
                 for g in garbage {
                     let h = g.host as usize;
-                    self.host[h..h + g.len as usize].fill(0xa5);
+                    host[h..h + g.len as usize].fill(0xa5);
                 }
                 n
             }
             TransferDirection::Load => {
                 let mut gpu = self.gpu.write().unwrap_or_else(|p| p.into_inner());
-                let n = load(done, &self.host, &mut gpu);
+                let n = load(done, &self.host.read(), &mut gpu);
                 for g in garbage {
                     let at = g.gpu as usize;
                     gpu[at..at + g.len as usize].fill(0xa5);

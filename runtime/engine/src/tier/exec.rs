@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvrelay_core::{ChunkId, KvLayout, OffloadKey, RequestId, TierReport, TierWork};
 use tokio::task::JoinSet;
@@ -110,7 +110,8 @@ pub(super) async fn run(
     pools: Pools,
     timeout: Duration,
 ) -> Done {
-    let started = Instant::now();
+    // tokio's clock: virtual under the simulation's paused runtime.
+    let started = tokio::time::Instant::now();
     // One pipeline per hash-slot bucket and kind of command: every chunk of a bucket shares
     // the bucket's slot, so its commands go in one round trip.
     let mut batches: BTreeMap<(u8, u8), Vec<Slot>> = BTreeMap::new();

@@ -1,7 +1,8 @@
-//! The store behind the shared tier: a Redis Cluster (`redis://HOST:PORT,…`), or an in-process
-//! map (`memory`, for tests and the simulation). A chunk is one command either way: every
-//! rank's shard of it shares a hash slot, so `EXISTS`, `MSET` and `MGET` name all of them at
-//! once; commands of a batch go out together over the cluster client's multiplexed connections.
+//! The store behind the shared tier: a Redis Cluster (`redis://HOST:PORT,…`), an in-process
+//! map (`memory`, for tests), or a store of the embedder's behind [`StoreBackend`] (the seam the
+//! simulation's faulty store enters by). A chunk is one command either way: every rank's shard
+//! of it shares a hash slot, so `EXISTS`, `MSET` and `MGET` name all of them at once; commands
+//! of a batch go out together over the cluster client's multiplexed connections.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -35,6 +36,8 @@ pub enum Store {
     Redis(RedisLink),
     /// An in-process map, shared by clones.
     Memory(MemoryStore),
+    /// A store of the embedder's (see [`StoreBackend`]).
+    Custom(Arc<dyn StoreBackend>),
 }
 
 impl std::fmt::Debug for Store {
@@ -42,8 +45,33 @@ impl std::fmt::Debug for Store {
         match self {
             Self::Redis(_) => f.write_str("Store::Redis"),
             Self::Memory(m) => f.debug_tuple("Store::Memory").field(&m.len()).finish(),
+            Self::Custom(b) => f.debug_tuple("Store::Custom").field(b).finish(),
         }
     }
+}
+
+/// Per group, a command's own result; `Err`: the whole call failed.
+pub type Answers<T> = Result<Vec<Result<T, StoreError>>, StoreError>;
+
+/// A boxed future of [`StoreBackend`] (a trait object).
+pub type StoreFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The tier's seam, as `Transport`, `Clock` and `TransferEngine` are the engine's: a store the
+/// engine does not know, behind the calls of [`Store`] (groups as in [`Store::exists_many`]).
+/// The simulation's (`kvrelay-sim`) takes virtual time and loses, tears and delays values as
+/// its seed draws; the engine holds no fault switch. Install it with
+/// [`crate::Engine::share_tier_store`].
+pub trait StoreBackend: Send + Sync + std::fmt::Debug {
+    /// As [`Store::exists_many`].
+    fn exists_many<'a>(&'a self, groups: &'a [Vec<String>]) -> StoreFuture<'a, Answers<bool>>;
+    /// As [`Store::put_many`].
+    fn put_many<'a>(&'a self, groups: &'a [Vec<(String, Vec<u8>)>])
+    -> StoreFuture<'a, Answers<()>>;
+    /// As [`Store::get_many`].
+    fn get_many<'a>(
+        &'a self,
+        groups: &'a [Vec<String>],
+    ) -> StoreFuture<'a, Answers<Vec<Option<Vec<u8>>>>>;
 }
 
 /// The in-process store: values by key.
@@ -144,11 +172,9 @@ impl Store {
     /// Per group, whether every key of it exists. A group is one chunk's shard keys; every
     /// group of a call must hash to one slot (one pipeline, one round trip). `Err`: the whole
     /// call failed; a group's own error is its entry's.
-    pub async fn exists_many(
-        &self,
-        groups: &[Vec<String>],
-    ) -> Result<Vec<Result<bool, StoreError>>, StoreError> {
+    pub async fn exists_many(&self, groups: &[Vec<String>]) -> Answers<bool> {
         match self {
+            Self::Custom(b) => b.exists_many(groups).await,
             Self::Memory(m) => {
                 let map = m.map();
                 Ok(groups
@@ -172,11 +198,9 @@ impl Store {
     }
 
     /// Writes every group's pairs (one `MSET` per group; groups as in [`Store::exists_many`]).
-    pub async fn put_many(
-        &self,
-        groups: &[Vec<(String, Vec<u8>)>],
-    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+    pub async fn put_many(&self, groups: &[Vec<(String, Vec<u8>)>]) -> Answers<()> {
         match self {
+            Self::Custom(b) => b.put_many(groups).await,
             Self::Memory(m) => {
                 let mut map = m.map();
                 for (k, v) in groups.iter().flatten() {
@@ -203,11 +227,9 @@ impl Store {
 
     /// Every group's values (`None`: absent; one `MGET` per group, groups as in
     /// [`Store::exists_many`]).
-    pub async fn get_many(
-        &self,
-        groups: &[Vec<String>],
-    ) -> Result<Vec<Result<Vec<Option<Vec<u8>>>, StoreError>>, StoreError> {
+    pub async fn get_many(&self, groups: &[Vec<String>]) -> Answers<Vec<Option<Vec<u8>>>> {
         match self {
+            Self::Custom(b) => b.get_many(groups).await,
             Self::Memory(m) => {
                 let map = m.map();
                 Ok(groups
