@@ -5,14 +5,15 @@
 //! `worker`, `kvrelay-sim`, `kvrelay-conformance` for `conformance` and `bench`,
 //! `kvrelay-model-check` for `check`); this crate parses the command line and prints. Each
 //! subcommand's flags and printing are a module of their own: [`run`], [`sim`], [`check`],
-//! [`sweep`] (its chart: [`plot`]).
+//! [`bench`], [`sweep`] (its chart: [`plot`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use kvrelay_conformance::{self as conformance, bench};
+use kvrelay_conformance as conformance;
 
+mod bench;
 mod check;
 mod plot;
 mod route;
@@ -64,22 +65,14 @@ enum Command {
         #[arg(required = true)]
         paths: Vec<PathBuf>,
     },
-    /// Time a conformance case as a workload: a whole replay, and the median per call kind.
+    /// Time a conformance case as a workload: a whole replay, and the median per call kind;
+    /// or, `kvrelay bench tier`, the shared tier's IO against `redis-benchmark`.
     ///
     /// The case is parsed and converted once and checked once against its expectations; then its
     /// calls are replayed on fresh machines REPEAT times with every call in one timed region
     /// (the figure to compare with another implementation), and REPEAT times with each call
     /// timed on its own (where the time goes). Parsing and conversion are not timed.
-    Bench {
-        /// The case file.
-        case: PathBuf,
-        /// How many times to replay the case (each way: whole, and call by call).
-        #[arg(long, default_value_t = 1000)]
-        repeat: usize,
-        /// Print the figures as JSON (times in ns).
-        #[arg(long)]
-        json: bool,
-    },
+    Bench(Box<bench::BenchArgs>),
     /// Model-check the core: every interleaving of the environment, through the real code.
     ///
     /// Prints the configuration checked (`key = value`, one setting a line, named after its flag)
@@ -122,7 +115,7 @@ fn main() -> ExitCode {
             kvrelay_engine::transport::process::worker_main(&socket, rank)
         }
         Command::Conformance { paths } => run_conformance(&paths),
-        Command::Bench { case, repeat, json } => run_bench(&case, repeat, json),
+        Command::Bench(args) => bench::run(&args),
         Command::Check(args) => check::run(&args),
         Command::Sim(args) => sim_args::run(&args),
         Command::Sweep(args) => {
@@ -169,92 +162,5 @@ fn run_conformance(paths: &[PathBuf]) -> ExitCode {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
-    }
-}
-
-fn bench_json(name: &str, r: &bench::BenchReport) -> String {
-    let kinds: Vec<serde_json::Value> = r
-        .kinds
-        .iter()
-        .map(|k| {
-            serde_json::json!({
-                "call": k.call, "samples": k.samples,
-                "median_ns": k.median_ns, "p10_ns": k.p10_ns, "p90_ns": k.p90_ns,
-            })
-        })
-        .collect();
-    serde_json::json!({
-        "case": name,
-        "replays": r.replays,
-        "calls_per_replay": r.calls,
-        "replay_median_ns": r.replay_median_ns,
-        "replay_p10_ns": r.replay_p10_ns,
-        "replay_p90_ns": r.replay_p90_ns,
-        "sum_of_kind_medians_ns": r.sum_of_kind_medians_ns(),
-        "kinds": kinds,
-    })
-    .to_string()
-}
-
-fn run_bench(path: &PathBuf, repeat: usize, json: bool) -> ExitCode {
-    if repeat == 0 {
-        eprintln!("kvrelay bench: --repeat must be at least 1");
-        return ExitCode::from(2);
-    }
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("kvrelay bench: cannot read {}: {e}", path.display());
-            return ExitCode::from(2);
-        }
-    };
-    let case = match conformance::AnyCase::parse(&text, &path.display().to_string()) {
-        Ok(c) => c,
-        Err((name, e)) => {
-            eprintln!("kvrelay bench: {name}: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    match bench::bench_case(&case, repeat) {
-        Ok(report) if json => {
-            println!("{}", bench_json(case.name(), &report));
-            ExitCode::SUCCESS
-        }
-        Ok(report) => {
-            println!(
-                "{} — {repeat} replays on fresh machines, each way",
-                case.name()
-            );
-            println!(
-                "whole replay ({} calls in one timed region): median {} (p10 {}, p90 {})",
-                report.calls,
-                bench::fmt_ns(report.replay_median_ns),
-                bench::fmt_ns(report.replay_p10_ns),
-                bench::fmt_ns(report.replay_p90_ns)
-            );
-            println!(
-                "each call timed on its own (sum of median × count: {}, timer included):",
-                bench::fmt_ns(report.sum_of_kind_medians_ns())
-            );
-            println!(
-                "{:<32} {:>9} {:>12} {:>12} {:>12}",
-                "call", "samples", "median", "p10", "p90"
-            );
-            for s in &report.kinds {
-                println!(
-                    "{:<32} {:>9} {:>12} {:>12} {:>12}",
-                    s.call,
-                    s.samples,
-                    bench::fmt_ns(s.median_ns),
-                    bench::fmt_ns(s.p10_ns),
-                    bench::fmt_ns(s.p90_ns)
-                );
-            }
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("kvrelay bench: {}: {e}", case.name());
-            ExitCode::FAILURE
-        }
     }
 }

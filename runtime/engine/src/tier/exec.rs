@@ -14,7 +14,7 @@ use tokio::task::JoinSet;
 
 use super::TierFigures;
 use super::store::Store;
-use super::value::{decode, encode, shard_key};
+use super::value::{decode, encode_parts, shard_key};
 use crate::transfer::host::HostPool;
 
 /// The ranks' CPU pools as the tier sees them.
@@ -28,17 +28,17 @@ pub struct Pools {
 }
 
 impl Pools {
-    /// The bytes of `chunk` in `rank`'s pool, layer by layer.
-    fn read(&self, rank: usize, chunk: ChunkId) -> Vec<u8> {
+    /// The value of `chunk` in `rank`'s pool under `key`: its bytes layer by layer, framed.
+    fn encode(&self, rank: usize, chunk: ChunkId, key: &str) -> Vec<u8> {
         let pool = self.pools[rank].read();
-        let mut out = Vec::with_capacity(self.chunk_bytes() as usize);
-        for (at, len) in self.spans(chunk) {
-            out.extend_from_slice(&pool[at..at + len]);
-        }
-        out
+        let parts: Vec<&[u8]> = self
+            .spans(chunk)
+            .map(|(at, len)| &pool[at..at + len])
+            .collect();
+        encode_parts(key, &parts)
     }
 
-    /// Writes `payload` (as [`Pools::read`] returns it) into `chunk` of `rank`'s pool.
+    /// Writes `payload` (layer by layer, as [`Pools::encode`] frames it) into `chunk` of `rank`'s pool.
     fn write(&self, rank: usize, chunk: ChunkId, payload: &[u8]) {
         let mut pool = self.pools[rank].write();
         let mut from = 0;
@@ -229,7 +229,7 @@ async fn pipeline(ctx: &(Store, Arc<str>, Pools), kind: Kind, batch: &[Slot]) ->
                     keys.into_iter()
                         .enumerate()
                         .map(|(r, k)| {
-                            let v = encode(&k, &pools.read(r, chunk));
+                            let v = pools.encode(r, chunk, &k);
                             (k, v)
                         })
                         .collect()

@@ -21,9 +21,13 @@
 //! | --- | --- |
 //! | `value.rs` | keys (content-addressed, one hash slot per chunk) and values (header checked on every read) |
 //! | `store.rs` | the store: Redis Cluster, or an in-process map |
+//! | `resp/` | the Redis Cluster client: commands per node, replies checked as they are parsed |
 //! | `exec.rs` | one step's work against the store and the pools |
+//! | `bench.rs` | that work against `redis-benchmark` on the same cluster (`kvrelay bench tier`) |
 
+pub mod bench;
 mod exec;
+pub mod resp;
 pub mod store;
 pub mod value;
 
@@ -115,8 +119,8 @@ pub struct TierFigures {
     pub values_refused: u64,
     pub io_errors: u64,
     pub timeouts: u64,
-    /// Fresh connections to the store that replaced one whose commands failed (a Redis
-    /// Cluster after a failover: [`store::RedisLink`]).
+    /// Connections to the store's nodes opened since one was lost (a Redis Cluster after a
+    /// failover: the dead master's, the promoted replica's; [`resp::Cluster`]).
     pub reconnects: u64,
     /// Batches (one per step with work) and their wall time, µs.
     pub batches: u64,

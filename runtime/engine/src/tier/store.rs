@@ -2,14 +2,13 @@
 //! map (`memory`, for tests), or a store of the embedder's behind [`StoreBackend`] (the seam the
 //! simulation's faulty store enters by). A chunk is one command either way: every rank's shard
 //! of it shares a hash slot, so `EXISTS`, `MSET` and `MGET` name all of them at once; commands
-//! of a batch go out together over the cluster client's multiplexed connections.
+//! of a batch go out together, one write per node (`resp/`, the tier's own Redis Cluster client).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use redis::cluster::{ClusterClient, ClusterClientBuilder};
-use redis::cluster_async::ClusterConnection;
+use super::resp::Cluster;
 
 /// Why a store call failed.
 #[derive(Clone, Debug, Eq, PartialEq, thiserror::Error)]
@@ -33,7 +32,7 @@ pub enum StoreError {
 #[derive(Clone)]
 pub enum Store {
     /// A Redis Cluster.
-    Redis(RedisLink),
+    Redis(Cluster),
     /// An in-process map, shared by clones.
     Memory(MemoryStore),
     /// A store of the embedder's (see [`StoreBackend`]).
@@ -134,34 +133,20 @@ impl Store {
         if nodes.is_empty() {
             return Err(StoreError::BadEndpoint(String::new()));
         }
-        let failed = |e: redis::RedisError| StoreError::Connect {
-            endpoints: nodes.join(","),
-            reason: e.to_string(),
-        };
-        // The crate's retries wait 1.28 s at least by default: past any deadline of ours.
-        let client = ClusterClientBuilder::new(nodes.clone())
-            .connection_timeout(timeout)
-            .response_timeout(timeout)
-            .retries(2)
-            .min_retry_wait(10)
-            .max_retry_wait(100)
-            .build()
-            .map_err(failed)?;
-        let connect = client.get_async_connection();
-        match tokio::time::timeout(timeout, connect).await {
-            Ok(conn) => Ok(Self::Redis(RedisLink::new(
-                client,
-                conn.map_err(failed)?,
-                timeout,
-            ))),
-            Err(_) => Err(StoreError::Connect {
+        let seeds = nodes
+            .iter()
+            .map(|n| n.trim_start_matches("redis://").to_owned())
+            .collect();
+        Cluster::connect(seeds, timeout)
+            .await
+            .map(Self::Redis)
+            .map_err(|reason| StoreError::Connect {
                 endpoints: nodes.join(","),
-                reason: format!("no answer within {timeout:?}"),
-            }),
-        }
+                reason,
+            })
     }
 
-    /// Fresh connections that replaced a failing one so far (Redis only: see [`RedisLink`]).
+    /// Fresh connections that replaced a broken one so far (Redis only).
     pub fn reconnects(&self) -> u64 {
         match self {
             Self::Redis(link) => link.reconnects(),
@@ -182,18 +167,7 @@ impl Store {
                     .map(|g| Ok(g.iter().all(|k| map.contains_key(k))))
                     .collect())
             }
-            Self::Redis(c) => {
-                let mut pipe = redis::pipe();
-                for g in groups {
-                    pipe.cmd("EXISTS").arg(g);
-                }
-                let out: Vec<redis::RedisResult<usize>> = c.pipeline(&mut pipe).await?;
-                Ok(out
-                    .into_iter()
-                    .zip(groups)
-                    .map(|(r, g)| r.map(|n| n == g.len()).map_err(command))
-                    .collect())
-            }
+            Self::Redis(c) => Ok(answers(c.exists(groups).await)),
         }
     }
 
@@ -208,20 +182,7 @@ impl Store {
                 }
                 Ok(groups.iter().map(|_| Ok(())).collect())
             }
-            Self::Redis(c) => {
-                let mut pipe = redis::pipe();
-                for g in groups {
-                    let cmd = pipe.cmd("MSET");
-                    for (k, v) in g {
-                        cmd.arg(k).arg(v.as_slice());
-                    }
-                }
-                let out: Vec<redis::RedisResult<redis::Value>> = c.pipeline(&mut pipe).await?;
-                Ok(out
-                    .into_iter()
-                    .map(|r| r.map(|_| ()).map_err(command))
-                    .collect())
-            }
+            Self::Redis(c) => Ok(answers(c.mset(groups).await)),
         }
     }
 
@@ -237,15 +198,7 @@ impl Store {
                     .map(|g| Ok(g.iter().map(|k| map.get(k).cloned()).collect()))
                     .collect())
             }
-            Self::Redis(c) => {
-                let mut pipe = redis::pipe();
-                for g in groups {
-                    pipe.cmd("MGET").arg(g);
-                }
-                let out: Vec<redis::RedisResult<Vec<Option<Vec<u8>>>>> =
-                    c.pipeline(&mut pipe).await?;
-                Ok(out.into_iter().map(|r| r.map_err(command)).collect())
-            }
+            Self::Redis(c) => Ok(answers(c.mget(groups).await)),
         }
     }
 }
@@ -257,142 +210,8 @@ pub fn is_node(node: &str) -> bool {
         .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0))
 }
 
-fn command(e: redis::RedisError) -> StoreError {
-    StoreError::Command(e.to_string())
-}
-
-/// A Redis Cluster connection that heals itself. A command that fails, or is dropped unfinished
-/// (past its deadline), marks the connection suspect; the next command starts a fresh one in
-/// the background (connections to the nodes that answer, the slot map as they see it), at most
-/// one at a time and one per [`RECONNECT_EVERY`], and uses the current one meanwhile: no
-/// command waits past its deadline for a reconnection. Why: after a master is killed, the
-/// redis crate's cluster connection (1.8.1) can stay wedged for good — its slot refresh never
-/// completes, every later command times out, those for the promoted replica's slots and the
-/// live masters' included (`tests/tier/test_tier.py`, failover). Cheap to clone (a handle).
-#[derive(Clone)]
-pub struct RedisLink(Arc<Link>);
-
-struct Link {
-    client: ClusterClient,
-    timeout: Duration,
-    state: Mutex<LinkState>,
-}
-
-impl std::fmt::Debug for RedisLink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let s = self.state();
-        f.debug_struct("RedisLink")
-            .field("generation", &s.generation)
-            .field("suspect", &s.suspect)
-            .field("reconnects", &s.reconnects)
-            .finish_non_exhaustive()
-    }
-}
-
-/// At most one reconnection started per this long.
-pub const RECONNECT_EVERY: Duration = Duration::from_millis(250);
-
-struct LinkState {
-    conn: ClusterConnection,
-    /// Which connection `conn` is (a failure of an older one suspects nothing).
-    generation: u64,
-    suspect: bool,
-    reconnecting: bool,
-    last_attempt: Option<Instant>,
-    reconnects: u64,
-}
-
-impl RedisLink {
-    fn new(client: ClusterClient, conn: ClusterConnection, timeout: Duration) -> Self {
-        let state = LinkState {
-            conn,
-            generation: 0,
-            suspect: false,
-            reconnecting: false,
-            last_attempt: None,
-            reconnects: 0,
-        };
-        Self(Arc::new(Link {
-            client,
-            timeout,
-            state: Mutex::new(state),
-        }))
-    }
-
-    fn state(&self) -> std::sync::MutexGuard<'_, LinkState> {
-        self.0.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Fresh connections that replaced a suspect one so far.
-    pub fn reconnects(&self) -> u64 {
-        self.state().reconnects
-    }
-
-    /// The connection to use and its generation; starts a reconnection if one is due.
-    fn current(&self) -> (ClusterConnection, u64) {
-        let mut s = self.state();
-        let due = s
-            .last_attempt
-            .is_none_or(|t| t.elapsed() >= RECONNECT_EVERY);
-        if s.suspect && !s.reconnecting && due {
-            s.reconnecting = true;
-            s.last_attempt = Some(Instant::now());
-            tokio::spawn(self.clone().reconnect());
-        }
-        (s.conn.clone(), s.generation)
-    }
-
-    async fn reconnect(self) {
-        let fresh = tokio::time::timeout(self.0.timeout, self.0.client.get_async_connection());
-        let fresh = fresh.await;
-        let mut s = self.state();
-        s.reconnecting = false;
-        match fresh {
-            Ok(Ok(conn)) => {
-                s.conn = conn;
-                s.generation += 1;
-                s.suspect = false;
-                s.reconnects += 1;
-            }
-            Ok(Err(e)) => tracing::debug!(error = %e, "tier: reconnecting failed"),
-            Err(_) => tracing::debug!("tier: reconnecting timed out"),
-        }
-    }
-
-    /// Sends `pipe` (one slot) and returns each command's own result.
-    async fn pipeline<T: redis::FromRedisValue>(
-        &self,
-        pipe: &mut redis::Pipeline,
-    ) -> Result<Vec<redis::RedisResult<T>>, StoreError> {
-        let (mut conn, generation) = self.current();
-        let mut watch = Suspect {
-            link: self,
-            generation,
-            armed: true,
-        };
-        let out = pipe
-            .ignore_errors()
-            .query_async::<Vec<redis::RedisResult<T>>>(&mut conn)
-            .await;
-        watch.armed = !matches!(&out, Ok(all) if all.iter().all(Result::is_ok));
-        out.map_err(command)
-    }
-}
-
-/// Suspects its connection when dropped armed: a command that failed, or never finished.
-struct Suspect<'a> {
-    link: &'a RedisLink,
-    generation: u64,
-    armed: bool,
-}
-
-impl Drop for Suspect<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            let mut s = self.link.state();
-            if s.generation == self.generation {
-                s.suspect = true;
-            }
-        }
-    }
+fn answers<T>(all: Vec<Result<T, String>>) -> Vec<Result<T, StoreError>> {
+    all.into_iter()
+        .map(|r| r.map_err(StoreError::Command))
+        .collect()
 }

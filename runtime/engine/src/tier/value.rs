@@ -60,15 +60,24 @@ pub enum ValueError {
 
 /// Frames `payload` for `key`.
 pub fn encode(key: &str, payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(FIXED + key.len() + payload.len());
+    encode_parts(key, &[payload])
+}
+
+/// Frames the payload made of `parts`, in order, for `key`: a chunk's layers straight from a
+/// pool, copied once.
+pub fn encode_parts(key: &str, parts: &[&[u8]]) -> Vec<u8> {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    let mut crc = crc32fast::Hasher::new();
+    parts.iter().for_each(|p| crc.update(p));
+    let mut out = Vec::with_capacity(FIXED + key.len() + len);
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
     out.extend_from_slice(&0u16.to_le_bytes());
-    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    out.extend_from_slice(&crc32fast::hash(payload).to_le_bytes());
+    out.extend_from_slice(&(len as u64).to_le_bytes());
+    out.extend_from_slice(&crc.finalize().to_le_bytes());
     out.extend_from_slice(&(key.len() as u32).to_le_bytes());
     out.extend_from_slice(key.as_bytes());
-    out.extend_from_slice(payload);
+    parts.iter().for_each(|p| out.extend_from_slice(p));
     out
 }
 

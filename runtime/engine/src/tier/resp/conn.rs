@@ -1,0 +1,209 @@
+//! One connection to a node. Callers queue framed commands; a writer task sends everything
+//! queued in one vectored write (a batch's commands to a node leave together, whatever task
+//! queued them), and a reader task hands each caller its replies, in order. A connection that
+//! breaks, sends what is not RESP, or whose caller stopped waiting (its deadline: the node may
+//! not be answering at all) is dead for good, and every command waiting on it fails.
+
+use std::collections::VecDeque;
+use std::io::IoSlice;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{Notify, oneshot};
+use tokio::task::AbortHandle;
+
+use super::wire::{Reply, parse};
+
+/// Commands waiting for their replies on one connection, at most: past it a command fails at
+/// once (the node is not keeping up).
+pub(crate) const IN_FLIGHT_BOUND: usize = 1 << 16;
+
+type Replies = Result<Vec<Reply>, String>;
+
+pub(crate) struct Conn {
+    addr: String,
+    shared: Arc<Shared>,
+    tasks: [AbortHandle; 2],
+}
+
+/// What the callers, the writer and the reader share.
+struct Shared {
+    queue: Mutex<Queue>,
+    /// Something was queued: the writer's wake-up.
+    queued: Notify,
+    dead: AtomicBool,
+}
+
+#[derive(Default)]
+struct Queue {
+    /// Framed commands not yet written.
+    outbox: Vec<Vec<u8>>,
+    /// Per batch queued and not yet answered: how many replies it waits for, and where they
+    /// go (in the order of `outbox` and of the wire).
+    pending: VecDeque<(usize, oneshot::Sender<Replies>)>,
+    /// Commands queued and not yet answered.
+    in_flight: usize,
+}
+
+/// A batch's replies to come. Dropped before they came (its caller's deadline), it kills the
+/// connection.
+pub(crate) struct Waiting {
+    rx: oneshot::Receiver<Replies>,
+    conn: Arc<Conn>,
+    armed: bool,
+}
+
+impl Waiting {
+    pub(crate) async fn replies(mut self) -> Replies {
+        let out = (&mut self.rx).await;
+        self.armed = false;
+        out.unwrap_or_else(|_| Err(format!("{}: connection lost", self.conn.addr)))
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if self.armed {
+            self.conn.kill();
+        }
+    }
+}
+
+impl Conn {
+    /// Connects to `addr` (`HOST:PORT`) within `timeout`.
+    pub(crate) async fn open(addr: &str, timeout: Duration) -> Result<Self, String> {
+        let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| format!("{addr}: no connection within {timeout:?}"))?
+            .map_err(|e| format!("{addr}: {e}"))?;
+        let _ = stream.set_nodelay(true);
+        let (read, write) = stream.into_split();
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue::default()),
+            queued: Notify::new(),
+            dead: AtomicBool::new(false),
+        });
+        let writer = tokio::spawn(write_queued(write, shared.clone()));
+        let reader = tokio::spawn(read_replies(read, shared.clone()));
+        Ok(Self {
+            addr: addr.to_owned(),
+            shared,
+            tasks: [writer.abort_handle(), reader.abort_handle()],
+        })
+    }
+
+    pub(crate) fn alive(&self) -> bool {
+        !self.shared.dead.load(Ordering::Acquire)
+    }
+
+    /// Marks it dead and fails every batch waiting on it.
+    fn kill(&self) {
+        self.shared.fail("dropped by its caller");
+        self.tasks.iter().for_each(AbortHandle::abort);
+    }
+
+    /// Queues `buf` (`n` framed commands); their replies come through the returned
+    /// [`Waiting`].
+    pub(crate) fn submit(self: &Arc<Self>, buf: Vec<u8>, n: usize) -> Result<Waiting, String> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut q = self.shared.queue();
+            if !self.alive() {
+                return Err(format!("{}: connection lost", self.addr));
+            }
+            if q.in_flight + n > IN_FLIGHT_BOUND {
+                return Err(format!(
+                    "{}: {IN_FLIGHT_BOUND} commands unanswered",
+                    self.addr
+                ));
+            }
+            q.in_flight += n;
+            q.outbox.push(buf);
+            q.pending.push_back((n, tx));
+        }
+        self.shared.queued.notify_one();
+        Ok(Waiting {
+            rx,
+            conn: self.clone(),
+            armed: true,
+        })
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.tasks.iter().for_each(AbortHandle::abort);
+    }
+}
+
+impl Shared {
+    fn queue(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Marks the connection dead and fails every batch waiting on it.
+    fn fail(&self, why: &str) {
+        self.dead.store(true, Ordering::Release);
+        let mut q = self.queue();
+        q.outbox.clear();
+        q.in_flight = 0;
+        for (_, done) in q.pending.drain(..) {
+            let _ = done.send(Err(format!("connection lost: {why}")));
+        }
+    }
+}
+
+/// Writes whatever is queued, all of it in one vectored write, until the connection breaks.
+async fn write_queued(mut write: OwnedWriteHalf, shared: Arc<Shared>) {
+    loop {
+        shared.queued.notified().await;
+        let bufs = std::mem::take(&mut shared.queue().outbox);
+        let mut slices: Vec<IoSlice<'_>> = bufs.iter().map(|b| IoSlice::new(b)).collect();
+        let mut left = &mut slices[..];
+        while !left.is_empty() {
+            match write.write_vectored(left).await {
+                Ok(0) => return shared.fail("the node stopped reading"),
+                Ok(n) => IoSlice::advance_slices(&mut left, n),
+                Err(e) => return shared.fail(&e.to_string()),
+            }
+        }
+    }
+}
+
+/// Reads replies and hands each batch its own, in order, until the connection breaks or
+/// sends what is not RESP.
+async fn read_replies(mut read: OwnedReadHalf, shared: Arc<Shared>) {
+    let mut buf = BytesMut::with_capacity(1 << 16);
+    let mut got: Vec<Reply> = Vec::new();
+    loop {
+        loop {
+            match parse(&mut buf) {
+                Ok(Some(reply)) => got.push(reply),
+                Ok(None) => break,
+                Err(e) => return shared.fail(&e),
+            }
+            let mut q = shared.queue();
+            let Some(&(want, _)) = q.pending.front() else {
+                drop(q);
+                return shared.fail("a reply to no command");
+            };
+            if got.len() == want {
+                let (_, done) = q.pending.pop_front().expect("looked at");
+                q.in_flight -= want;
+                drop(q);
+                let _ = done.send(Ok(std::mem::take(&mut got)));
+            }
+        }
+        buf.reserve(1 << 16);
+        match read.read_buf(&mut buf).await {
+            Ok(0) => return shared.fail("closed by the node"),
+            Ok(_) => {}
+            Err(e) => return shared.fail(&e.to_string()),
+        }
+    }
+}
