@@ -1,19 +1,18 @@
-//! One connection to a node. Callers queue framed commands; a writer task sends everything
-//! queued in one vectored write (a batch's commands to a node leave together, whatever task
-//! queued them), and a reader task hands each caller its replies, in order. A connection that
+//! One connection to a node. A caller's framed commands go on the wire at once when the socket
+//! takes them (so the node works while the caller frames its next), else they queue and a
+//! writer task sends what queued in vectored writes; a reader task hands each caller its
+//! replies, in order. A connection that
 //! breaks, sends what is not RESP, or whose caller stopped waiting (its deadline: the node may
 //! not be answering at all) is dead for good, and every command waiting on it fails.
 
 use std::collections::VecDeque;
-use std::io::IoSlice;
+use std::io::{self, IoSlice};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{Notify, oneshot};
 use tokio::task::AbortHandle;
 
@@ -22,6 +21,10 @@ use super::wire::{Reply, parse};
 /// Commands waiting for their replies on one connection, at most: past it a command fails at
 /// once (the node is not keeping up).
 pub(crate) const IN_FLIGHT_BOUND: usize = 1 << 16;
+
+/// Queued bytes from which a caller writes them itself rather than leave them to the writer:
+/// the node starts on them while the caller frames more, in writes large enough to be cheap.
+const WRITE_THROUGH: usize = 64 << 10;
 
 type Replies = Result<Vec<Reply>, String>;
 
@@ -33,16 +36,21 @@ pub(crate) struct Conn {
 
 /// What the callers, the writer and the reader share.
 struct Shared {
+    stream: TcpStream,
     queue: Mutex<Queue>,
-    /// Something was queued: the writer's wake-up.
+    /// Something was left queued: the writer's wake-up.
     queued: Notify,
     dead: AtomicBool,
 }
 
 #[derive(Default)]
 struct Queue {
-    /// Framed commands not yet written.
-    outbox: Vec<Vec<u8>>,
+    /// Framed commands not yet written (written in this order, under the lock).
+    outbox: VecDeque<Vec<u8>>,
+    /// Bytes of the first one already written.
+    head_sent: usize,
+    /// Bytes in `outbox`, the first one's written part included.
+    queued_bytes: usize,
     /// Per batch queued and not yet answered: how many replies it waits for, and where they
     /// go (in the order of `outbox` and of the wire).
     pending: VecDeque<(usize, oneshot::Sender<Replies>)>,
@@ -82,14 +90,14 @@ impl Conn {
             .map_err(|_| format!("{addr}: no connection within {timeout:?}"))?
             .map_err(|e| format!("{addr}: {e}"))?;
         let _ = stream.set_nodelay(true);
-        let (read, write) = stream.into_split();
         let shared = Arc::new(Shared {
+            stream,
             queue: Mutex::new(Queue::default()),
             queued: Notify::new(),
             dead: AtomicBool::new(false),
         });
-        let writer = tokio::spawn(write_queued(write, shared.clone()));
-        let reader = tokio::spawn(read_replies(read, shared.clone()));
+        let writer = tokio::spawn(write_queued(shared.clone()));
+        let reader = tokio::spawn(read_replies(shared.clone()));
         Ok(Self {
             addr: addr.to_owned(),
             shared,
@@ -123,10 +131,25 @@ impl Conn {
                 ));
             }
             q.in_flight += n;
-            q.outbox.push(buf);
+            q.queued_bytes += buf.len();
+            q.outbox.push_back(buf);
             q.pending.push_back((n, tx));
+            // Small commands wait for the writer, which takes everything queued by then.
+            let flush = if q.queued_bytes >= WRITE_THROUGH {
+                q.flush(&self.shared.stream)
+            } else {
+                Ok(true)
+            };
+            match flush {
+                Ok(false) => {}
+                Ok(true) => self.shared.queued.notify_one(),
+                Err(e) => {
+                    drop(q);
+                    self.shared.fail(&e.to_string());
+                    return Err(format!("{}: {e}", self.addr));
+                }
+            }
         }
-        self.shared.queued.notify_one();
         Ok(Waiting {
             rx,
             conn: self.clone(),
@@ -151,6 +174,8 @@ impl Shared {
         self.dead.store(true, Ordering::Release);
         let mut q = self.queue();
         q.outbox.clear();
+        q.head_sent = 0;
+        q.queued_bytes = 0;
         q.in_flight = 0;
         for (_, done) in q.pending.drain(..) {
             let _ = done.send(Err(format!("connection lost: {why}")));
@@ -158,17 +183,50 @@ impl Shared {
     }
 }
 
-/// Writes whatever is queued, all of it in one vectored write, until the connection breaks.
-async fn write_queued(mut write: OwnedWriteHalf, shared: Arc<Shared>) {
+impl Queue {
+    /// Writes what the socket takes without waiting: whether some is left (the socket is
+    /// full).
+    fn flush(&mut self, stream: &TcpStream) -> io::Result<bool> {
+        while !self.outbox.is_empty() {
+            let slices: Vec<IoSlice<'_>> = (self.outbox.iter().enumerate())
+                .take(64)
+                .map(|(i, b)| IoSlice::new(if i == 0 { &b[self.head_sent..] } else { b }))
+                .collect();
+            let mut n = match stream.try_write_vectored(&slices) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
+                Err(e) => return Err(e),
+            };
+            while let Some(first) = self.outbox.front() {
+                let left = first.len() - self.head_sent;
+                if n < left {
+                    self.head_sent += n;
+                    break;
+                }
+                n -= left;
+                self.head_sent = 0;
+                self.queued_bytes -= first.len();
+                self.outbox.pop_front();
+            }
+        }
+        Ok(false)
+    }
+}
+
+/// Writes what callers left queued, as the socket takes it, until the connection breaks.
+async fn write_queued(shared: Arc<Shared>) {
     loop {
         shared.queued.notified().await;
-        let bufs = std::mem::take(&mut shared.queue().outbox);
-        let mut slices: Vec<IoSlice<'_>> = bufs.iter().map(|b| IoSlice::new(b)).collect();
-        let mut left = &mut slices[..];
-        while !left.is_empty() {
-            match write.write_vectored(left).await {
-                Ok(0) => return shared.fail("the node stopped reading"),
-                Ok(n) => IoSlice::advance_slices(&mut left, n),
+        loop {
+            let left = shared.queue().flush(&shared.stream);
+            match left {
+                Ok(false) => break,
+                Ok(true) => {
+                    if let Err(e) = shared.stream.writable().await {
+                        return shared.fail(&e.to_string());
+                    }
+                }
                 Err(e) => return shared.fail(&e.to_string()),
             }
         }
@@ -177,7 +235,7 @@ async fn write_queued(mut write: OwnedWriteHalf, shared: Arc<Shared>) {
 
 /// Reads replies and hands each batch its own, in order, until the connection breaks or
 /// sends what is not RESP.
-async fn read_replies(mut read: OwnedReadHalf, shared: Arc<Shared>) {
+async fn read_replies(shared: Arc<Shared>) {
     let mut buf = BytesMut::with_capacity(1 << 16);
     let mut got: Vec<Reply> = Vec::new();
     loop {
@@ -200,9 +258,13 @@ async fn read_replies(mut read: OwnedReadHalf, shared: Arc<Shared>) {
             }
         }
         buf.reserve(1 << 16);
-        match read.read_buf(&mut buf).await {
+        if let Err(e) = shared.stream.readable().await {
+            return shared.fail(&e.to_string());
+        }
+        match shared.stream.try_read_buf(&mut buf) {
             Ok(0) => return shared.fail("closed by the node"),
             Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) => return shared.fail(&e.to_string()),
         }
     }
