@@ -72,6 +72,7 @@ impl TierModel {
         TieringConfig {
             tiers: 1,
             deadline_steps: self.deadline_steps,
+            promoted_most_recent: self.deadline_steps.is_some(),
         }
     }
 }

@@ -426,6 +426,7 @@ impl Harness for TieringHarness {
         let config = TieringConfig {
             tiers: c.tiers,
             deadline_steps,
+            promoted_most_recent: c.mode == Mode::Strict,
         };
         let manager = TieringManager::new(primary, config)
             .map_err(|e| CaseError(format!("bad config: {e}")))?;

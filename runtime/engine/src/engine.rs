@@ -224,6 +224,7 @@ fn tier_pools(
     off.tiering = Some(TieringConfig {
         tiers: 1,
         deadline_steps: (c.mode == Mode::Strict).then_some(t.deadline_steps.max(1)),
+        promoted_most_recent: c.mode == Mode::Strict,
     });
     let pools = (0..c.ranks)
         .map(|_| HostPool::new(host.total_bytes() as usize))

@@ -26,7 +26,7 @@
 //!   any key vanishes at any moment (also between probe and load), a write lands truncated or
 //!   torn (the reader must refuse it: a failed load), a node goes away for one to three
 //!   deadlines (timeouts; then it answers again), slow answers within the deadline. The CPU
-//!   pool (ARC) is small enough that chunks leave it and come back as promotions; once the first
+//!   pool (ARC under compat) is small enough that chunks leave it and come back as promotions; once the first
 //!   engine is quiescent, a second engine (empty CPU pool, no lost rank) runs some of its
 //!   prompts over the same store and promotes what the first stored.
 //!
@@ -91,6 +91,8 @@ pub struct SimReport {
     pub seed: u64,
     /// `compat` or `strict`.
     pub mode: &'static str,
+    /// The CPU pool's eviction policy: `lru` or `arc`.
+    pub policy: &'static str,
     /// Ranks.
     pub ranks: u32,
     /// Async scheduling depth.
@@ -140,9 +142,6 @@ pub struct SimFailure {
 pub struct SimOptions {
     /// The first load reads a corrupted host slot: the run must fail with a byte mismatch.
     pub corrupt_first_load: bool,
-    /// A tier seed keeps the eviction policy it draws (LRU or ARC) instead of ARC: some then
-    /// meet the LRU promotion livelock of `docs/TIERING.md` (seed 28473).
-    pub tier_policy_drawn: bool,
 }
 
 /// Runs seed `seed` to its end: the run's report, or why it failed.
@@ -213,10 +212,10 @@ const TIER_CPU_BLOCKS: u32 = 28;
 const SECOND_CPU_BLOCKS: u32 = 8 * 24 + 32;
 
 /// The run's shape, drawn from the seed.
-fn config_for(seed: u64, r: &mut SimRng, faults: &FaultMix, options: SimOptions) -> RunConfig {
+fn config_for(seed: u64, r: &mut SimRng, faults: &FaultMix) -> RunConfig {
     let block_size = 4;
     let cpu_floor = if faults.tier { TIER_CPU_BLOCKS } else { 0 };
-    RunConfig {
+    let config = RunConfig {
         seed,
         ranks: r.range(1, 3) as u32,
         layers: r.range(1, 2) as u32,
@@ -225,9 +224,7 @@ fn config_for(seed: u64, r: &mut SimRng, faults: &FaultMix, options: SimOptions)
         gpu_blocks: Some(r.range(28, 48) as u32),
         cpu_blocks: Some((r.range(16, 64) as u32).max(cpu_floor)),
         blocks_per_chunk: 1,
-        // With a tier, ARC: under LRU, an old request's promotions may evict each other for
-        // ever (`SimOptions::tier_policy_drawn`, `docs/TIERING.md`).
-        policy: if r.chance(0.5) && (!faults.tier || options.tier_policy_drawn) {
+        policy: if r.chance(0.5) {
             kvrelay_core::PolicyKind::Lru
         } else {
             kvrelay_core::PolicyKind::Arc
@@ -252,7 +249,17 @@ fn config_for(seed: u64, r: &mut SimRng, faults: &FaultMix, options: SimOptions)
             ..TierConfig::default()
         }),
         ..RunConfig::default()
+    };
+    // A compat tier seed uses ARC: under vLLM's LRU, an old request's promotions evict each
+    // other for ever (`docs/TIERING.md`); strict ranks a landed promotion most recent.
+    let compat_lru = config.mode == Mode::Compat && config.policy == kvrelay_core::PolicyKind::Lru;
+    if faults.tier && compat_lru {
+        return RunConfig {
+            policy: kvrelay_core::PolicyKind::Arc,
+            ..config
+        };
     }
+    config
 }
 
 /// One request of the generated input: when it arrives, its prompt, its output length.
@@ -293,7 +300,7 @@ fn arrivals(r: &mut SimRng) -> Vec<Arrival> {
 async fn run_seed(seed: u64, options: SimOptions) -> Result<SimReport, String> {
     let mut r = SimRng::new(seed);
     let faults = FaultMix::for_seed(seed);
-    let config = config_for(seed, &mut r, &faults, options);
+    let config = config_for(seed, &mut r, &faults);
     let input = arrivals(&mut r);
     let calm = Arc::new(AtomicBool::new(false));
     let lost = faults.rank_lost.then(|| {
@@ -324,6 +331,10 @@ async fn run_seed(seed: u64, options: SimOptions) -> Result<SimReport, String> {
             mode: match config.mode {
                 Mode::Compat => "compat",
                 Mode::Strict => "strict",
+            },
+            policy: match config.policy {
+                kvrelay_core::PolicyKind::Lru => "lru",
+                kvrelay_core::PolicyKind::Arc => "arc",
             },
             ranks: config.ranks,
             async_depth: config.async_depth,

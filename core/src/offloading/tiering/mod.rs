@@ -27,7 +27,9 @@
 //! vLLM waits for ever on a probe or a promotion that never reports (vLLM #49829). With
 //! [`TieringConfig::deadline_steps`] set, an overdue probe is a miss and an overdue promotion's
 //! key looks missing, so its request recomputes; the promotion's primary chunk stays reserved
-//! until the runtime reports the job, so a late write never lands in a reused chunk.
+//! until the runtime reports the job, so a late write never lands in a reused chunk. And a
+//! promotion that lands ranks its chunks most recent ([`TieringConfig::promoted_most_recent`]):
+//! under vLLM's ranks, an old request's promotions evict each other for ever.
 //!
 //! # Layout
 //!
@@ -593,5 +595,8 @@ impl TieringManager {
         self.stats.promotion_failures += failed.len() as u64;
         self.primary.complete_store(&ok, true);
         self.primary.complete_store(&failed, false);
+        if self.config.promoted_most_recent {
+            self.primary.touch(&ok, Access::default());
+        }
     }
 }

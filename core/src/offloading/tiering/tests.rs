@@ -27,6 +27,7 @@ fn manager(capacity: u32, deadline: Option<u32>) -> TieringManager {
     let config = TieringConfig {
         tiers: 1,
         deadline_steps: deadline,
+        promoted_most_recent: deadline.is_some(),
     };
     let mut m = TieringManager::new(primary, config).expect("valid config");
     m.on_new_request(R);
@@ -246,4 +247,65 @@ fn check_invariants_catches_a_promotion_without_a_reserved_chunk() {
     ));
     let err = m.check_invariants().expect_err("broken");
     assert_eq!(err.id, "I-50");
+}
+
+/// A promotion of `k` for `R`, from lookup to landing (the tier has it).
+fn promote(m: &mut TieringManager, k: OffloadKey) {
+    assert_eq!(m.lookup(k, R, 0), LookupResult::Retry);
+    let work = step(m);
+    answer(m, &work, true);
+    assert_eq!(m.lookup(k, R, 0), LookupResult::HitPending);
+    let work = step(m);
+    finish(m, loads(&work)[0].0, true);
+    step(m);
+}
+
+/// Under LRU, whether `R`'s second promotion evicts its first (rather than an idle chunk a
+/// request that finished later left).
+fn second_promotion_evicts_the_first(strict: bool) -> bool {
+    const R2: RequestId = RequestId(2);
+    let mut m = manager(2, strict.then_some(8));
+    // R's provisional rank is taken now, by its first promotion's reservation.
+    assert_eq!(m.lookup(key(1), R, 0), LookupResult::Retry);
+    let work = step(&mut m);
+    answer(&mut m, &work, true);
+    assert_eq!(m.lookup(key(1), R, 0), LookupResult::HitPending);
+    // R2 stores a chunk and finishes: its chunk ranks above R's provisional rank.
+    m.on_new_request(R2);
+    let later = Access {
+        request: Some(R2),
+        positions: None,
+    };
+    m.prepare_store(&[key(9)], later)
+        .expect("known")
+        .expect("room");
+    m.complete_store(&[key(9)], R2, true).expect("in flight");
+    m.on_request_finished(R2).expect("known");
+    for w in step(&mut m) {
+        match w {
+            TierWork::Store { job, .. } => finish(&mut m, job, true),
+            TierWork::Load { job, .. } => finish(&mut m, job, true),
+            TierWork::Probe { .. } => {}
+        }
+    }
+    step(&mut m);
+    assert_eq!(m.lookup(key(1), R, 0), LookupResult::Hit, "landed");
+    promote(&mut m, key(2));
+    m.lookup(key(1), R, 0) != LookupResult::Hit
+}
+
+// Protects strict's departure (docs/TIERING.md, "promotions that evict each other"): vLLM
+// ranks a landed promotion with its request's old provisional rank, so under LRU a request's
+// next promotion evicts its last one, not the idle chunk a later request left (the livelock
+// the simulation found, seed 28473); strict ranks it most recent.
+#[test]
+fn strict_ranks_a_landed_promotion_most_recent() {
+    assert!(
+        second_promotion_evicts_the_first(false),
+        "compat: vLLM's ranks"
+    );
+    assert!(
+        !second_promotion_evicts_the_first(true),
+        "strict: the idle chunk goes"
+    );
 }

@@ -46,6 +46,12 @@ pub struct TieringConfig {
     /// chunk stays reserved until the runtime reports the job, so a late write cannot land in
     /// a reused chunk).
     pub deadline_steps: Option<u32>,
+    /// `false`: vLLM 0.33.0 (compat), where a promoted chunk keeps the rank its promotion
+    /// reserved it with, its request's provisional one under LRU: older than whatever finished
+    /// since, so a request that waited long enough evicts its own last promotion with each new
+    /// one, for ever (`docs/TIERING.md`). `true` (strict): a promotion that lands ranks its
+    /// chunks most recent, as a touch does.
+    pub promoted_most_recent: bool,
 }
 
 impl TieringConfig {
