@@ -15,7 +15,10 @@ Two engines' figures are their sums (reuse: reused over prompt tokens of both); 
 the slower process's. Counts of runs without the tier are the same on every run; with it, they
 depend on how the two processes' steps interleave (what one stored before the other looked).
 
-Usage: tests/tier/split_trace.py [--requests N] [--port P] [--json] [-- kvrelay run flags...]
+Usage: tests/tier/split_trace.py [--requests N] [--port P] [--maxmemory BYTES] [--json]
+                                [-- kvrelay run flags...]
+--maxmemory bounds each of the three masters (allkeys-lru): a tier smaller than what the runs
+store, evicting as Redis does.
 Env:   KVRELAY_BIN  the kvrelay binary (default: target/release/kvrelay)
 """
 
@@ -84,7 +87,7 @@ def combine(reports, wall_s):
     return row
 
 
-def table(rows, requests):
+def table(rows, requests, maxmemory):
     names = list(rows)
     fmt = lambda v: f"{v:,}" if isinstance(v, int) else f"{v:.1f}"
     lines = [
@@ -106,7 +109,9 @@ def table(rows, requests):
     cells = [[f(rows[n]) for n in names] for _, f in lines]
     cols = [max(len(n), *(len(c[i]) for c in cells)) for i, n in enumerate(names)]
     head = f"{'':{width}}  " + "  ".join(f"{n:>{w}}" for n, w in zip(names, cols))
-    out = [f"first {requests:,} requests of the Mooncake conversation trace", head]
+    bounded = (f"; the tier bounded at {maxmemory:,} bytes a master (allkeys-lru)"
+               if maxmemory else "; the tier unbounded")
+    out = [f"first {requests:,} requests of the Mooncake conversation trace{bounded}", head]
     for (label, _), row in zip(lines, cells):
         out.append(f"{label:{width}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(row, cols)))
     bound = rows[names[0]]["reuse_bound_pct"]
@@ -120,11 +125,13 @@ def main():
                     help="the first N requests of the trace (default 600)")
     ap.add_argument("--port", type=int, default=7500,
                     help="the cluster's first port (default 7500)")
+    ap.add_argument("--maxmemory", type=int, default=0,
+                    help="bytes per master, allkeys-lru (default 0: unbounded)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("extra", nargs="*", help="more `kvrelay run` flags, after --")
     args = ap.parse_args()
     halves = [f"{k}/{ENGINES}" for k in range(ENGINES)]
-    tier = cluster(args, "start")
+    tier = cluster(args, "start", "--maxmemory", str(args.maxmemory))
     try:
         rows = {"one": combine(*engines(args, [None], None)),
                 "two": combine(*engines(args, halves, None))}
@@ -135,10 +142,10 @@ def main():
     finally:
         cluster(args, "stop")
     if args.json:
-        print(json.dumps({"requests": args.requests, "engines": ENGINES, "runs": rows},
-                         indent=2))
+        print(json.dumps({"requests": args.requests, "engines": ENGINES,
+                          "maxmemory": args.maxmemory, "runs": rows}, indent=2))
     else:
-        print(table(rows, args.requests))
+        print(table(rows, args.requests, args.maxmemory))
 
 
 if __name__ == "__main__":

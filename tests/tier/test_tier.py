@@ -211,3 +211,25 @@ def test_a_slow_node_times_out_and_the_run_goes_on(tier):
     pause = ["redis-cli", "-p", str(BASE), "CLIENT", "PAUSE", "3000", "ALL"]
     report = during_run(tier, 200, lambda: subprocess.run(pause, check=True, capture_output=True))
     assert report["tier_timeouts"] + report["tier_io_errors"] > 0
+
+
+# Protects `kvrelay bench tier` (docs/TIERING.md, "Against redis-benchmark"): both sides
+# measured on the cluster the test starts, every loaded byte compared with what was stored (a
+# mismatch is exit 1), the figures in --json; and a cluster that is not there is a clear error.
+def test_bench_tier_measures_both_sides(tier):
+    if subprocess.run(["which", "redis-benchmark"], capture_output=True).returncode != 0:
+        pytest.skip("redis-benchmark is not installed (Debian: redis-tools)")
+    first = tier.split(",")[0]
+    cmd = [BIN, "bench", "tier", "--tier", first, "--shard-bytes", "8192", "--mib", "4",
+           "--redis-mib", "4", "--repeat", "1", "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["masters"] == 3
+    [size] = out["sizes"]
+    for k in ("tier_store", "tier_load", "redis_set", "redis_get"):
+        assert size[k] > 0, (k, size)
+    assert size["value_bytes"] > size["shard_bytes"] == 8192
+    gone = subprocess.run([BIN, "bench", "tier", "--tier", "redis://127.0.0.1:1",
+                           "--timeout-ms", "500"], capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 1 and "cannot connect" in gone.stderr, gone.stderr
