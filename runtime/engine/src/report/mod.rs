@@ -142,8 +142,10 @@ pub struct TierSummary {
     pub tier_values_refused: u64,
     pub tier_io_errors: u64,
     pub tier_timeouts: u64,
-    /// Fresh connections that replaced a failing one (a Redis Cluster after a failover).
+    /// Connections opened since one was lost (a Redis Cluster after a failover).
     pub tier_reconnects: u64,
+    /// The first store error of the run, as the store said it (`None`: none).
+    pub tier_first_error: Option<String>,
     /// Wall time of a step's tier IO (every command of the step, concurrently): µs.
     pub tier_batch_us_median: f64,
     pub tier_batch_us_p99: f64,
@@ -168,6 +170,7 @@ impl TierSummary {
             tier_io_errors: t.io_errors,
             tier_timeouts: t.timeouts,
             tier_reconnects: t.reconnects,
+            tier_first_error: t.first_error.clone(),
             tier_batch_us_median: quantile(&us, 0.5),
             tier_batch_us_p99: quantile(&us, 0.99),
         }

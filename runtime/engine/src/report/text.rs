@@ -146,6 +146,9 @@ impl Report {
             t.tier_batch_us_median,
             t.tier_batch_us_p99
         )?;
+        if let Some(e) = &t.tier_first_error {
+            writeln!(f, "tier error      {e} (the first)")?;
+        }
         Ok(())
     }
 }

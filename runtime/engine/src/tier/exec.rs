@@ -128,29 +128,34 @@ pub(super) async fn run(
         slots.push((0..chunks.len()).map(|_| None).collect());
     }
     let ctx = Arc::new((store, namespace, pools));
+    let mut done = Done::default();
     let mut tasks = JoinSet::new();
     for ((_, kind), batch) in batches {
         let ctx = ctx.clone();
         tasks.spawn(async move {
             let kind = Kind::from(kind);
-            let results = match tokio::time::timeout(timeout, pipeline(&ctx, kind, &batch)).await {
+            let mut first_error = None;
+            let sent = pipeline(&ctx, kind, &batch, &mut first_error);
+            let results = match tokio::time::timeout(timeout, sent).await {
                 Ok(r) => r,
                 Err(_) => batch
                     .iter()
                     .map(|_| ChunkResult::Failed(Failure::Timeout))
                     .collect(),
             };
-            (batch, results)
+            (batch, results, first_error)
         });
     }
     while let Some(joined) = tasks.join_next().await {
-        if let Ok((batch, results)) = joined {
+        if let Ok((batch, results, error)) = joined {
             for ((w, i, _, _), r) in batch.into_iter().zip(results) {
                 slots[w][i] = Some(r);
             }
+            if done.figures.first_error.is_none() {
+                done.figures.first_error = error;
+            }
         }
     }
-    let mut done = Done::default();
     for (item, results) in work.into_iter().zip(slots) {
         settle(item, results, &ctx.2, &mut done);
     }
@@ -201,17 +206,24 @@ fn chunks_of(w: &TierWork) -> Vec<(OffloadKey, ChunkId)> {
     }
 }
 
-/// One bucket's commands of one kind, as one pipeline; a result per chunk, in order.
-async fn pipeline(ctx: &(Store, Arc<str>, Pools), kind: Kind, batch: &[Slot]) -> Vec<ChunkResult> {
+/// One bucket's commands of one kind, as one pipeline; a result per chunk, in order, and in
+/// `first_error` the first store error met.
+async fn pipeline(
+    ctx: &(Store, Arc<str>, Pools),
+    kind: Kind,
+    batch: &[Slot],
+    first_error: &mut Option<String>,
+) -> Vec<ChunkResult> {
     let (store, ns, pools) = ctx;
     let ranks = pools.pools.len() as u32;
     let groups: Vec<Vec<String>> = batch
         .iter()
         .map(|&(_, _, key, _)| (0..ranks).map(|r| shard_key(ns, key, r)).collect())
         .collect();
-    let all_failed = |e: &super::StoreError| {
-        let r = io_failed(e);
-        batch.iter().map(|_| r).collect()
+    let mut io_failed = |e: &super::StoreError| {
+        tracing::debug!(error = %e, "tier command failed");
+        first_error.get_or_insert_with(|| e.to_string());
+        ChunkResult::Failed(Failure::Io)
     };
     match kind {
         Kind::Probe => match store.exists_many(&groups).await {
@@ -219,7 +231,10 @@ async fn pipeline(ctx: &(Store, Arc<str>, Pools), kind: Kind, batch: &[Slot]) ->
                 .into_iter()
                 .map(|f| f.map_or_else(|e| io_failed(&e), ChunkResult::Probe))
                 .collect(),
-            Err(e) => all_failed(&e),
+            Err(e) => {
+                let r = io_failed(&e);
+                batch.iter().map(|_| r).collect()
+            }
         },
         Kind::Store => {
             let pairs: Vec<Vec<(String, Vec<u8>)>> = groups
@@ -240,7 +255,10 @@ async fn pipeline(ctx: &(Store, Arc<str>, Pools), kind: Kind, batch: &[Slot]) ->
                     .into_iter()
                     .map(|r| r.map_or_else(|e| io_failed(&e), |()| ChunkResult::Stored))
                     .collect(),
-                Err(e) => all_failed(&e),
+                Err(e) => {
+                    let r = io_failed(&e);
+                    batch.iter().map(|_| r).collect()
+                }
             }
         }
         Kind::Load => match store.get_many(&groups).await {
@@ -252,7 +270,10 @@ async fn pipeline(ctx: &(Store, Arc<str>, Pools), kind: Kind, batch: &[Slot]) ->
                     Err(e) => io_failed(&e),
                 })
                 .collect(),
-            Err(e) => all_failed(&e),
+            Err(e) => {
+                let r = io_failed(&e);
+                batch.iter().map(|_| r).collect()
+            }
         },
     }
 }
@@ -283,13 +304,6 @@ fn promote(
         pools.write(r, chunk, p);
     }
     ChunkResult::Loaded
-}
-
-/// A store command that failed: logged (at debug level: a dead node fails every command), then
-/// counted by the caller.
-fn io_failed(e: &super::StoreError) -> ChunkResult {
-    tracing::debug!(error = %e, "tier command failed");
-    ChunkResult::Failed(Failure::Io)
 }
 
 /// Turns one work item's chunk results into its reports and figures.

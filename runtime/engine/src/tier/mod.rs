@@ -122,6 +122,8 @@ pub struct TierFigures {
     /// Connections to the store's nodes opened since one was lost (a Redis Cluster after a
     /// failover: the dead master's, the promoted replica's; [`resp::Cluster`]).
     pub reconnects: u64,
+    /// The first store error (a command that failed, as the store said why).
+    pub first_error: Option<String>,
     /// Batches (one per step with work) and their wall time, µs.
     pub batches: u64,
     #[serde(skip)]
@@ -144,6 +146,9 @@ impl TierFigures {
         self.values_refused += o.values_refused;
         self.io_errors += o.io_errors;
         self.timeouts += o.timeouts;
+        if self.first_error.is_none() {
+            self.first_error.clone_from(&o.first_error);
+        }
         self.batches += o.batches;
         self.batch_us.absorb(&o.batch_us);
     }
