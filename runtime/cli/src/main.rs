@@ -5,7 +5,7 @@
 //! `worker`, `kvrelay-sim`, `kvrelay-conformance` for `conformance` and `bench`,
 //! `kvrelay-model-check` for `check`); this crate parses the command line and prints. Each
 //! subcommand's flags and printing are a module of their own: [`run`], [`sim`], [`check`],
-//! [`bench`], [`sweep`] (its chart: [`plot`]).
+//! [`bench`](mod@bench), [`sweep`] (its chart: [`plot`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -33,7 +33,7 @@ pub(crate) use self::wire::Reply;
 use self::wire::{Command, key_slot};
 
 /// At most one slot-map refresh started per this long.
-pub(crate) const REFRESH_EVERY: Duration = Duration::from_millis(250);
+pub const REFRESH_EVERY: Duration = Duration::from_millis(250);
 
 /// A Redis Cluster: its slot map and a connection per node. Cheap to clone (a handle).
 #[derive(Clone)]
@@ -78,7 +78,7 @@ impl std::fmt::Debug for Cluster {
 impl Cluster {
     /// Asks `seeds` (`HOST:PORT`) for the slot map, within `timeout`; every later command is
     /// its caller's to bound.
-    pub(crate) async fn connect(seeds: Vec<String>, timeout: Duration) -> Result<Self, String> {
+    pub async fn connect(seeds: Vec<String>, timeout: Duration) -> Result<Self, String> {
         let map = tokio::time::timeout(timeout, slot_map(&seeds, timeout))
             .await
             .map_err(|_| format!("no answer within {timeout:?}"))??;
@@ -103,12 +103,12 @@ impl Cluster {
     }
 
     /// Connections opened since one was lost (to its node again, or to a promoted replica).
-    pub(crate) fn reconnects(&self) -> u64 {
+    pub fn reconnects(&self) -> u64 {
         self.state().reconnects
     }
 
     /// The masters serving slots.
-    pub(crate) fn masters(&self) -> usize {
+    pub fn masters(&self) -> usize {
         let s = self.state();
         let mut used: Vec<u16> = s.slots.iter().flatten().copied().collect();
         used.sort_unstable();
@@ -117,7 +117,7 @@ impl Cluster {
     }
 
     /// Per group, whether every key of it exists (one `EXISTS` per group).
-    pub(crate) async fn exists(&self, groups: &[Vec<String>]) -> Vec<Result<bool, String>> {
+    pub async fn exists(&self, groups: &[Vec<String>]) -> Vec<Result<bool, String>> {
         let cmds = groups.iter().map(|g| Command::keys("EXISTS", g)).collect();
         let replies = self.send(groups_first(groups), cmds).await;
         replies
@@ -131,7 +131,7 @@ impl Cluster {
     }
 
     /// Writes every group's pairs (one `MSET` per group).
-    pub(crate) async fn mset(&self, groups: &[Vec<(String, Vec<u8>)>]) -> Vec<Result<(), String>> {
+    pub async fn mset(&self, groups: &[Vec<(String, Vec<u8>)>]) -> Vec<Result<(), String>> {
         let firsts = groups.iter().map(|g| g.first().map(|(k, _)| k.as_str()));
         let cmds = groups.iter().map(|g| Command::pairs("MSET", g)).collect();
         let replies = self.send(firsts.collect(), cmds).await;
@@ -145,10 +145,7 @@ impl Cluster {
     }
 
     /// Every group's values (`None`: absent; one `MGET` per group).
-    pub(crate) async fn mget(
-        &self,
-        groups: &[Vec<String>],
-    ) -> Vec<Result<Vec<Option<Vec<u8>>>, String>> {
+    pub async fn mget(&self, groups: &[Vec<String>]) -> Vec<Result<Vec<Option<Vec<u8>>>, String>> {
         let cmds = groups.iter().map(|g| Command::keys("MGET", g)).collect();
         let replies = self.send(groups_first(groups), cmds).await;
         replies
@@ -167,8 +164,8 @@ impl Cluster {
             .collect()
     }
 
-    /// Sends each command to the master of its first key's slot (all of a node's in one
-    /// write) and returns each one's reply, in order.
+    /// Sends each command to the master of its first key's slot (a node's queued together)
+    /// and returns each one's reply, in order.
     async fn send(
         &self,
         firsts: Vec<Option<&str>>,
@@ -177,6 +174,7 @@ impl Cluster {
         let mut out: Vec<Result<Reply, String>> =
             (0..cmds.len()).map(|_| Err("not sent".into())).collect();
         let mut by_node: BTreeMap<u16, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
+        let mut unrouted = false;
         {
             let s = self.state();
             for (i, (first, cmd)) in firsts.iter().zip(&cmds).enumerate() {
@@ -187,11 +185,14 @@ impl Cluster {
                         idx.push(i);
                         cmd.write(buf);
                     }
-                    None => out[i] = Err("no node serves the key's slot".into()),
+                    None => {
+                        out[i] = Err("no node serves the key's slot".into());
+                        unrouted = true;
+                    }
                 }
             }
         }
-        if out.iter().any(Result::is_err) {
+        if unrouted {
             self.refresh_soon();
         }
         // Every node's commands go out first, then the replies are awaited: all in flight at once.
