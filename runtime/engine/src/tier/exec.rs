@@ -38,7 +38,8 @@ impl Pools {
         encode_parts(key, &parts)
     }
 
-    /// Writes `payload` (layer by layer, as [`Pools::encode`] frames it) into `chunk` of `rank`'s pool.
+    /// Writes `payload` (layer by layer, as [`Pools::encode`] frames it) into `chunk` of
+    /// `rank`'s pool.
     fn write(&self, rank: usize, chunk: ChunkId, payload: &[u8]) {
         let mut pool = self.pools[rank].write();
         let mut from = 0;
@@ -225,16 +226,15 @@ async fn pipeline(
         first_error.get_or_insert_with(|| e.to_string());
         ChunkResult::Failed(Failure::Io)
     };
+    // A call that failed whole: every chunk of the batch with its result.
+    let every = |r: ChunkResult| batch.iter().map(|_| r).collect();
     match kind {
         Kind::Probe => match store.exists_many(&groups).await {
             Ok(found) => found
                 .into_iter()
                 .map(|f| f.map_or_else(|e| io_failed(&e), ChunkResult::Probe))
                 .collect(),
-            Err(e) => {
-                let r = io_failed(&e);
-                batch.iter().map(|_| r).collect()
-            }
+            Err(e) => every(io_failed(&e)),
         },
         Kind::Store => {
             let pairs: Vec<Vec<(String, Vec<u8>)>> = groups
@@ -255,10 +255,7 @@ async fn pipeline(
                     .into_iter()
                     .map(|r| r.map_or_else(|e| io_failed(&e), |()| ChunkResult::Stored))
                     .collect(),
-                Err(e) => {
-                    let r = io_failed(&e);
-                    batch.iter().map(|_| r).collect()
-                }
+                Err(e) => every(io_failed(&e)),
             }
         }
         Kind::Load => match store.get_many(&groups).await {
@@ -270,10 +267,7 @@ async fn pipeline(
                     Err(e) => io_failed(&e),
                 })
                 .collect(),
-            Err(e) => {
-                let r = io_failed(&e);
-                batch.iter().map(|_| r).collect()
-            }
+            Err(e) => every(io_failed(&e)),
         },
     }
 }

@@ -1,8 +1,9 @@
 //! The store behind the shared tier: a Redis Cluster (`redis://HOST:PORT,…`), an in-process
 //! map (`memory`, for tests), or a store of the embedder's behind [`StoreBackend`] (the seam the
 //! simulation's faulty store enters by). A chunk is one command either way: every rank's shard
-//! of it shares a hash slot, so `EXISTS`, `MSET` and `MGET` name all of them at once; commands
-//! of a batch go out together, one write per node (`resp/`, the tier's own Redis Cluster client).
+//! of it shares a hash slot, so `EXISTS`, `MSET` and `MGET` name all of them at once; a batch's
+//! commands to a node are queued together on its connection (`resp/`, the tier's own Redis
+//! Cluster client).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -122,31 +123,27 @@ impl Store {
         if endpoints == ["memory"] {
             return Ok(Self::Memory(MemoryStore::default()));
         }
-        let nodes: Vec<String> = endpoints
+        let seeds: Vec<String> = endpoints
             .iter()
             .map(|e| {
                 let node = e.strip_prefix("redis://").filter(|n| is_node(n));
-                node.map(|_| e.clone())
+                node.map(str::to_owned)
                     .ok_or_else(|| StoreError::BadEndpoint(e.clone()))
             })
             .collect::<Result<_, _>>()?;
-        if nodes.is_empty() {
+        if seeds.is_empty() {
             return Err(StoreError::BadEndpoint(String::new()));
         }
-        let seeds = nodes
-            .iter()
-            .map(|n| n.trim_start_matches("redis://").to_owned())
-            .collect();
         Cluster::connect(seeds, timeout)
             .await
             .map(Self::Redis)
             .map_err(|reason| StoreError::Connect {
-                endpoints: nodes.join(","),
+                endpoints: endpoints.join(","),
                 reason,
             })
     }
 
-    /// Fresh connections that replaced a broken one so far (Redis only).
+    /// Connections opened since one was lost (Redis only: [`Cluster::reconnects`]).
     pub fn reconnects(&self) -> u64 {
         match self {
             Self::Redis(link) => link.reconnects(),

@@ -119,7 +119,7 @@ impl Cluster {
     /// Per group, whether every key of it exists (one `EXISTS` per group).
     pub async fn exists(&self, groups: &[Vec<String>]) -> Vec<Result<bool, String>> {
         let cmds = groups.iter().map(|g| Command::keys("EXISTS", g)).collect();
-        let replies = self.send(groups_first(groups), cmds).await;
+        let replies = self.send(cmds).await;
         replies
             .into_iter()
             .zip(groups)
@@ -132,9 +132,8 @@ impl Cluster {
 
     /// Writes every group's pairs (one `MSET` per group).
     pub async fn mset(&self, groups: &[Vec<(String, Vec<u8>)>]) -> Vec<Result<(), String>> {
-        let firsts = groups.iter().map(|g| g.first().map(|(k, _)| k.as_str()));
         let cmds = groups.iter().map(|g| Command::pairs("MSET", g)).collect();
-        let replies = self.send(firsts.collect(), cmds).await;
+        let replies = self.send(cmds).await;
         replies
             .into_iter()
             .map(|r| match r? {
@@ -147,7 +146,7 @@ impl Cluster {
     /// Every group's values (`None`: absent; one `MGET` per group).
     pub async fn mget(&self, groups: &[Vec<String>]) -> Vec<Result<Vec<Option<Vec<u8>>>, String>> {
         let cmds = groups.iter().map(|g| Command::keys("MGET", g)).collect();
-        let replies = self.send(groups_first(groups), cmds).await;
+        let replies = self.send(cmds).await;
         replies
             .into_iter()
             .zip(groups)
@@ -166,19 +165,15 @@ impl Cluster {
 
     /// Sends each command to the master of its first key's slot (a node's queued together)
     /// and returns each one's reply, in order.
-    async fn send(
-        &self,
-        firsts: Vec<Option<&str>>,
-        cmds: Vec<Command<'_>>,
-    ) -> Vec<Result<Reply, String>> {
+    async fn send(&self, cmds: Vec<Command<'_>>) -> Vec<Result<Reply, String>> {
         let mut out: Vec<Result<Reply, String>> =
             (0..cmds.len()).map(|_| Err("not sent".into())).collect();
         let mut by_node: BTreeMap<u16, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
         let mut unrouted = false;
         {
             let s = self.state();
-            for (i, (first, cmd)) in firsts.iter().zip(&cmds).enumerate() {
-                let node = first.and_then(|k| s.slots[key_slot(k)]);
+            for (i, cmd) in cmds.iter().enumerate() {
+                let node = cmd.first_key().and_then(|k| s.slots[key_slot(k)]);
                 match node {
                     Some(n) => {
                         let (idx, buf) = by_node.entry(n).or_default();
@@ -250,9 +245,6 @@ impl Cluster {
         let fresh = Arc::new(Conn::open(&addr, self.0.timeout).await?);
         let mut s = self.state();
         let n = &mut s.nodes[usize::from(node)];
-        if n.addr != addr {
-            return Err(format!("{addr}: left the cluster's slot map"));
-        }
         // Another task may have opened one meanwhile: the first stays, so one serves a node.
         if let Some(c) = n.conn.as_ref().filter(|c| c.alive()) {
             return Ok(c.clone());
@@ -329,13 +321,6 @@ async fn slot_map(nodes: &[String], timeout: Duration) -> Result<Vec<(u16, u16, 
         }
     }
     Err(last)
-}
-
-fn groups_first(groups: &[Vec<String>]) -> Vec<Option<&str>> {
-    groups
-        .iter()
-        .map(|g| g.first().map(String::as_str))
-        .collect()
 }
 
 fn unexpected(cmd: &str, reply: &Reply) -> String {

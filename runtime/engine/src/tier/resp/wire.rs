@@ -52,6 +52,14 @@ impl<'a> Command<'a> {
         Self::Pairs(name, pairs)
     }
 
+    /// Its first key: the one that routes it (every key of a command shares its slot).
+    pub(crate) fn first_key(&self) -> Option<&str> {
+        match self {
+            Self::Keys(_, keys) => keys.first().map(String::as_str),
+            Self::Pairs(_, pairs) => pairs.first().map(|(k, _)| k.as_str()),
+        }
+    }
+
     /// Appends its frame to `buf`.
     pub(crate) fn write(&self, buf: &mut Vec<u8>) {
         match self {
