@@ -27,9 +27,10 @@
 //! | [`offloading`] | [`OffloadingConnector`] + [`OffloadingWorker`] | `OffloadingConnector` (both roles) | §1.8, §5.5–§5.7, §6.4, I-38…I-47 |
 //! | [`offloading`] | [`CpuOffloadingManager`] | `CPUOffloadingManager` + its LRU/ARC policies | §5.2–§5.4, I-40 |
 //! | [`compose`] | [`MultiConnector`] + [`MultiWorker`] | `MultiConnector` (both roles) | §1.7, §4.3, I-28…I-32 |
+//! | [`pd`] | [`PdConnector`] + [`PdWorker`] | NIXL's P/D protocol (both roles) | §2.10, §8.9, I-53, I-54 |
 //!
 //! Rooms depend downwards only: `ids`/`tokens`/`sorted_set` ← [`messages`] ← [`scheduler`] ←
-//! [`worker`] ← the aggregator ← [`offloading`], [`compose`] ← [`engine`]; `testing` (behind the
+//! [`worker`] ← the aggregator ← [`offloading`], [`pd`], [`compose`] ← [`engine`]; `testing` (behind the
 //! `testing` feature) may use them all.
 //!
 //! # The connector contract
@@ -71,6 +72,7 @@ pub mod engine;
 mod ids;
 pub mod messages;
 pub mod offloading;
+pub mod pd;
 pub mod scheduler;
 mod sorted_set;
 #[cfg(any(test, feature = "testing"))]
@@ -102,6 +104,7 @@ pub use offloading::{
     PrepareStoreOutput, TierId, TierJobId, TierReport, TierWork, TieringConfig, TieringError,
     TieringManager, TieringStats, TransferJob,
 };
+pub use pd::{PdConfig, PdConnector, PdMeta, PdParams, PdStats, PdWorker};
 #[cfg(feature = "fault-injection")]
 pub use scheduler::SchedulerFault;
 pub use scheduler::{
