@@ -12,9 +12,10 @@
 //! step protocol around a worker-side connector, the real aggregator, and an environment that
 //! lets requests arrive, completes transfers, aborts requests and resets the cache, with ghost
 //! block contents for data-safety properties ([`system_properties`]). It is generic over
-//! [`Connectors`]: [`OffloadingPair`] is kvrelay's offloading connector; [`PdPair`] a small P/D
-//! connector (async remote loads that may fail, sends that delay frees) that reaches the
-//! scheduler's `WAITING_FOR_REMOTE_KVS` and load-failure paths; [`MultiPair`] kvrelay's
+//! [`Connectors`]: [`OffloadingPair`] is kvrelay's offloading connector; [`PdPair`] the core's P/D
+//! connector (async remote loads that may fail, held blocks released on the decode side's
+//! acknowledgement or, strict, at the end of a lease) that reaches the scheduler's
+//! `WAITING_FOR_REMOTE_KVS` and load-failure paths; [`MultiPair`] kvrelay's
 //! MultiConnector over P/D and offloading children. An engine checks its own pair the same way
 //! (see `examples/write_through.rs`). It is what `kvrelay check` runs by default; its state has a
 //! representative under rank symmetry ([`check_with_symmetry`]).
@@ -103,7 +104,7 @@ pub use explain::Explain;
 pub use multi_pair::{
     Child, ChildKind, ChildMeta, ChildWorker, FaultyMulti, MultiFault, MultiPair,
 };
-pub use pd::{PdConnector, PdCopy, PdFault, PdMeta, PdPair, PdRole, PdWorker};
+pub use pd::{PdFault, PdModelWorker, PdPair, PdRole, request_params as pd_request_params};
 pub use runner::{
     CheckOptions, CheckReport, ExploreError, Progress, PropertyResult, Stop, Strategy, check,
     check_with_symmetry, explorer_address, explorer_url, serve_explorer,

@@ -15,12 +15,14 @@
 use kvrelay_core::{
     AggregatedOutput, BlockId, FinishDecision, Intent, InvariantViolation, KvEvent, Lookup, Meta,
     MultiConnector, MultiMeta, MultiWorker, OffloadingConnector, OffloadingConnectorMeta,
-    OffloadingWorker, RequestId, SchedulerConfig, SchedulerConnector, SchedulerOutput,
+    OffloadingWorker, Params, RequestId, SchedulerConfig, SchedulerConnector, SchedulerOutput,
     SchedulerView, SortedSet, Transfer, TransferCommand, TransferDone, TransferResults,
     WorkerConnector,
 };
 
-use crate::pd::{PdConnector, PdMeta, PdPair, PdRole, PdWorker};
+use kvrelay_core::{PdConnector, PdMeta};
+
+use crate::pd::{PdModelWorker, PdPair, PdRole, request_params};
 use crate::system::{
     Connectors, Faulty, OffloadingPair, SchedFault, SystemConfig, forward_scheduler_calls,
     is_remote_slot, property_names,
@@ -49,6 +51,9 @@ pub enum ChildMeta {
 pub enum Child {
     /// The P/D connector.
     Pd(PdConnector),
+    /// A P/D connector whose finished requests return no `kv_transfer_params` (a second sender
+    /// beside a first: vLLM's MultiConnector refuses two children setting the same keys, I-32).
+    QuietPd(PdConnector),
     /// kvrelay's offloading connector (boxed: far larger than the P/D one).
     Offloading(Box<Faulty<OffloadingConnector>>),
 }
@@ -57,7 +62,7 @@ pub enum Child {
 macro_rules! each {
     ($self:expr, $c:ident => $e:expr) => {
         match $self {
-            Child::Pd($c) => $e,
+            Child::Pd($c) | Child::QuietPd($c) => $e,
             Child::Offloading($c) => $e,
         }
     };
@@ -93,7 +98,7 @@ impl SchedulerConnector for Child {
         out: &SchedulerOutput,
     ) -> ChildMeta {
         match self {
-            Child::Pd(c) => ChildMeta::Pd(c.build_connector_meta(view, out)),
+            Child::Pd(c) | Child::QuietPd(c) => ChildMeta::Pd(c.build_connector_meta(view, out)),
             Child::Offloading(c) => ChildMeta::Offloading(c.build_connector_meta(view, out)),
         }
     }
@@ -106,7 +111,11 @@ impl SchedulerConnector for Child {
         request: RequestId,
         blocks: &[Vec<BlockId>],
     ) -> FinishDecision {
-        each!(self, c => c.request_finished(view, request, blocks))
+        let mut d = each!(self, c => c.request_finished(view, request, blocks));
+        if matches!(self, Child::QuietPd(_)) {
+            d.kv_transfer_params = None;
+        }
+        d
     }
     fn take_events(&mut self) -> Vec<KvEvent> {
         each!(self, c => c.take_events())
@@ -137,8 +146,8 @@ impl SchedulerConnector for Child {
 /// A worker-side child.
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 pub enum ChildWorker {
-    /// The P/D worker.
-    Pd(PdWorker),
+    /// The P/D worker (boxed, as the offloading one: the two differ in size).
+    Pd(Box<PdModelWorker>),
     /// kvrelay's offloading worker.
     Offloading(Box<OffloadingWorker>),
 }
@@ -319,10 +328,21 @@ impl Connectors for MultiPair {
         model: &SystemConfig,
     ) -> Result<FaultyMulti, String> {
         let mut children = Vec::with_capacity(self.children.len());
+        let mut senders = 0;
         for c in &self.children {
             children.push(match *c {
                 ChildKind::Pd(role) => {
-                    Child::Pd(PdPair { role, fault: None }.scheduler_connector(config, model)?)
+                    let pair = PdPair {
+                        role,
+                        ..PdPair::default()
+                    };
+                    let c = pair.scheduler_connector(config, model)?;
+                    senders += u32::from(role.send);
+                    if role.send && senders > 1 {
+                        Child::QuietPd(c)
+                    } else {
+                        Child::Pd(c)
+                    }
                 }
                 ChildKind::Offloading(fault) => Child::Offloading(Box::new(
                     OffloadingPair { fault }.scheduler_connector(config, model)?,
@@ -341,9 +361,13 @@ impl Connectors for MultiPair {
             self.children
                 .iter()
                 .map(|c| match *c {
-                    ChildKind::Pd(role) => {
-                        ChildWorker::Pd(PdPair { role, fault: None }.worker(rank, model))
-                    }
+                    ChildKind::Pd(role) => ChildWorker::Pd(Box::new(
+                        PdPair {
+                            role,
+                            ..PdPair::default()
+                        }
+                        .worker(rank, model),
+                    )),
                     ChildKind::Offloading(fault) => ChildWorker::Offloading(Box::new(
                         OffloadingPair { fault }.worker(rank, model),
                     )),
@@ -374,6 +398,45 @@ impl Connectors for MultiPair {
 
     fn remote_prefill(&self) -> bool {
         self.pd_roles().any(|r| r.load)
+    }
+
+    /// Every P/D child's params: the router's for the roles of all of them.
+    fn request_params(&self, id: RequestId, model: &SystemConfig) -> Option<Params> {
+        let role = PdRole {
+            load: self.pd_roles().any(|r| r.load),
+            send: self.pd_roles().any(|r| r.send),
+            failures_as_blocks: true,
+        };
+        request_params(role, id, model.prompt_tokens)
+    }
+
+    /// Each P/D child that holds a request waits for an acknowledgement of its own.
+    fn awaiting_ack(&self, c: &FaultyMulti) -> Vec<RequestId> {
+        let mut held: Vec<RequestId> = c
+            .inner
+            .children()
+            .iter()
+            .filter_map(|child| match child {
+                Child::Pd(p) | Child::QuietPd(p) => Some(p.awaiting_ack()),
+                Child::Offloading(_) => None,
+            })
+            .flatten()
+            .collect();
+        held.sort();
+        held.dedup();
+        held
+    }
+
+    /// The first P/D child still waiting for `request` hears it.
+    fn acknowledge(&self, c: &mut FaultyMulti, request: RequestId) {
+        for i in 0..c.inner.children().len() {
+            if let Some(Child::Pd(p) | Child::QuietPd(p)) = c.inner.child_mut(i)
+                && p.awaiting_ack().any(|r| r == request)
+            {
+                p.acknowledge(request);
+                return;
+            }
+        }
     }
 
     /// The P/D child's remote loads may fail; the offloading child's cannot.

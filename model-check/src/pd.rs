@@ -1,56 +1,34 @@
-//! A P/D (disaggregated prefill) connector pair for the system model: the decode side loads each
-//! request's prompt KV from a remote prefill instance asynchronously, the way vLLM's NIXL
-//! connector does, and the prefill side holds a finished request's blocks until its KV was sent
-//! (delayed frees). Transfers can fail; a failed load is reported as the spec asks (invalid
-//! blocks for one KV-cache group, request-level `failed_recving` for several) and the scheduler
-//! recomputes.
+//! The P/D pair for the system model: kvrelay-core's P/D connector ([`PdConnector`] +
+//! [`PdWorker`], the code engines run) in the roles and with the remote side a configuration
+//! asks for. The decode side loads each request's prompt KV from a remote prefill instance
+//! asynchronously, the way vLLM's NIXL connector does; the prefill side holds a finished
+//! request's blocks until the decode side acknowledges them (delayed frees), or, in strict
+//! mode, until its lease runs out. Transfers can fail; a failed load is reported as the spec
+//! asks (invalid blocks for one KV-cache group, request-level `failed_recving` for several)
+//! and the scheduler recomputes.
 //!
-//! It exists so the model checker covers the scheduler paths no offloading connector reaches:
-//! `WAITING_FOR_REMOTE_KVS`, aborts while loading (PR #32255, I-17), load-failure recovery
-//! (I-33…I-37), held blocks freed on the aggregated `finished_sending` (I-15), and, as a
-//! [`crate::MultiPair`] child, MultiConnector composition (PR #18246, issue #46951). It is a
-//! deliberately small, correct connector outside the core: what is under check is the core's
-//! scheduler, aggregator, worker protocol and MultiConnector around it.
+//! It covers the scheduler paths no offloading connector reaches: `WAITING_FOR_REMOTE_KVS`,
+//! aborts while loading (PR #32255, I-17), load-failure recovery (I-33…I-37), held blocks freed
+//! on the aggregated `finished_sending` (I-15), a decode side that never answers (issue #46283,
+//! I-54), and, as a [`crate::MultiPair`] child, MultiConnector composition (PR #18246, issue
+//! #46951).
 //!
-//! The remote prefill instance holds every prompt block of every request at
-//! [`remote_slot`]`(request, index)` (an address the system model defines); the system model
-//! seeds those slots with the blocks' contents when a request arrives
-//! ([`Connectors::remote_prefill`]).
+//! Every request carries the params a router would give it: `do_remote_decode`, and
+//! `do_remote_prefill` naming itself on the remote prefill instance, which holds every prompt
+//! block at [`remote_slot`]`(request, index)`; the system model seeds those slots with the
+//! blocks' contents when a request arrives ([`Connectors::remote_prefill`]). The decode side's
+//! acknowledgement is an action of the environment ([`Connectors::acknowledge`]), which a
+//! configuration may never take ([`PdPair::remote_answers`]).
+//!
+//! [`remote_slot`]: kvrelay_core::pd::remote_slot
 
-use std::collections::{BTreeMap, BTreeSet};
-
+use kvrelay_core::pd::{PdConfig, PdMeta, PdParams, RemotePrefill, is_remote_slot};
 use kvrelay_core::{
-    BlockId, FinishDecision, JobId, Lookup, Meta, RequestId, RequestStatus, SchedulerConnector,
-    SchedulerOutput, SchedulerView, SortedSet, Transfer, TransferCommand, TransferDirection,
-    TransferDone, TransferResults, WorkerConnector,
+    BlockId, InvariantViolation, Meta, Mode, Params, PdConnector, PdWorker, RequestId, SortedSet,
+    Transfer, TransferCommand, TransferDone, TransferResults, WorkerConnector,
 };
 
-use crate::system::{Connectors, SystemConfig, is_remote_slot, property_names, remote_slot};
-
-/// The external location a finished request's block `index` is sent to (the decode instance).
-fn send_slot(request: RequestId, index: u32) -> u64 {
-    (1 << 61) | (u64::from(request.0) << 32) | u64::from(index)
-}
-
-/// One transfer's worth of blocks: a request's GPU blocks and their external slots.
-#[derive(Clone, Debug, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct PdCopy {
-    /// The request.
-    pub request: RequestId,
-    /// GPU blocks (every group's, non-null), in order.
-    pub blocks: Vec<BlockId>,
-    /// External slots, one per block.
-    pub slots: Vec<u64>,
-}
-
-/// The P/D connector's per-step metadata.
-#[derive(Clone, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct PdMeta {
-    /// Async loads admitted since the previous step.
-    pub loads: Vec<PdCopy>,
-    /// Sends of requests that finished since the previous step (their frees are delayed).
-    pub sends: Vec<PdCopy>,
-}
+use crate::system::{Connectors, SystemConfig, property_names};
 
 /// What the P/D connector does.
 #[derive(Clone, Copy, Debug, Eq, Hash, PartialEq)]
@@ -58,295 +36,48 @@ pub struct PdRole {
     /// Decode side: every request's prompt is loaded from the remote prefill instance (once:
     /// the request's transfer parameters are consumed at its first allocation, as NIXL's are).
     pub load: bool,
-    /// Prefill side: a request that finished by length holds its blocks until every rank sent
-    /// them (`request_finished` answers `delay_free`).
+    /// Prefill side: a request that finished by length holds its blocks until the decode side
+    /// acknowledges them (`request_finished` answers `delay_free`).
     pub send: bool,
     /// Load failures are reported as invalid block ids (`true`; one KV-cache group only) or as
     /// request-level `failed_recving` (`false`).
     pub failures_as_blocks: bool,
 }
 
-/// The scheduler side.
-#[derive(Clone, Debug, Eq, Hash, PartialEq)]
-pub struct PdConnector {
-    role: PdRole,
-    /// Requests whose remote-prefill parameters were consumed.
-    consumed: BTreeSet<RequestId>,
-    /// The block-aligned local hit passed to the last lookup of each request.
-    hits: BTreeMap<RequestId, u32>,
-    loads: Vec<PdCopy>,
-    sends: Vec<PdCopy>,
-}
-
-impl PdConnector {
-    /// A connector in `role`.
-    pub fn new(role: PdRole) -> Self {
-        Self {
-            role,
-            consumed: BTreeSet::new(),
-            hits: BTreeMap::new(),
-            loads: Vec::new(),
-            sends: Vec::new(),
+impl PdRole {
+    /// The core connector's configuration for this role (`lease_steps` in strict mode).
+    ///
+    /// `kv_delivery` (PR #50297) is off: with it, async depth 2 has an unbounded cycle — a
+    /// prefill request preempted in its final step drops its output and recomputes, and can be
+    /// preempted there again, its preemption count growing without end — so the exhaustive
+    /// search does not terminate. Bounding that cycle is open work.
+    pub fn config(self, lease_steps: Option<u32>) -> PdConfig {
+        PdConfig {
+            engine: 0,
+            load: self.load,
+            send: self.send,
+            failures_as_blocks: self.failures_as_blocks,
+            lease_steps,
+            kv_delivery: false,
         }
     }
 }
 
-/// Every non-null block of `blocks[g][first..last]`, every group, with `slot(index)`.
-fn copy_of(
-    request: RequestId,
-    blocks: &[Vec<BlockId>],
-    first: u32,
-    last: u32,
-    slot: fn(RequestId, u32) -> u64,
-) -> PdCopy {
-    let mut c = PdCopy {
-        request,
-        blocks: Vec::new(),
-        slots: Vec::new(),
-    };
-    for group in blocks {
-        for idx in first..last.min(group.len() as u32) {
-            let b = group[idx as usize];
-            if b.0 != 0 {
-                c.blocks.push(b);
-                c.slots.push(slot(request, idx));
-            }
-        }
+/// The params a router gives request `id` in `role`: hold it for a decode side (prefill), load
+/// its whole prompt from the remote prefill instance (decode).
+pub fn request_params(role: PdRole, id: RequestId, prompt_tokens: u32) -> Option<Params> {
+    let mut p = Params::new();
+    if role.send {
+        p.extend(PdParams::for_prefill());
     }
-    c
-}
-
-impl SchedulerConnector for PdConnector {
-    type StepMeta = PdMeta;
-    type WorkerMeta = Meta;
-
-    fn get_num_new_matched_tokens(
-        &mut self,
-        view: &SchedulerView<'_>,
-        request: RequestId,
-        num_computed_tokens: u32,
-    ) -> Lookup {
-        let Some(r) = view.request(request) else {
-            return Lookup::MISS;
-        };
-        if !self.role.load || self.consumed.contains(&request) {
-            return Lookup::MISS;
-        }
-        // NIXL: the remote holds the whole prompt; the scheduler recomputes the last token.
-        let tokens = r.num_prompt_tokens().saturating_sub(num_computed_tokens);
-        self.hits.insert(request, num_computed_tokens);
-        Lookup::Hit {
-            tokens,
-            load_async: tokens > 0,
-        }
+    if role.load {
+        p.extend(PdParams::for_decode(RemotePrefill {
+            engine: 0,
+            request: id.0,
+            num_tokens: prompt_tokens,
+        }));
     }
-
-    fn update_state_after_alloc(
-        &mut self,
-        view: &SchedulerView<'_>,
-        request: RequestId,
-        blocks: &[Vec<BlockId>],
-        num_external_tokens: u32,
-    ) {
-        let Some(hit) = self.hits.remove(&request) else {
-            return;
-        };
-        self.consumed.insert(request);
-        if num_external_tokens == 0 {
-            return;
-        }
-        let bs = view.config().block_size;
-        let copy = copy_of(
-            request,
-            blocks,
-            hit / bs,
-            (hit + num_external_tokens) / bs,
-            remote_slot,
-        );
-        if !copy.blocks.is_empty() {
-            self.loads.push(copy);
-        }
-    }
-
-    fn build_connector_meta(
-        &mut self,
-        _view: &SchedulerView<'_>,
-        _out: &SchedulerOutput,
-    ) -> PdMeta {
-        PdMeta {
-            loads: std::mem::take(&mut self.loads),
-            sends: std::mem::take(&mut self.sends),
-        }
-    }
-
-    fn request_finished(
-        &mut self,
-        view: &SchedulerView<'_>,
-        request: RequestId,
-        blocks: &[Vec<BlockId>],
-    ) -> FinishDecision {
-        self.hits.remove(&request);
-        let length_capped = view
-            .request(request)
-            .is_some_and(|r| r.status() == RequestStatus::FinishedLengthCapped);
-        if !self.role.send || !length_capped {
-            return FinishDecision::default();
-        }
-        let n = blocks.iter().map(Vec::len).max().unwrap_or(0) as u32;
-        let copy = copy_of(request, blocks, 0, n, send_slot);
-        if copy.blocks.is_empty() {
-            return FinishDecision::default();
-        }
-        self.sends.push(copy);
-        FinishDecision {
-            delay_free: true,
-            kv_transfer_params: None,
-        }
-    }
-}
-
-/// A transfer the worker started and that has not completed.
-#[derive(Clone, Debug, Eq, Hash, PartialEq)]
-struct Job {
-    request: RequestId,
-    direction: TransferDirection,
-    blocks: Vec<BlockId>,
-}
-
-/// The worker side of one rank: loads and sends are started in `start_load_kv` (after the
-/// step's forward launch, as async transfers are) and reported when they complete.
-#[derive(Clone, Debug, Eq, Hash, PartialEq)]
-pub struct PdWorker {
-    failures_as_blocks: bool,
-    /// [`PdFault::SwallowLoadFailures`].
-    swallow_failures: bool,
-    bound: Option<PdMeta>,
-    next_job: u64,
-    jobs: BTreeMap<JobId, Job>,
-    /// Requests with a failed load job whose other jobs are still in flight.
-    failing: BTreeSet<RequestId>,
-    finished_sending: SortedSet<RequestId>,
-    finished_recving: SortedSet<RequestId>,
-    failed_recving: SortedSet<RequestId>,
-    invalid_blocks: SortedSet<BlockId>,
-}
-
-impl PdWorker {
-    /// A worker reporting failed loads as invalid blocks (`true`) or request-level failures.
-    pub fn new(failures_as_blocks: bool) -> Self {
-        Self {
-            failures_as_blocks,
-            swallow_failures: false,
-            bound: None,
-            next_job: 0,
-            jobs: BTreeMap::new(),
-            failing: BTreeSet::new(),
-            finished_sending: SortedSet::new(),
-            finished_recving: SortedSet::new(),
-            failed_recving: SortedSet::new(),
-            invalid_blocks: SortedSet::new(),
-        }
-    }
-
-    fn start(&mut self, copies: &[PdCopy], direction: TransferDirection) -> Vec<TransferCommand> {
-        let mut cmds = Vec::with_capacity(copies.len());
-        for c in copies {
-            let job = JobId(self.next_job);
-            self.next_job += 1;
-            self.jobs.insert(
-                job,
-                Job {
-                    request: c.request,
-                    direction,
-                    blocks: c.blocks.clone(),
-                },
-            );
-            cmds.push(TransferCommand::Start(Transfer {
-                job,
-                direction,
-                request: c.request,
-                gpu_blocks: c.blocks.clone(),
-                // One KV cache group.
-                groups: vec![0; c.blocks.len()],
-                external: c.slots.clone(),
-            }));
-        }
-        cmds
-    }
-}
-
-/// `handle_preemptions` keeps its default, nothing to fence: loads write only the loading
-/// request's own blocks, and sends read blocks the scheduler holds until they are reported.
-impl WorkerConnector for PdWorker {
-    type StepMeta = PdMeta;
-    type WorkerMeta = Meta;
-
-    fn bind(&mut self, meta: &PdMeta) {
-        self.bound = Some(meta.clone());
-    }
-
-    fn start_load_kv(&mut self) -> Vec<TransferCommand> {
-        let Some(meta) = self.bound.clone() else {
-            return Vec::new();
-        };
-        let mut cmds = self.start(&meta.loads, TransferDirection::Load);
-        cmds.extend(self.start(&meta.sends, TransferDirection::Store));
-        cmds
-    }
-
-    fn handle_transfer_done(&mut self, done: TransferDone) {
-        let Some(job) = self.jobs.remove(&done.job) else {
-            return;
-        };
-        let r = job.request;
-        let more = self
-            .jobs
-            .values()
-            .any(|j| j.request == r && j.direction == job.direction);
-        match job.direction {
-            TransferDirection::Load => {
-                if !done.ok && !self.swallow_failures {
-                    self.failing.insert(r);
-                    if self.failures_as_blocks {
-                        self.invalid_blocks
-                            .union_with(&job.blocks.iter().copied().collect());
-                    }
-                }
-                if !more {
-                    self.finished_recving.insert(r);
-                    if self.failing.remove(&r) && !self.failures_as_blocks {
-                        self.failed_recving.insert(r);
-                    }
-                }
-            }
-            // A failed send is the decode side's problem; the blocks may be freed either way.
-            TransferDirection::Store => {
-                if !more {
-                    self.finished_sending.insert(r);
-                }
-            }
-        }
-    }
-
-    fn get_transfer_results(&mut self, _finished: &SortedSet<RequestId>) -> TransferResults {
-        let take = |s: &mut SortedSet<RequestId>| {
-            let s = std::mem::take(s);
-            (!s.is_empty()).then_some(s)
-        };
-        TransferResults {
-            finished_sending: take(&mut self.finished_sending),
-            finished_recving: take(&mut self.finished_recving),
-            failed_recving: std::mem::take(&mut self.failed_recving),
-        }
-    }
-
-    fn get_block_ids_with_load_errors(&mut self) -> SortedSet<BlockId> {
-        std::mem::take(&mut self.invalid_blocks)
-    }
-
-    fn clear(&mut self) {
-        self.bound = None;
-    }
+    (!p.is_empty()).then_some(p)
 }
 
 /// Faults of the P/D pair, each reproducing a historical bug class.
@@ -358,6 +89,43 @@ pub enum PdFault {
     SwallowLoadFailures,
 }
 
+/// The core's [`PdWorker`], with a fault the model may inject between it and its transfers.
+#[derive(Clone, Debug, Eq, Hash, PartialEq)]
+pub struct PdModelWorker {
+    inner: PdWorker,
+    fault: Option<PdFault>,
+}
+
+impl WorkerConnector for PdModelWorker {
+    type StepMeta = PdMeta;
+    type WorkerMeta = Meta;
+
+    fn bind(&mut self, meta: &PdMeta) {
+        self.inner.bind(meta);
+    }
+    fn start_load_kv(&mut self) -> Vec<TransferCommand> {
+        self.inner.start_load_kv()
+    }
+    fn handle_transfer_done(&mut self, mut done: TransferDone) {
+        if self.fault == Some(PdFault::SwallowLoadFailures) {
+            done.ok = true;
+        }
+        self.inner.handle_transfer_done(done);
+    }
+    fn get_transfer_results(&mut self, finished: &SortedSet<RequestId>) -> TransferResults {
+        self.inner.get_transfer_results(finished)
+    }
+    fn get_block_ids_with_load_errors(&mut self) -> SortedSet<BlockId> {
+        self.inner.get_block_ids_with_load_errors()
+    }
+    fn clear(&mut self) {
+        self.inner.clear();
+    }
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.inner.check_invariants()
+    }
+}
+
 /// The P/D pair for [`crate::SystemModel`].
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 pub struct PdPair {
@@ -365,10 +133,16 @@ pub struct PdPair {
     pub role: PdRole,
     /// An injected fault (none: the connector as written).
     pub fault: Option<PdFault>,
+    /// Whether the decode side may acknowledge a held request (`false`: it never answers, the
+    /// remote of vLLM issue #46283).
+    pub remote_answers: bool,
+    /// Strict mode's lease on a held request, in steps (compat holds for ever, as vLLM).
+    pub lease_steps: u32,
 }
 
 impl Default for PdPair {
-    /// Decode and prefill side at once (vLLM's `kv_both`), failures as invalid blocks.
+    /// Decode and prefill side at once (vLLM's `kv_both`), failures as invalid blocks, a decode
+    /// side that may answer, a lease of 2 steps in strict mode.
     fn default() -> Self {
         Self {
             role: PdRole {
@@ -377,19 +151,35 @@ impl Default for PdPair {
                 failures_as_blocks: true,
             },
             fault: None,
+            remote_answers: true,
+            lease_steps: 2,
+        }
+    }
+}
+
+impl PdPair {
+    /// The pair with a decode side that never answers.
+    pub fn silent_remote() -> Self {
+        Self {
+            remote_answers: false,
+            ..Self::default()
         }
     }
 }
 
 impl Connectors for PdPair {
     type Sched = PdConnector;
-    type Worker = PdWorker;
+    type Worker = PdModelWorker;
 
     fn name(&self) -> String {
-        match self.fault {
-            None => "p/d".to_owned(),
-            Some(f) => format!("p/d with fault {f:?}"),
+        let mut name = "p/d".to_owned();
+        if !self.remote_answers {
+            name.push_str(" with a silent decode side");
         }
+        if let Some(f) = self.fault {
+            name.push_str(&format!(" with fault {f:?}"));
+        }
+        name
     }
 
     fn scheduler_connector(
@@ -405,13 +195,22 @@ impl Connectors for PdPair {
                     .to_owned(),
             );
         }
-        Ok(PdConnector::new(self.role))
+        if self.lease_steps == 0 {
+            return Err("a lease lasts at least 1 step".to_owned());
+        }
+        let lease = (model.mode == Mode::Strict).then_some(self.lease_steps);
+        Ok(PdConnector::new(self.role.config(lease)))
     }
 
-    fn worker(&self, _rank: u32, _model: &SystemConfig) -> PdWorker {
-        let mut w = PdWorker::new(self.role.failures_as_blocks);
-        w.swallow_failures = self.fault == Some(PdFault::SwallowLoadFailures);
-        w
+    fn worker(&self, _rank: u32, _model: &SystemConfig) -> PdModelWorker {
+        PdModelWorker {
+            inner: PdWorker::new(self.role.failures_as_blocks),
+            fault: self.fault,
+        }
+    }
+
+    fn request_params(&self, id: RequestId, model: &SystemConfig) -> Option<Params> {
+        request_params(self.role, id, model.prompt_tokens)
     }
 
     fn remote_prefill(&self) -> bool {
@@ -422,32 +221,49 @@ impl Connectors for PdPair {
         load.external.iter().copied().all(is_remote_slot)
     }
 
-    fn describe_meta(&self, meta: &PdMeta) -> String {
-        let list = |v: &[PdCopy]| {
-            v.iter()
-                .map(|c| {
-                    let b: Vec<u64> = c.blocks.iter().map(|b| b.0).collect();
-                    format!("req {} blocks {b:?}", c.request.0)
-                })
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        let mut parts = Vec::new();
-        if !meta.loads.is_empty() {
-            parts.push(format!("loads [{}]", list(&meta.loads)));
+    fn awaiting_ack(&self, connector: &PdConnector) -> Vec<RequestId> {
+        if self.remote_answers {
+            connector.awaiting_ack().collect()
+        } else {
+            Vec::new()
         }
-        if !meta.sends.is_empty() {
-            parts.push(format!("sends [{}]", list(&meta.sends)));
+    }
+
+    fn acknowledge(&self, connector: &mut PdConnector, request: RequestId) {
+        connector.acknowledge(request);
+    }
+
+    fn describe_meta(&self, meta: &PdMeta) -> String {
+        let loads: Vec<String> = meta
+            .loads
+            .iter()
+            .map(|c| {
+                let b: Vec<u64> = c.blocks.iter().map(|b| b.0).collect();
+                format!("req {} blocks {b:?}", c.request.0)
+            })
+            .collect();
+        let mut parts = Vec::new();
+        if !loads.is_empty() {
+            parts.push(format!("loads [{}]", loads.join(", ")));
+        }
+        if !meta.releases.is_empty() {
+            let r: Vec<u32> = meta.releases.iter().map(|r| r.0).collect();
+            parts.push(format!("releases {r:?}"));
         }
         parts.join("; ")
     }
 
-    /// Preemption, a clean end, a send holding a finished request's blocks (when sending), a
-    /// failed load recomputed (when the configuration allows failures).
+    /// Preemption, a clean end and a held request released (when sending; unless a silent
+    /// decode side holds it for ever: compat), a failed load recomputed (when the configuration allows
+    /// failures).
     fn expected_examples(&self, config: &SystemConfig) -> Vec<&'static str> {
         use property_names as n;
-        let mut v = vec![n::PREEMPTED, n::ALL_DONE];
-        if self.role.send {
+        let mut v = vec![n::PREEMPTED];
+        let released = self.remote_answers || config.mode == Mode::Strict;
+        if released || !self.role.send {
+            v.push(n::ALL_DONE);
+        }
+        if self.role.send && released {
             v.push(n::DELAYED_FREE);
         }
         if self.role.load && config.load_failures > 0 {

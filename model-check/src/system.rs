@@ -203,7 +203,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use kvrelay_core::{
     BlockId, EngineCore, FinishDecision, ForwardPass, GroupKind, GuardedWorker, InvariantViolation,
     JobId, KeyLookup, LoadFailurePolicy, Lookup, ManagerConfig, Mode, OffloadKey, OffloadingConfig,
-    OffloadingConnector, OffloadingConnectorMeta, OffloadingWorker, OffloadingWorkerConfig,
+    OffloadingConnector, OffloadingConnectorMeta, OffloadingWorker, OffloadingWorkerConfig, Params,
     PolicyKind, Rank, RankAction, RankConfig, RankDriver, RankError, RequestId, RequestSpec,
     RequestStatus, ScheduledStep, Scheduler, SchedulerConfig, SchedulerConnector, SchedulerOutput,
     SchedulerView, SortedSet, TierReport, TierWork, Transfer, TransferDirection, TransferDone,
@@ -337,6 +337,18 @@ pub trait Connectors: Clone + fmt::Debug + Eq + core::hash::Hash + Send + Sync +
     fn remote_prefill(&self) -> bool {
         false
     }
+    /// The `kv_transfer_params` request `id` arrives with (a router's, for a P/D connector).
+    /// Default: none.
+    fn request_params(&self, _id: RequestId, _model: &SystemConfig) -> Option<Params> {
+        None
+    }
+    /// Requests whose held blocks the remote decode side may acknowledge now (P/D prefill
+    /// side; an environment action each). Default: none.
+    fn awaiting_ack(&self, _connector: &Self::Sched) -> Vec<RequestId> {
+        Vec::new()
+    }
+    /// The remote decode side acknowledges `request` (one of [`Connectors::awaiting_ack`]).
+    fn acknowledge(&self, _connector: &mut Self::Sched, _request: RequestId) {}
     /// Whether the environment may fail this load (connectors whose transfers cannot fail, as
     /// vLLM's offloading connector asserts, answer `false`). Default: no transfer fails.
     fn load_may_fail(&self, _load: &Transfer) -> bool {
@@ -367,16 +379,9 @@ pub trait Connectors: Clone + fmt::Debug + Eq + core::hash::Hash + Send + Sync +
 }
 
 /// The external location of prompt block `index` of `request` on the remote prefill instance
-/// that the model seeds for a pair with [`Connectors::remote_prefill`] (a P/D connector's decode
-/// side loads from there).
-pub fn remote_slot(request: RequestId, index: u32) -> u64 {
-    (1 << 62) | (u64::from(request.0) << 32) | u64::from(index)
-}
-
-/// Whether `slot` is on the remote prefill instance ([`remote_slot`]).
-pub fn is_remote_slot(slot: u64) -> bool {
-    slot & (1 << 62) != 0
-}
+/// that the model seeds for a pair with [`Connectors::remote_prefill`]: the core's P/D address
+/// (a P/D connector's decode side loads from there).
+pub use kvrelay_core::pd::{is_remote_slot, remote_slot};
 
 /// kvrelay's CPU offloading connector ([`OffloadingConnector`] + [`OffloadingWorker`]).
 #[derive(Clone, Debug, Default, Eq, Hash, PartialEq)]
@@ -1324,6 +1329,8 @@ pub enum SystemAction {
     },
     /// The store drops a key.
     TierVanish(OffloadKey),
+    /// The remote decode side read a held request's blocks and acknowledges them (P/D).
+    RemoteAck(RequestId),
 }
 
 impl fmt::Display for SystemAction {
@@ -1349,6 +1356,7 @@ impl fmt::Display for SystemAction {
             ),
             Self::TierLose { item } => write!(f, "tier: probe {item}'s answer is lost"),
             Self::TierVanish(k) => write!(f, "tier: key {:#x} vanishes", k.hash.0),
+            Self::RemoteAck(r) => write!(f, "decode side acknowledges request {}", r.0),
         }
     }
 }
@@ -1746,6 +1754,59 @@ impl<P: Connectors> SystemModel<P> {
         s.ghost.violate(property, format!("rank {rank}: {e}"));
     }
 
+    /// The remote decode side reads held request `id`'s prompt blocks and acknowledges them:
+    /// every rank's copy must still hold the request's KV (DATA — a block freed or reused
+    /// before the acknowledgement would not, I-15), then the connector hears it.
+    fn remote_ack(&self, s: &mut SystemState<P>, id: RequestId) {
+        if let Some(wrong) = self.held_blocks_wrong(s, id) {
+            s.ghost.violate(property_names::DATA, wrong);
+        }
+        if s.scheduler()
+            .status(id)
+            .is_some_and(RequestStatus::is_finished)
+        {
+            s.ghost.delayed_free |= self.observes(property_names::DELAYED_FREE);
+        }
+        s.ghost.idle = 0;
+        let conn = &mut s.engine.make_mut().scheduler_mut().connector_mut().inner;
+        self.pair.acknowledge(conn, id);
+    }
+
+    /// The first of held request `id`'s prompt blocks some rank no longer holds the KV of.
+    fn held_blocks_wrong(&self, s: &SystemState<P>, id: RequestId) -> Option<String> {
+        let view = s.scheduler().view();
+        let Some(req) = view.request(id) else {
+            return Some(format!(
+                "the decode side read request {}'s blocks, which were already freed (I-15)",
+                id.0
+            ));
+        };
+        let prompt_blocks = (req.num_prompt_tokens() / self.config.block_size) as usize;
+        for (g, _) in s.scheduler().config().groups.iter().enumerate() {
+            for (i, b) in req.block_ids(g).iter().enumerate().take(prompt_blocks) {
+                let Some(h) = req.block_hashes().get(i) else {
+                    continue;
+                };
+                if b.0 == 0 {
+                    continue;
+                }
+                for (rank, r) in s.ranks.iter().enumerate() {
+                    let held = r.gpu[b.0 as usize];
+                    if held != prompt_content(h.0) {
+                        return Some(format!(
+                            "the decode side read request {}'s block {i} (GPU block {}) on rank \
+                             {rank}: it holds {}, not the request's KV",
+                            id.0,
+                            b.0,
+                            content_text(held)
+                        ));
+                    }
+                }
+            }
+        }
+        None
+    }
+
     fn seed_remote(&self, s: &mut SystemState<P>, id: RequestId) {
         let Some(req) = s.scheduler().view().request(id) else {
             return;
@@ -2035,6 +2096,15 @@ impl<P: Connectors> SystemModel<P> {
         }
         // Released ids are forgotten by the engine; nothing in the model reuses them.
         s.engine.make_mut().take_released();
+        if let Some(sending) = applied
+            .connector_output
+            .as_ref()
+            .and_then(|kv| kv.finished_sending.as_ref())
+            && !sending.is_empty()
+        {
+            // A held request's send (or P/D release) ends its delayed free.
+            s.ghost.delayed_free |= self.observes(property_names::DELAYED_FREE);
+        }
         let Some(kv) = &applied.connector_output else {
             return;
         };
@@ -2151,6 +2221,19 @@ impl<P: Connectors> SystemModel<P> {
             actions.push(SystemAction::Reset);
         }
         self.tier_actions(s, actions);
+        let held = self.pair.awaiting_ack(&s.scheduler().connector().inner);
+        actions.extend(held.into_iter().map(SystemAction::RemoteAck));
+    }
+
+    /// (S) A rank reading another rank's external store, or a shared tier, would make ranks
+    /// depend on each other's transfers; an acknowledgement changes what `Schedule` builds.
+    fn no_reduction(&self, enabled: &[SystemAction]) -> bool {
+        self.pair.shared_external()
+            || self.config.tier.is_some()
+            || enabled.len() < 2
+            || enabled
+                .iter()
+                .any(|a| matches!(a, SystemAction::RemoteAck(_)))
     }
 
     /// The ample set of `s` for partial-order reduction (see the module docs): the enabled
@@ -2159,9 +2242,7 @@ impl<P: Connectors> SystemModel<P> {
     /// `None`: explore every enabled action.
     fn ample(&self, s: &SystemState<P>, enabled: &[SystemAction]) -> Option<Vec<SystemAction>> {
         let c = &self.config;
-        // (S) A rank reading another rank's external store, or a shared tier, would make ranks
-        // depend on each other's transfers.
-        if self.pair.shared_external() || c.tier.is_some() || enabled.len() < 2 {
+        if self.no_reduction(enabled) {
             return None;
         }
         let full = s.steps.len() as u32 >= c.async_depth;
@@ -2664,7 +2745,8 @@ impl<P: Connectors> Explain for SystemModel<P> {
             | SystemAction::Reset
             | SystemAction::TierAnswer { .. }
             | SystemAction::TierLose { .. }
-            | SystemAction::TierVanish(_) => (env, sched),
+            | SystemAction::TierVanish(_)
+            | SystemAction::RemoteAck(_) => (env, sched),
             SystemAction::Schedule => (sched, sched),
             SystemAction::Run(r) => (sched, rank_at(r)),
             SystemAction::Complete { rank, .. } => (env, rank_at(rank)),
@@ -2711,7 +2793,7 @@ impl<P: Connectors> Model for SystemModel<P> {
                     prompt: self.config.prompt(id.0),
                     max_tokens: self.config.max_tokens,
                     stop_token: None,
-                    kv_transfer_params: None,
+                    kv_transfer_params: self.pair.request_params(id, &self.config),
                 };
                 if let Err(e) = s.engine.make_mut().add_request(spec) {
                     s.ghost
@@ -2738,6 +2820,7 @@ impl<P: Connectors> Model for SystemModel<P> {
             SystemAction::TierAnswer { item, ok } => self.tier_answer(&mut s, item, ok),
             SystemAction::TierLose { item } => self.tier_lose(&mut s, item),
             SystemAction::TierVanish(key) => self.tier_vanish(&mut s, key),
+            SystemAction::RemoteAck(id) => self.remote_ack(&mut s, id),
             SystemAction::Abort(id) => {
                 s.aborts_left -= 1;
                 s.ghost.idle = 0;

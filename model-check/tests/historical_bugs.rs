@@ -271,7 +271,7 @@ fn issue_46951_zero_external_alloc_not_recorded() {
 
 /// vLLM PR #18246: two children send a finished request; the extra save is counted on the
 /// scheduler side only, the workers report the request after the first child, and its blocks
-/// are freed (and rewritten) while the second child still sends them.
+/// are freed while the second child still holds them: its decode side reads freed blocks.
 #[test]
 fn pr_18246_extra_async_saves_not_shipped() {
     use kvrelay_model_check::{MultiFault, MultiPair};
@@ -280,5 +280,5 @@ fn pr_18246_extra_async_saves_not_shipped() {
         ..MultiPair::two_senders()
     };
     let r = run(pair, SystemConfig::ci());
-    found(&r, p::NO_WRITE_UNDER_STORE, 22, "while store job");
+    found(&r, p::DATA, 15, "acknowledges");
 }

@@ -45,7 +45,8 @@ fn walk_pair<P: Connectors>(pair: P, config: SystemConfig, unreached: &[&str]) {
         for step in 0.. {
             assert!(
                 step < MAX_ACTIONS,
-                "walk {walk}: no end after {MAX_ACTIONS} actions"
+                "walk {walk}: no end after {MAX_ACTIONS} actions; the last ones:\n{}",
+                trace[trace.len().saturating_sub(40)..].join("\n")
             );
             for (i, p) in props.iter().enumerate() {
                 let holds = (p.condition)(&model, &state);
@@ -145,7 +146,7 @@ fn pd_sliding_window_and_multi_walks_end_quiescent() {
                 failures_as_blocks: false,
                 ..PdPair::default().role
             },
-            fault: None,
+            ..PdPair::default()
         },
         SystemConfig {
             max_tokens: 2,

@@ -109,7 +109,8 @@ fn the_own_search_explores_what_stateright_explores() {
 #[test]
 fn the_own_search_reports_replayable_counterexamples() {
     for threads in [1, 2] {
-        // vLLM PR #18246 (`historical_bugs.rs`): a second sender's blocks freed while it sends.
+        // vLLM PR #18246 (`historical_bugs.rs`): a second sender's blocks freed while it holds
+        // them, then read by its decode side.
         let pair = MultiPair {
             fault: Some(MultiFault::StripExtraSaves),
             ..MultiPair::two_senders()
@@ -120,7 +121,7 @@ fn the_own_search_reports_replayable_counterexamples() {
         let failed = report
             .first_failure()
             .unwrap_or_else(|| panic!("{threads} threads: the seeded fault must be found"));
-        assert_eq!(failed.name, system_properties::NO_WRITE_UNDER_STORE);
+        assert_eq!(failed.name, system_properties::DATA);
         let raw = failed
             .raw_path
             .as_ref()

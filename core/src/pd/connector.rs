@@ -20,7 +20,7 @@ struct Held {
     announced: bool,
     /// The decode side acknowledged it; released with the next step.
     acked: bool,
-    /// Steps built since it was announced (strict: its lease runs out at `lease_steps`).
+    /// Strict: steps built since it was announced (its lease runs out at `lease_steps`).
     steps: u32,
 }
 
@@ -107,8 +107,12 @@ impl PdConnector {
                 continue;
             }
             if !h.acked {
+                // Without a lease nothing counts: a held request changes nothing while it waits.
+                let Some(lease) = lease else {
+                    continue;
+                };
                 h.steps += 1;
-                if lease.is_none_or(|l| h.steps < l) {
+                if h.steps < lease {
                     continue;
                 }
                 self.stats.leases_expired += 1;
@@ -268,7 +272,7 @@ impl SchedulerConnector for PdConnector {
     }
 
     fn requires_kv_delivery(&self) -> bool {
-        self.config.send
+        self.config.send && self.config.kv_delivery
     }
 
     /// I-53: loads only for requests whose params were consumed; I-54: a held request waits at

@@ -58,6 +58,10 @@ pub struct PdConfig {
     /// Strict: steps a held request waits for its acknowledgement (at least 1). `None`: for
     /// ever, as vLLM.
     pub lease_steps: Option<u32>,
+    /// vLLM's `requires_kv_delivery` for the prefill role (its default for a producer: `true`):
+    /// a request preempted in its final step has its in-flight output dropped and recomputes,
+    /// so it finishes with its blocks (PR #50297).
+    pub kv_delivery: bool,
 }
 
 impl PdConfig {
@@ -69,6 +73,7 @@ impl PdConfig {
             send: true,
             failures_as_blocks: true,
             lease_steps: None,
+            kv_delivery: true,
         }
     }
 }

@@ -25,9 +25,6 @@ struct Job {
 #[derive(Clone, Debug, Eq, Hash, PartialEq)]
 pub struct PdWorker {
     failures_as_blocks: bool,
-    /// Test hook: report failed loads as successes (the bug class of connectors that swallow
-    /// transfer errors, Mooncake PR #50984). Never set in production.
-    swallow_failures: bool,
     bound: Option<PdMeta>,
     next_job: u64,
     jobs: BTreeMap<JobId, Job>,
@@ -45,7 +42,6 @@ impl PdWorker {
     pub fn new(failures_as_blocks: bool) -> Self {
         Self {
             failures_as_blocks,
-            swallow_failures: false,
             bound: None,
             next_job: 0,
             jobs: BTreeMap::new(),
@@ -54,15 +50,6 @@ impl PdWorker {
             finished_recving: SortedSet::new(),
             failed_recving: SortedSet::new(),
             invalid_blocks: SortedSet::new(),
-        }
-    }
-
-    /// A worker that reports failed loads as successes: a fault for the model checker to find
-    /// (the scheduler then computes on top of half-written blocks).
-    pub fn swallowing_failures(failures_as_blocks: bool) -> Self {
-        Self {
-            swallow_failures: true,
-            ..Self::new(failures_as_blocks)
         }
     }
 
@@ -112,7 +99,7 @@ impl WorkerConnector for PdWorker {
             return;
         };
         let r = job.request;
-        if !done.ok && !self.swallow_failures {
+        if !done.ok {
             self.failing.insert(r);
             if self.failures_as_blocks {
                 self.invalid_blocks

@@ -125,6 +125,13 @@ pub(crate) struct CheckArgs {
     /// What the P/D connector does (--connector pd) [default: both].
     #[arg(long, value_enum, help_heading = "System model")]
     pub(super) pd_role: Option<PdRoleArg>,
+    /// The decode side never acknowledges a held request (vLLM issue #46283): compat then holds
+    /// its blocks for ever, strict releases them when the lease runs out (--connector pd).
+    #[arg(long, help_heading = "System model")]
+    pub(super) pd_silent_remote: bool,
+    /// Strict mode's lease on a held request, in steps (--connector pd) [default: 2].
+    #[arg(long, value_name = "STEPS", help_heading = "System model")]
+    pub(super) pd_lease: Option<u32>,
     /// GPU blocks, the null block included (small, so that preemption and block reuse happen).
     #[arg(long, value_name = "N", help_heading = "System model")]
     pub(super) gpu_blocks: Option<u32>,
@@ -409,6 +416,8 @@ pub(super) fn model_flags_given(
         (a.resets.is_some(), "--resets", SYSTEM),
         (a.connector.is_some(), "--connector", SYSTEM),
         (a.pd_role.is_some(), "--pd-role", SYSTEM),
+        (a.pd_silent_remote, "--pd-silent-remote", SYSTEM),
+        (a.pd_lease.is_some(), "--pd-lease", SYSTEM),
         (a.load_failures.is_some(), "--load-failures", SYSTEM),
         (a.store_failures.is_some(), "--store-failures", SYSTEM),
         (a.idle_steps.is_some(), "--idle-steps", SYSTEM),

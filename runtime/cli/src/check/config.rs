@@ -31,6 +31,10 @@ pub(super) struct SystemSetup {
     pub(super) connector: ConnectorArg,
     /// `--pd-role` (the P/D connector's; the multi connectors fix their children's roles).
     pub(super) pd_role: PdRoleArg,
+    /// `--pd-silent-remote`.
+    pub(super) pd_silent_remote: bool,
+    /// `--pd-lease` (strict mode's lease, in steps).
+    pub(super) pd_lease: u32,
     /// The model's configuration, faults of the step and of the core scheduler included.
     pub(super) config: SystemConfig,
     /// A scheduler-side fault of the offloading connector (`--connector offloading`, `multi`).
@@ -143,6 +147,8 @@ pub(super) fn system(a: &CheckArgs) -> Result<SystemSetup, CheckError> {
         preset: a.config,
         connector,
         pd_role: a.pd_role.unwrap_or(PdRoleArg::Both),
+        pd_silent_remote: a.pd_silent_remote,
+        pd_lease: a.pd_lease.unwrap_or(2),
         partial_order: a
             .partial_order
             .unwrap_or(a.config == Preset::Deep && c.tier.is_none()),
@@ -181,6 +187,8 @@ impl SystemSetup {
         ];
         if self.connector == ConnectorArg::Pd {
             lines.push(("pd_role", value_name(self.pd_role)));
+            lines.push(("pd_silent_remote", self.pd_silent_remote.to_string()));
+            lines.push(("pd_lease", self.pd_lease.to_string()));
         }
         lines.extend([
             ("gpu_blocks", c.gpu_blocks.to_string()),
@@ -338,12 +346,17 @@ fn connector_flags(a: &CheckArgs, c: &SystemConfig, connector: ConnectorArg) -> 
             value_name(connector)
         ));
     }
-    if a.pd_role.is_some() && connector != ConnectorArg::Pd {
+    if (a.pd_role.is_some() || a.pd_silent_remote || a.pd_lease.is_some())
+        && connector != ConnectorArg::Pd
+    {
         return Err(
-            "--pd-role applies to --connector pd (the multi connectors fix their children's \
-             roles)"
+            "--pd-role, --pd-silent-remote and --pd-lease apply to --connector pd (the multi \
+             connectors fix their children's)"
                 .to_owned(),
         );
+    }
+    if a.pd_lease == Some(0) {
+        return Err("--pd-lease must be at least 1 step".to_owned());
     }
     Ok(())
 }

@@ -83,6 +83,8 @@ fn check_system_model(a: &CheckArgs) -> Result<ExitCode, CheckError> {
                     send: role != PdRoleArg::Decode,
                     failures_as_blocks: setup.config.sliding_window.is_none(),
                 },
+                remote_answers: !setup.pd_silent_remote,
+                lease_steps: setup.pd_lease,
             };
             check_pair(a, pair, &setup)
         }
