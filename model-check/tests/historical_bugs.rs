@@ -198,7 +198,7 @@ fn issue_33775_hits_claimed_group_by_group() {
             failures_as_blocks: false,
             ..PdPair::default().role
         },
-        fault: None,
+        ..PdPair::default()
     };
     let r = run(
         pair,
@@ -215,7 +215,7 @@ fn issue_33775_hits_claimed_group_by_group() {
     found(
         &r,
         p::CORE,
-        31,
+        26,
         "is in group 0 at position 1 and in group 1",
     );
 }
