@@ -47,10 +47,12 @@ pub struct PdRole {
 impl PdRole {
     /// The core connector's configuration for this role (`lease_steps` in strict mode).
     ///
-    /// `kv_delivery` (PR #50297) is off: with it, async depth 2 has an unbounded cycle — a
-    /// prefill request preempted in its final step drops its output and recomputes, and can be
-    /// preempted there again, its preemption count growing without end — so the exhaustive
-    /// search does not terminate. Bounding that cycle is open work.
+    /// `kv_delivery` (PR #50297) is off. With it, async depth 2 has an unbounded path: while
+    /// another request's load stays in flight (the environment need never complete it), a
+    /// request preempted in its final step drops its output, recomputes and is preempted there
+    /// again, its preemption count growing each time — so the exhaustive search does not end
+    /// (the path ends as soon as the load completes: not a livelock under fair transfers).
+    /// Bounding that count in the model is open work.
     pub fn config(self, lease_steps: Option<u32>) -> PdConfig {
         PdConfig {
             engine: 0,
