@@ -256,8 +256,8 @@ impl Connectors for PdPair {
     }
 
     /// Preemption, a clean end and a held request released (when sending; unless a silent
-    /// decode side holds it for ever: compat), a failed load recomputed (when the configuration allows
-    /// failures).
+    /// decode side holds it for ever: compat), a failed load recomputed (when the configuration
+    /// allows failures).
     fn expected_examples(&self, config: &SystemConfig) -> Vec<&'static str> {
         use property_names as n;
         let mut v = vec![n::PREEMPTED];

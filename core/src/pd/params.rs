@@ -4,9 +4,10 @@
 //! `do_remote_decode`; the prefill engine's final output answers with the params that let the
 //! decode engine find that KV (`do_remote_prefill`, the producing engine, its request, how many
 //! tokens' KV it holds), and the router forwards them with the request to the decode engine, as
-//! vLLM's disaggregation proxy does with NIXL's params. Values are strings ([`Params`]); booleans
-//! are `true` / `false`, numbers decimal. Decode params at the process boundary
-//! ([`PdParams::parse`]): the connector treats params it cannot read as absent.
+//! vLLM's disaggregation proxy does with NIXL's params. Values are strings ([`Params`]):
+//! booleans `true` / `false` (or Python's `True` / `False`), numbers decimal. Decode params at
+//! the process boundary ([`PdParams::parse`]): the connector treats params it cannot read as
+//! absent.
 
 use alloc::string::{String, ToString};
 
@@ -75,8 +76,9 @@ impl PdParams {
     /// Reads the P/D entries of `params` (other keys are left alone).
     pub fn parse(params: &Params) -> Result<Self, PdParamsError> {
         let flag = |key: &'static str| match params.get(key).map(String::as_str) {
-            None | Some("false") => Ok(false),
-            Some("true") => Ok(true),
+            // `True` / `False`: Python's `str()` of a bool, as the Python package passes them.
+            None | Some("false" | "False") => Ok(false),
+            Some("true" | "True") => Ok(true),
             Some(v) => Err(PdParamsError::NotABool {
                 key,
                 value: v.to_string(),
