@@ -23,6 +23,7 @@ mod multi;
 mod offload_manager;
 mod offload_manager_model;
 mod offloading;
+mod pd;
 mod protocol;
 mod scheduler;
 mod scheduler_model;
