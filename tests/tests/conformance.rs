@@ -74,3 +74,37 @@ fn cases_of_machines_not_built_yet_fail_with_a_clear_message() {
         "a public case of every machine not built yet is expected here"
     );
 }
+
+/// Issue 37: the core's P/D connector in the scripted connector's place passes every scripted
+/// `engine` case it can express (`kvrelay_conformance::substitute_pd`); those it cannot are
+/// listed with their reasons.
+#[test]
+fn the_pd_connector_passes_the_scripted_engine_cases() {
+    use kvrelay_conformance::{AnyCase, Substituted, substitute_pd};
+    let files = collect_files(&[cases_dir()]).expect("cases folder readable");
+    let (mut passed, mut failed, mut skipped) = (Vec::new(), Vec::new(), Vec::new());
+    for f in files {
+        let text = std::fs::read_to_string(&f).expect("readable");
+        let Ok(AnyCase::Engine(case)) = AnyCase::parse(&text, &f.display().to_string()) else {
+            continue;
+        };
+        match substitute_pd(&case) {
+            Substituted::Passed => passed.push(case.name.clone()),
+            Substituted::Failed(e) => failed.push(format!("{}: {e}", case.name)),
+            Substituted::NotExpressible(why) => skipped.push(format!("{}: {why}", case.name)),
+            Substituted::NotScripted => {}
+        }
+    }
+    eprintln!("passed {}:\n  {}", passed.len(), passed.join("\n  "));
+    eprintln!(
+        "not expressible {}:\n  {}",
+        skipped.len(),
+        skipped.join("\n  ")
+    );
+    assert!(
+        failed.is_empty(),
+        "failing with the P/D connector:\n{}",
+        failed.join("\n")
+    );
+    assert!(passed.len() >= 10, "only {} cases passed", passed.len());
+}

@@ -530,7 +530,6 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
         "flags_that_cannot_apply_are_refused_before_checking",
         103,
     ),
-    ("runtime/conformance/src/engine.rs", "apply_scripted", 101),
 ];
 
 /// `(name, first line, lines)` of every function with a body in `text`: from its `fn` line to

@@ -434,7 +434,15 @@ fn connectors_run_and_their_faults_are_found_or_refused() {
         LIMIT,
     );
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
-    assert!(text(&out.stdout).contains("while store job"));
+    assert!(text(&out.stdout).contains("decode side acknowledges"));
+    // ... a decode side that never answers is stuck in compat (exit 1) and released by the
+    // lease in strict (exit 0, issue 37) ...
+    let silent = ["--connector", "pd", "--pd-silent-remote", "--threads", "1"];
+    let out = kvrelay_check(&silent, LIMIT);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("no stuck state"));
+    let out = kvrelay_check(&[&silent[..], &["--mode", "strict"]].concat(), LIMIT);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stdout));
     // ... and faults or roles that do not fit the connector are typed errors (exit 2).
     for (args, why) in [
         (
@@ -445,9 +453,10 @@ fn connectors_run_and_their_faults_are_found_or_refused() {
             &["--connector", "pd", "--fault", "strip-extra-saves"][..],
             "multi-senders",
         ),
+        (&["--pd-role", "decode"][..], "apply to --connector pd"),
         (
-            &["--pd-role", "decode"][..],
-            "--pd-role applies to --connector pd",
+            &["--connector", "pd", "--pd-lease", "0"][..],
+            "at least 1 step",
         ),
         (
             &["--model", "completion", "--connector", "pd"][..],

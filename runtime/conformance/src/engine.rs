@@ -113,28 +113,7 @@ impl Harness for EngineHarness {
     fn new(config: &Map<String, Value>) -> Result<Self, CaseError> {
         let c: EngineConfig = serde_json::from_value(Value::Object(config.clone()))
             .map_err(|e| CaseError(e.to_string()))?;
-        let d = SchedulerConfig::default();
-        let groups = match &c.groups {
-            None => d.groups,
-            Some(gs) => gs.iter().map(parse_group).collect::<Result<_, _>>()?,
-        };
-        let sc = SchedulerConfig {
-            block_size: c.block_size.unwrap_or(d.block_size),
-            num_gpu_blocks: c.num_gpu_blocks.unwrap_or(d.num_gpu_blocks),
-            groups,
-            max_num_batched_tokens: c.max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
-            max_num_seqs: c.max_num_seqs.unwrap_or(d.max_num_seqs),
-            max_model_len: c.max_model_len.unwrap_or(d.max_model_len),
-            enable_prefix_caching: c.enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
-            enable_chunked_prefill: c.enable_chunked_prefill.unwrap_or(d.enable_chunked_prefill),
-            long_prefill_token_threshold: c
-                .long_prefill_token_threshold
-                .unwrap_or(d.long_prefill_token_threshold),
-            watermark_blocks: c.watermark_blocks.unwrap_or(d.watermark_blocks),
-            load_failure_policy: c.load_failure_policy.unwrap_or(d.load_failure_policy),
-            async_depth: c.async_depth.unwrap_or(d.async_depth),
-            mode: c.mode.unwrap_or(d.mode),
-        };
+        let sc = scheduler_config(&c)?;
         match parse_connector(c.connector.as_ref())? {
             ConnectorChoice::Scripted => {
                 let mut conn = ScriptedConnector::new();
@@ -245,6 +224,61 @@ impl Harness for EngineHarness {
     }
 }
 
+/// The scheduler configuration of a case's `config`: an absent key keeps the default.
+fn scheduler_config(c: &EngineConfig) -> Result<SchedulerConfig, CaseError> {
+    let d = SchedulerConfig::default();
+    let groups = match &c.groups {
+        None => d.groups,
+        Some(gs) => gs.iter().map(parse_group).collect::<Result<_, _>>()?,
+    };
+    Ok(SchedulerConfig {
+        block_size: c.block_size.unwrap_or(d.block_size),
+        num_gpu_blocks: c.num_gpu_blocks.unwrap_or(d.num_gpu_blocks),
+        groups,
+        max_num_batched_tokens: c.max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
+        max_num_seqs: c.max_num_seqs.unwrap_or(d.max_num_seqs),
+        max_model_len: c.max_model_len.unwrap_or(d.max_model_len),
+        enable_prefix_caching: c.enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
+        enable_chunked_prefill: c.enable_chunked_prefill.unwrap_or(d.enable_chunked_prefill),
+        long_prefill_token_threshold: c
+            .long_prefill_token_threshold
+            .unwrap_or(d.long_prefill_token_threshold),
+        watermark_blocks: c.watermark_blocks.unwrap_or(d.watermark_blocks),
+        load_failure_policy: c.load_failure_policy.unwrap_or(d.load_failure_policy),
+        async_depth: c.async_depth.unwrap_or(d.async_depth),
+        mode: c.mode.unwrap_or(d.mode),
+    })
+}
+
+/// For the P/D substitution ([`super::engine_pd`]).
+impl EngineHarness {
+    /// Whether a case's `config` runs the scripted connector.
+    pub(super) fn is_scripted(config: &Map<String, Value>) -> bool {
+        let c = config.get("connector");
+        matches!(parse_connector(c), Ok(ConnectorChoice::Scripted))
+    }
+
+    /// A scripted case's scheduler configuration and its `requires_kv_delivery`.
+    pub(super) fn scheduler_config(
+        config: &Map<String, Value>,
+    ) -> Result<(SchedulerConfig, bool), CaseError> {
+        let c: EngineConfig = serde_json::from_value(Value::Object(config.clone()))
+            .map_err(|e| CaseError(e.to_string()))?;
+        Ok((
+            scheduler_config(&c)?,
+            c.requires_kv_delivery.unwrap_or(false),
+        ))
+    }
+
+    /// The scripted connector's call log, drained (empty for the offloading connector).
+    pub(super) fn take_scripted_calls(&mut self) -> Vec<ConnectorCall> {
+        match &mut self.0 {
+            EngineInner::Scripted(s) => s.connector_mut().take_calls(),
+            EngineInner::Offload(_) => Vec::new(),
+        }
+    }
+}
+
 /// Runs one call on the scheduler with the scripted connector: the case plays the executor
 /// (`apply_output` carries the step's connector output), the offloading-only calls are
 /// refused.
@@ -311,28 +345,7 @@ fn apply_scripted(
         }
         EngineOp::ApplyOutput {
             step, sampled, kv, ..
-        } => {
-            // No step in flight and none named: a step that cannot be the oldest one.
-            let step = step
-                .or_else(|| s.steps_in_flight().next())
-                .unwrap_or(StepId(u64::MAX));
-            let mut tokens = s.fake_sample(step);
-            for (id, t) in sampled {
-                match tokens.iter_mut().find(|(x, _)| x == id) {
-                    Some(slot) => slot.1.clone_from(t),
-                    None => tokens.push((*id, t.clone())),
-                }
-            }
-            s.update_from_output(
-                step,
-                ModelOutput {
-                    sampled: tokens,
-                    kv_connector_output: kv.clone(),
-                },
-            )
-            .map(EngineOut::Applied)
-            .map_err(kind)
-        }
+        } => apply_given_output(s, *step, sampled, kv.clone()),
         EngineOp::Request(id) => Ok(request_of(s, *id)),
         EngineOp::State => Ok(state_of(s)),
         EngineOp::ConnectorCalls => Ok(EngineOut::Calls(s.connector_mut().take_calls())),
@@ -348,6 +361,37 @@ fn apply_scripted(
         | EngineOp::Lookup { .. }
         | EngineOp::OffloadState => Err(WRONG_CONNECTOR),
     }
+}
+
+/// `apply_output` with the connector output the case gives (the case plays the executor):
+/// the fake sampler's tokens with the case's overrides.
+pub(super) fn apply_given_output<C>(
+    s: &mut Scheduler<C>,
+    step: Option<StepId>,
+    sampled: &[(RequestId, Vec<kvrelay_core::Token>)],
+    kv: Option<kvrelay_core::AggregatedOutput>,
+) -> Result<EngineOut, &'static str>
+where
+    C: kvrelay_core::SchedulerConnector<WorkerMeta = kvrelay_core::Meta>,
+{
+    // No step in flight and none named: a step that cannot be the oldest one.
+    let step = step
+        .or_else(|| s.steps_in_flight().next())
+        .unwrap_or(StepId(u64::MAX));
+    let mut tokens = s.fake_sample(step);
+    for (id, t) in sampled {
+        match tokens.iter_mut().find(|(x, _)| x == id) {
+            Some(slot) => slot.1.clone_from(t),
+            None => tokens.push((*id, t.clone())),
+        }
+    }
+    let out = ModelOutput {
+        sampled: tokens,
+        kv_connector_output: kv,
+    };
+    s.update_from_output(step, out)
+        .map(EngineOut::Applied)
+        .map_err(|e| e.kind())
 }
 
 /// Runs one call on the engine step with the offloading connector and simulated ranks: the
@@ -483,7 +527,10 @@ fn parse_group(v: &Value) -> Result<GroupKind, CaseError> {
 // Results
 
 /// `request`'s answer, for either connector.
-fn request_of<C: kvrelay_core::SchedulerConnector>(s: &Scheduler<C>, id: RequestId) -> EngineOut {
+pub(super) fn request_of<C: kvrelay_core::SchedulerConnector>(
+    s: &Scheduler<C>,
+    id: RequestId,
+) -> EngineOut {
     let v = s.view();
     let n = v.config().groups.len();
     EngineOut::Request(v.request(id).map(|r| RequestSnapshot {
@@ -495,7 +542,7 @@ fn request_of<C: kvrelay_core::SchedulerConnector>(s: &Scheduler<C>, id: Request
 }
 
 /// `state`'s answer, for either connector.
-fn state_of<C: kvrelay_core::SchedulerConnector>(s: &Scheduler<C>) -> EngineOut {
+pub(super) fn state_of<C: kvrelay_core::SchedulerConnector>(s: &Scheduler<C>) -> EngineOut {
     let v = s.view();
     EngineOut::State {
         running: v.running().to_vec(),

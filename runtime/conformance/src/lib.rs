@@ -28,6 +28,7 @@ mod case;
 mod engine;
 mod engine_calls;
 pub mod engine_offload;
+mod engine_pd;
 mod event_accumulator;
 mod json;
 mod multi;
@@ -41,6 +42,7 @@ pub use case::{CaseError, Expect, Harness, PreparedCall, PreparedCase, check_one
 pub use engine::{EngineHarness, EngineOut, RequestSnapshot};
 pub use engine_calls::{EngineOp, generated_prompt};
 pub use engine_offload::OffloadEngine;
+pub use engine_pd::{Substituted, substitute_pd};
 pub use event_accumulator::{EventHarness, EventOp};
 pub use multi::MultiHarness;
 pub use offload_manager::OffloadManagerHarness;
