@@ -16,6 +16,7 @@
 //! | `Deliver` | `Aggregator::aggregate` of the oldest step's outputs, then `update_from_output` |
 //! | `Abort(r)` | `Scheduler::abort` |
 //! | `Reset` | `Scheduler::reset_connector_cache` |
+//! | `RemoteAck(r)` | a P/D decode side read held request `r`'s blocks (DATA checks them): `PdConnector::acknowledge` ([`Connectors::acknowledge`]) |
 //!
 //! # What is checked
 //!
