@@ -43,6 +43,9 @@
 //! system is quiescent when no action is left; a system that can only spin is not, and the
 //! [`property_names::QUIESCENT`] property reports it.
 //!
+//! A pair may add a fairness bound ([`Connectors::preemption_bound`]): once a request was
+//! preempted that often, transfers complete before the next step (docs/MODEL-CHECKING.md).
+//!
 //! # Partial-order reduction
 //!
 //! [`SystemModel::with_partial_order`] (`kvrelay check --partial-order true`, the default with
