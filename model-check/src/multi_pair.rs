@@ -400,15 +400,6 @@ impl Connectors for MultiPair {
         self.pd_roles().any(|r| r.load)
     }
 
-    /// A sending P/D child requires KV delivery: the P/D pair's bound
-    /// ([`PdPair`]'s `preemption_bound`).
-    fn preemption_bound(&self) -> Option<u32> {
-        self.pd_roles()
-            .any(|r| r.send)
-            .then(|| PdPair::default().preemption_bound())
-            .flatten()
-    }
-
     /// Every P/D child's params: the router's for the roles of all of them.
     fn request_params(&self, id: RequestId, model: &SystemConfig) -> Option<Params> {
         let role = PdRole {

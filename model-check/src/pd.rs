@@ -45,8 +45,14 @@ pub struct PdRole {
 }
 
 impl PdRole {
-    /// The core connector's configuration for this role (`lease_steps` in strict mode), with
-    /// vLLM's default `requires_kv_delivery` for a producer (PR #50297).
+    /// The core connector's configuration for this role (`lease_steps` in strict mode).
+    ///
+    /// `kv_delivery` (PR #50297) is off. With it, async depth 2 has an unbounded path: while
+    /// another request's load stays in flight (the environment need never complete it), a
+    /// request preempted in its final step drops its output, recomputes and is preempted there
+    /// again, its preemption count growing each time — so the exhaustive search does not end
+    /// (the path ends as soon as the load completes: not a livelock under fair transfers).
+    /// Bounding that count in the model is open work.
     pub fn config(self, lease_steps: Option<u32>) -> PdConfig {
         PdConfig {
             engine: 0,
@@ -54,7 +60,7 @@ impl PdRole {
             send: self.send,
             failures_as_blocks: self.failures_as_blocks,
             lease_steps,
-            kv_delivery: true,
+            kv_delivery: false,
         }
     }
 }
@@ -211,14 +217,6 @@ impl Connectors for PdPair {
 
     fn remote_prefill(&self) -> bool {
         self.role.load
-    }
-
-    /// With `requires_kv_delivery`, async depth 2 has unbounded paths: while another request's
-    /// load stays in flight, a request preempted in its final step drops its output, recomputes
-    /// and is preempted there again, its preemption count growing each time. Transfers complete
-    /// before a request's third preemption.
-    fn preemption_bound(&self) -> Option<u32> {
-        Some(3)
     }
 
     fn load_may_fail(&self, load: &Transfer) -> bool {

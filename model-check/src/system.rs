@@ -43,9 +43,6 @@
 //! system is quiescent when no action is left; a system that can only spin is not, and the
 //! [`property_names::QUIESCENT`] property reports it.
 //!
-//! A pair may add a fairness bound ([`Connectors::preemption_bound`]): once a request was
-//! preempted that often, transfers complete before the next step (docs/MODEL-CHECKING.md).
-//!
 //! # Partial-order reduction
 //!
 //! [`SystemModel::with_partial_order`] (`kvrelay check --partial-order true`, the default with
@@ -374,13 +371,6 @@ pub trait Connectors: Clone + fmt::Debug + Eq + core::hash::Hash + Send + Sync +
     /// Hands the connector what the shared tier did. Default: refused (no tier).
     fn report_tier(&self, _connector: &mut Self::Sched, _report: TierReport) -> Result<(), String> {
         Err("this pair has no shared tier".to_owned())
-    }
-    /// A fairness bound: once a request was preempted this many times, no step is scheduled
-    /// while a transfer is in flight (the environment completes transfers first). Default:
-    /// none. For connectors whose async-depth-2 runs otherwise have paths that preempt a request
-    /// for ever while another request's load never completes.
-    fn preemption_bound(&self) -> Option<u32> {
-        None
     }
     /// What the connector still holds once nothing is left to do, if anything (a quiescent
     /// state must hold nothing). Default: nothing to say.
@@ -1632,24 +1622,6 @@ impl<P: Connectors> SystemModel<P> {
         (0..s.ranks.len()).any(|i| s.ranks[i].uncollected && self.next_step_of(s, i).is_none())
     }
 
-    /// [`Connectors::preemption_bound`]: a request was preempted that often and a transfer is
-    /// still in flight.
-    fn preempted_enough(&self, s: &SystemState<P>) -> bool {
-        let Some(bound) = self.pair.preemption_bound() else {
-            return false;
-        };
-        self.most_preempted(s) >= bound && s.ranks.iter().any(|r| !r.in_flight.is_empty())
-    }
-
-    /// The most times a request in the scheduler was preempted.
-    fn most_preempted(&self, s: &SystemState<P>) -> u32 {
-        let view = s.scheduler().view();
-        (0..s.arrived)
-            .filter_map(|i| view.request(RequestId(i)).map(|r| r.num_preemptions()))
-            .max()
-            .unwrap_or(0)
-    }
-
     fn quiescent(&self, s: &SystemState<P>) -> bool {
         s.arrived == self.config.requests
             && !s.scheduler().has_requests()
@@ -2196,7 +2168,6 @@ impl<P: Connectors> SystemModel<P> {
         if s.scheduler().has_requests()
             && (s.steps.len() as u32) < c.async_depth
             && (s.ghost.idle < c.idle_steps || self.report_due(s))
-            && !self.preempted_enough(s)
         {
             actions.push(SystemAction::Schedule);
         }
@@ -2256,16 +2227,14 @@ impl<P: Connectors> SystemModel<P> {
     }
 
     /// (S) A rank reading another rank's external store, or a shared tier, would make ranks
-    /// depend on each other's transfers; an acknowledgement changes what `Schedule` builds; at
-    /// the preemption bound a rank's last transfer enables `Schedule`.
-    fn no_reduction(&self, s: &SystemState<P>, enabled: &[SystemAction]) -> bool {
+    /// depend on each other's transfers; an acknowledgement changes what `Schedule` builds.
+    fn no_reduction(&self, enabled: &[SystemAction]) -> bool {
         self.pair.shared_external()
             || self.config.tier.is_some()
             || enabled.len() < 2
             || enabled
                 .iter()
                 .any(|a| matches!(a, SystemAction::RemoteAck(_)))
-            || self.most_preempted(s) >= self.pair.preemption_bound().unwrap_or(u32::MAX)
     }
 
     /// The ample set of `s` for partial-order reduction (see the module docs): the enabled
@@ -2274,7 +2243,7 @@ impl<P: Connectors> SystemModel<P> {
     /// `None`: explore every enabled action.
     fn ample(&self, s: &SystemState<P>, enabled: &[SystemAction]) -> Option<Vec<SystemAction>> {
         let c = &self.config;
-        if self.no_reduction(s, enabled) {
+        if self.no_reduction(enabled) {
             return None;
         }
         let full = s.steps.len() as u32 >= c.async_depth;

@@ -237,18 +237,3 @@ fn strict_leases_hold_when_the_decode_side_answers_late_or_in_time() {
     assert_eq!(report.stop, Stop::Exhaustive);
     assert!(report.passed());
 }
-
-#[test]
-fn pd_async_depth_2_with_kv_delivery_ends_under_the_preemption_bound() {
-    // requires_kv_delivery (PR #50297) on, as engines run the connector: without the fairness
-    // bound (`Connectors::preemption_bound`) this search never ends (docs/MODEL-CHECKING.md).
-    let config = SystemConfig {
-        async_depth: 2,
-        ..ci()
-    };
-    let report = run(PdPair::default(), config);
-    assert_eq!(report.stop, Stop::Exhaustive);
-    assert!(report.passed());
-    // Pinned: `kvrelay check --connector pd --async-depth 2`.
-    assert_eq!(report.unique_states, 596_510);
-}
