@@ -139,13 +139,15 @@ fn copy_of(
         request,
         engine: at.engine,
         blocks: Vec::new(),
+        groups: Vec::new(),
         slots: Vec::new(),
     };
-    for group in blocks {
+    for (g, group) in (0u32..).zip(blocks) {
         for idx in first..last.min(group.len() as u32) {
             let b = group[idx as usize];
             if b.0 != 0 {
                 c.blocks.push(b);
+                c.groups.push(g);
                 c.slots.push(remote_slot(RequestId(at.request), idx));
             }
         }

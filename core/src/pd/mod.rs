@@ -87,6 +87,8 @@ pub struct PdCopy {
     pub engine: u32,
     /// GPU blocks (every group's, non-null), in order.
     pub blocks: Vec<BlockId>,
+    /// The KV-cache group of each block.
+    pub groups: Vec<u32>,
     /// The prefill engine's slots, one per block ([`remote_slot`]).
     pub slots: Vec<u64>,
 }

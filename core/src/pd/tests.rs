@@ -229,3 +229,45 @@ fn the_decode_side_loads_from_the_params_and_recovers_a_failed_load() {
     // Failed under the `fail` policy (the default config's).
     assert_eq!(s.status(R), None);
 }
+
+#[test]
+fn a_load_names_each_blocks_kv_cache_group() {
+    // With two KV-cache groups the load carries both groups' blocks; each block's group tells
+    // the transfer engine which layers' bytes to move.
+    let config = SchedulerConfig {
+        groups: vec![
+            crate::scheduler::GroupKind::FullAttention,
+            crate::scheduler::GroupKind::SlidingWindow { window: 64 },
+        ],
+        ..SchedulerConfig::default()
+    };
+    let pd = PdConfig {
+        failures_as_blocks: false,
+        ..PdConfig::both(7)
+    };
+    let mut s = Scheduler::new(config, PdConnector::new(pd)).expect("valid");
+    let at = RemotePrefill {
+        engine: 3,
+        request: 9,
+        num_tokens: 32,
+    };
+    s.add_request(spec(PdParams::for_decode(at)))
+        .expect("added");
+    let st = s.schedule().expect("schedules");
+    let [load] = &st.meta.loads[..] else {
+        panic!("one load: {:?}", st.meta)
+    };
+    assert_eq!(load.groups, vec![0, 0, 1, 1]);
+    assert_eq!(
+        load.slots[..2],
+        load.slots[2..],
+        "the same prompt blocks, per group"
+    );
+    let mut w = PdWorker::new(false);
+    w.bind(&st.meta);
+    let cmds = w.start_load_kv();
+    let [TransferCommand::Start(t)] = &cmds[..] else {
+        panic!("one job: {cmds:?}")
+    };
+    assert_eq!(t.groups, load.groups);
+}

@@ -68,7 +68,7 @@ impl PdWorker {
             direction: TransferDirection::Load,
             request: copy.request,
             gpu_blocks: copy.blocks.clone(),
-            groups: alloc::vec![0; copy.blocks.len()],
+            groups: copy.groups.clone(),
             external: copy.slots.clone(),
         })
     }
