@@ -1762,12 +1762,6 @@ impl<P: Connectors> SystemModel<P> {
         if let Some(wrong) = self.held_blocks_wrong(s, id) {
             s.ghost.violate(property_names::DATA, wrong);
         }
-        if s.scheduler()
-            .status(id)
-            .is_some_and(RequestStatus::is_finished)
-        {
-            s.ghost.delayed_free |= self.observes(property_names::DELAYED_FREE);
-        }
         s.ghost.idle = 0;
         let conn = &mut s.engine.make_mut().scheduler_mut().connector_mut().inner;
         self.pair.acknowledge(conn, id);
@@ -1783,7 +1777,7 @@ impl<P: Connectors> SystemModel<P> {
             ));
         };
         let prompt_blocks = (req.num_prompt_tokens() / self.config.block_size) as usize;
-        for (g, _) in s.scheduler().config().groups.iter().enumerate() {
+        for g in 0..s.scheduler().config().groups.len() {
             for (i, b) in req.block_ids(g).iter().enumerate().take(prompt_blocks) {
                 let Some(h) = req.block_hashes().get(i) else {
                     continue;
