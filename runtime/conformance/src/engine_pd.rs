@@ -48,7 +48,7 @@ struct Logged {
     inner: PdConnector,
     calls: Vec<ConnectorCall>,
     loads: BTreeMap<RequestId, (Vec<Vec<BlockId>>, u32)>,
-    returned: Vec<(RequestId, Option<Params>, u32)>,
+    returned: Vec<(RequestId, Params, u32)>,
 }
 
 impl SchedulerConnector for Logged {
@@ -119,8 +119,9 @@ impl SchedulerConnector for Logged {
             blocks: blocks.to_vec(),
             delay_free: d.delay_free,
         });
-        self.returned
-            .push((id, d.kv_transfer_params.take(), computed));
+        if let Some(p) = d.kv_transfer_params.take() {
+            self.returned.push((id, p, computed));
+        }
         d
     }
     fn requires_kv_delivery(&self) -> bool {
@@ -222,9 +223,8 @@ fn run(case: &PreparedCase<EngineHarness>) -> Result<(), String> {
 
 /// The params the P/D connector returned at a finish say where the request's KV is: this
 /// engine, the request, the tokens it computed.
-fn check_returned(returned: &mut Vec<(RequestId, Option<Params>, u32)>) -> Result<(), String> {
-    for (id, params, computed) in returned.drain(..) {
-        let Some(p) = params else { continue };
+fn check_returned(returned: &mut Vec<(RequestId, Params, u32)>) -> Result<(), String> {
+    for (id, p, computed) in returned.drain(..) {
         let at = PdParams::parse(&p)
             .map_err(|e| e.to_string())?
             .remote_prefill;
