@@ -82,7 +82,7 @@ pub mod worker;
 
 pub use aggregator::{AggregateError, Aggregator};
 pub use compose::{
-    ExtraAsyncSaves, MultiConnector, MultiMeta, MultiWorker, NoopConnector,
+    Either, EitherWorker, ExtraAsyncSaves, MultiConnector, MultiMeta, MultiWorker, NoopConnector,
     combine_finished_counts, route_worker_meta,
 };
 pub use engine::{

@@ -22,6 +22,9 @@ struct Held {
     acked: bool,
     /// Strict: steps built since it was announced (its lease runs out at `lease_steps`).
     steps: u32,
+    /// Its blocks, one list per KV-cache group: what the decode side reads
+    /// ([`PdConnector::held_blocks`]).
+    blocks: Vec<Vec<BlockId>>,
 }
 
 /// See the module docs.
@@ -68,6 +71,20 @@ impl PdConnector {
                 false
             }
         }
+    }
+
+    /// The blocks `request` holds for the decode side, one list per KV-cache group: block
+    /// `index` of group `g` is what [`remote_slot`]`(request, index)` names. `None` once it is
+    /// released (acknowledged or past its lease): a read then must fail, never touch the
+    /// blocks, which the scheduler may already have given to another request.
+    pub fn held_blocks(&self, request: RequestId) -> Option<&[Vec<BlockId>]> {
+        self.held.get(&request).map(|h| h.blocks.as_slice())
+    }
+
+    /// Every held request (acknowledged or not, until its release is built) with its blocks,
+    /// oldest id first: what a KV server may read.
+    pub fn held(&self) -> impl Iterator<Item = (RequestId, &[Vec<BlockId>])> + '_ {
+        self.held.iter().map(|(r, h)| (*r, h.blocks.as_slice()))
     }
 
     /// Requests whose blocks wait for the decode side's acknowledgement, oldest id first.
@@ -245,6 +262,7 @@ impl SchedulerConnector for PdConnector {
                 announced: false,
                 acked: false,
                 steps: 0,
+                blocks: blocks.to_vec(),
             },
         );
         let at = RemotePrefill {

@@ -104,7 +104,9 @@ pub struct PdMeta {
 }
 
 /// What a P/D connector counted.
-#[derive(Clone, Copy, Debug, Default, Eq, Hash, PartialEq, serde::Serialize)]
+#[derive(
+    Clone, Copy, Debug, Default, Eq, Hash, PartialEq, serde::Serialize, serde::Deserialize,
+)]
 pub struct PdStats {
     /// Remote loads admitted (decode role).
     pub remote_loads: u64,
@@ -127,4 +129,10 @@ pub fn remote_slot(request: RequestId, index: u32) -> u64 {
 /// Whether `slot` is a prefill engine's ([`remote_slot`]).
 pub fn is_remote_slot(slot: u64) -> bool {
     slot & (1 << 62) != 0
+}
+
+/// The prefill engine's request and block index that `slot` names, if it is a
+/// [`remote_slot`].
+pub fn remote_slot_parts(slot: u64) -> Option<(RequestId, u32)> {
+    is_remote_slot(slot).then_some((RequestId(((slot >> 32) & 0x3fff_ffff) as u32), slot as u32))
 }

@@ -132,6 +132,13 @@ fn a_held_request_is_released_by_its_acknowledgement_only_in_compat() {
         assert!(meta.releases.is_empty());
     }
     assert_eq!(s.connector().awaiting_ack().collect::<Vec<_>>(), vec![R]);
+    let held = s.connector().held_blocks(R).expect("held").to_vec();
+    assert_eq!(held.len(), 1, "one KV-cache group");
+    assert_eq!(
+        held[0].len(),
+        3,
+        "40 prompt tokens and 1 computed: 3 blocks of 16"
+    );
     assert!(s.connector_mut().acknowledge(R));
     assert!(
         !s.connector_mut().acknowledge(R),
@@ -139,6 +146,10 @@ fn a_held_request_is_released_by_its_acknowledgement_only_in_compat() {
     );
     let (meta, _) = step(&mut s, kv(&[], &[]));
     assert_eq!(meta.releases, vec![R]);
+    assert!(
+        s.connector().held_blocks(R).is_none(),
+        "a released request's blocks are no longer readable, before the scheduler frees them"
+    );
     step(&mut s, kv(&[R], &[]));
     assert_eq!(
         s.status(R),
@@ -270,4 +281,12 @@ fn a_load_names_each_blocks_kv_cache_group() {
         panic!("one job: {cmds:?}")
     };
     assert_eq!(t.groups, load.groups);
+}
+
+#[test]
+fn a_remote_slot_names_its_request_and_block() {
+    let s = remote_slot(RequestId(0x3fff_ffff), 7);
+    assert!(is_remote_slot(s));
+    assert_eq!(remote_slot_parts(s), Some((RequestId(0x3fff_ffff), 7)));
+    assert_eq!(remote_slot_parts(5), None, "a host slot is not remote");
 }

@@ -71,6 +71,10 @@ pub enum WorkerError {
     /// A job the connector cannot perform (e.g. host chunks that do not cover its GPU blocks).
     #[error("job {0:?} is malformed: its host chunks do not cover its GPU blocks")]
     MalformedJob(JobId),
+    /// The step's metadata is another connector's ([`crate::Either`]: the engine built one
+    /// connector and its ranks another).
+    #[error("the step's metadata belongs to another connector")]
+    ForeignMeta,
 }
 
 impl WorkerError {
@@ -80,6 +84,7 @@ impl WorkerError {
             Self::TransferFailed(_) => "transfer_failed",
             Self::UnknownJob(_) => "unknown_job",
             Self::MalformedJob(_) => "malformed_job",
+            Self::ForeignMeta => "foreign_meta",
         }
     }
 }

@@ -44,6 +44,7 @@ fn through(b: Bencher, block: usize, churned: bool, direction: TransferDirection
             job: transfer.job,
             direction,
             runs,
+            remote: None,
         };
         copier.copy(job).unwrap()
     });

@@ -7,6 +7,7 @@ use kvrelay_core::{Mode, PolicyKind};
 use serde::{Deserialize, Serialize};
 
 use crate::events::KvEventsConfig;
+use crate::pd::PdRunConfig;
 use crate::rank::Completions;
 use crate::tier::TierConfig;
 use crate::transfer::Backend;
@@ -115,6 +116,10 @@ pub struct RunConfig {
     /// A shared tier behind the CPU pools (see `docs/TIERING.md`); `None`: the CPU pools only.
     /// Needs in-process ranks and the host backend.
     pub tier: Option<TierConfig>,
+    /// This engine's side of prefill/decode disaggregation (`kvrelay pd`, [`crate::pd`]): the
+    /// P/D connector instead of the offloading one. Needs in-process ranks, the host backend
+    /// and no tier.
+    pub pd: Option<PdRunConfig>,
 }
 
 impl Default for RunConfig {
@@ -152,6 +157,7 @@ impl Default for RunConfig {
             metrics_model_name: "kvrelay".into(),
             kv_events: None,
             tier: None,
+            pd: None,
         }
     }
 }

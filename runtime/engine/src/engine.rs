@@ -24,16 +24,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvrelay_core::{
-    BlockHash, BlockId, ChunkId, EngineCore, FinishReason, GroupKind, KvLayout, LayoutError,
-    LayoutOrder, ManagerConfig, Mode, OffloadingConfig, OffloadingConnector,
-    OffloadingConnectorMeta, Rank, RequestId, RequestOutput, RequestSpec, ScheduledStep, Scheduler,
-    SchedulerConfig, StepId, TierWork, TieringConfig, Token,
+    BlockHash, BlockId, ChunkId, Either, EngineCore, FinishReason, GroupKind, KvLayout,
+    LayoutError, LayoutOrder, ManagerConfig, Mode, OffloadingConfig, OffloadingConnector, Params,
+    PdConnector, PdParams, PdStats, Rank, RequestId, RequestOutput, RequestSpec, RequestStatus,
+    ScheduledStep, Scheduler, SchedulerConfig, StepId, TierWork, TieringConfig, Token,
 };
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
+use crate::connector::{EngineConnector, EngineMeta};
 use crate::events::Publisher;
 use crate::metrics::{FINISHED_REASONS, Levels, Metrics, Total};
+use crate::pd::{HeldTable, KvServer, PdRole};
+use crate::rank::RankPd;
 use crate::rank::{
     Completions, PromotedChunk, RankDelta, RankReport, RankSetup, RankStats, StepMsg,
 };
@@ -41,6 +44,7 @@ use crate::report::perfetto::{Recorder, now_us};
 use crate::report::samples::Samples;
 use crate::stop::{STOP_GRACE, StopSignal};
 use crate::tier::{Pools, StoreError, Tier};
+use crate::transfer::host::HostArena;
 use crate::transfer::host::HostPool;
 use crate::transport::{self, Clock, TokioClock, Transport};
 use crate::{RunConfig, RunError, workload};
@@ -111,7 +115,7 @@ pub struct StepOutcome {
 pub struct Engine {
     config: RunConfig,
     clock: Arc<dyn Clock>,
-    core: EngineCore<OffloadingConnector>,
+    core: EngineCore<EngineConnector>,
     to_ranks: Vec<mpsc::Sender<StepMsg>>,
     reports: mpsc::Receiver<RankReport>,
     handles: Vec<JoinHandle<RankStats>>,
@@ -123,7 +127,7 @@ pub struct Engine {
     /// The step the ranks are running.
     at_ranks: Option<StepId>,
     /// A step scheduled ahead (async scheduling), not yet sent.
-    ahead: Option<ScheduledStep<OffloadingConnectorMeta>>,
+    ahead: Option<ScheduledStep<EngineMeta>>,
     /// Free GPU blocks of the fresh engine (what [`Engine::leaks`] expects back).
     free_blocks: u32,
     /// The longest request admitted (prompt and output tokens).
@@ -137,6 +141,10 @@ pub struct Engine {
     events: Option<Publisher>,
     /// The shared tier ([`RunConfig::tier`]).
     tier: Option<Tier>,
+    /// P/D prefill: the requests held for decode engines, as the KV server reads them.
+    held: HeldTable,
+    /// P/D prefill: the KV server ([`crate::pd`]).
+    kv_server: Option<KvServer>,
     /// Per CPU chunk being promoted, the prefix hash of each token slot it will hold.
     promoting: HashMap<ChunkId, Vec<u64>>,
     /// Chunks promoted since the last step sent, for the ranks' checks.
@@ -236,6 +244,51 @@ fn tier_pools(
     }))
 }
 
+/// P/D prefill: the KV server's table follows the connector's held requests. Called after
+/// every schedule (which builds releases) and apply (which holds finished requests), so a
+/// released request leaves the table before the scheduler can free its blocks.
+fn sync_held(server: Option<&KvServer>, held: &HeldTable, s: &Scheduler<EngineConnector>) {
+    let (Some(_), Some(pd)) = (server, s.connector().right()) else {
+        return;
+    };
+    let mut t = held.write().unwrap_or_else(|p| p.into_inner());
+    t.retain(|r, _| pd.held_blocks(*r).is_some());
+    for (r, blocks) in pd.held() {
+        t.entry(r).or_insert_with(|| blocks.to_vec());
+    }
+}
+
+/// A P/D engine: in-process ranks and the host backend (a prefill engine's KV server reads
+/// the ranks' arenas), no shared tier yet, and a decode engine knows its source.
+fn check_pd(c: &RunConfig, backend: crate::Backend) -> Result<(), RunError> {
+    let Some(p) = &c.pd else {
+        return Ok(());
+    };
+    let why = if c.workers != crate::config::Workers::InProcess {
+        "P/D needs in-process ranks (--workers in-process): the KV server reads their arenas"
+    } else if backend != crate::Backend::Host {
+        "P/D needs the host backend (--backend host) for now"
+    } else if c.tier.is_some() {
+        "P/D with a shared tier (--tier) is not supported yet"
+    } else if p.role == PdRole::Decode && p.source.is_none() {
+        "a P/D decode engine needs its source (the prefill engine's KV server)"
+    } else {
+        return Ok(());
+    };
+    Err(RunError::Config(why.into()))
+}
+
+/// A P/D prefill engine's rank arenas, made here so that its KV server can read them.
+fn served_arenas(c: &RunConfig, gpu: &KvLayout) -> Option<Vec<HostArena>> {
+    let p = c.pd.as_ref()?;
+    let slot_bytes = (gpu.block_bytes() / u64::from(c.block_size.max(1))) as usize;
+    (p.role == PdRole::Prefill).then(|| {
+        (0..c.ranks)
+            .map(|_| HostArena::new(gpu.total_bytes() as usize, slot_bytes))
+            .collect()
+    })
+}
+
 /// A shared tier needs the ranks' CPU pools in this process: in-process ranks, host backend.
 fn check_tier(c: &RunConfig, backend: crate::Backend) -> Result<(), RunError> {
     if c.workers != crate::config::Workers::InProcess {
@@ -318,8 +371,16 @@ impl Engine {
             },
         );
         let pools = tier_pools(c, backend, &host, &mut off)?;
-        let connector =
-            OffloadingConnector::new(off, &sc).map_err(|e| RunError::Config(e.to_string()))?;
+        let connector = match &c.pd {
+            None => Either::Left(Box::new(
+                OffloadingConnector::new(off, &sc).map_err(|e| RunError::Config(e.to_string()))?,
+            )),
+            Some(p) => {
+                check_pd(c, backend)?;
+                Either::Right(PdConnector::new(p.connector()))
+            }
+        };
+        let arenas = served_arenas(c, &gpu);
         let mut core = EngineCore::new(sc.clone(), connector, c.ranks)?;
         let free_blocks = core.scheduler().view().num_free_blocks();
         let events = match &c.kv_events {
@@ -346,6 +407,11 @@ impl Engine {
                 timeline: c.timeline.is_some(),
                 completions: c.completions,
                 host_pool: pools.as_ref().map(|p| p.pools[r as usize].clone()),
+                pd: c.pd.as_ref().map(|p| RankPd {
+                    failures_as_blocks: true,
+                    source: p.source.clone(),
+                }),
+                arena: arenas.as_ref().map(|a| a[r as usize].clone()),
             };
             let conn = transport
                 .connect(setup, wake.clone(), report_tx.clone())
@@ -355,6 +421,13 @@ impl Engine {
         }
         let tier = match (&c.tier, pools) {
             (Some(t), Some(pools)) => Some(Tier::connect(t, namespace(c), pools).await?),
+            _ => None,
+        };
+        let held = HeldTable::default();
+        let kv_server = match (&c.pd, arenas) {
+            (Some(p), Some(arenas)) => {
+                Some(KvServer::start(&p.listen, arenas, gpu.clone(), held.clone()).await?)
+            }
             _ => None,
         };
         Ok(Self {
@@ -375,6 +448,8 @@ impl Engine {
             ranks_live: RankDelta::default(),
             events,
             tier,
+            held,
+            kv_server,
             promoting: HashMap::new(),
             promoted: Vec::new(),
             figures: Figures {
@@ -401,6 +476,21 @@ impl Engine {
         prompt: Vec<Token>,
         max_tokens: u32,
     ) -> Result<(), RunError> {
+        self.add_with(id, prompt, max_tokens, None)
+    }
+
+    /// [`Engine::add`] with the request's `kv_transfer_params` (a P/D router's). Params that
+    /// do not read as P/D params are refused ([`RunError::BadParams`]; the engine goes on).
+    pub fn add_with(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<Token>,
+        max_tokens: u32,
+        kv_transfer_params: Option<Params>,
+    ) -> Result<(), RunError> {
+        if let Some(p) = &kv_transfer_params {
+            PdParams::parse(p).map_err(|error| RunError::BadParams { request: id, error })?;
+        }
         if prompt.len() as u64 >= u64::from(self.max_model_len) {
             self.figures.refused += 1;
             return Err(RunError::Refused {
@@ -414,11 +504,33 @@ impl Engine {
             prompt: prompt.clone(),
             max_tokens,
             stop_token: None,
-            kv_transfer_params: None,
+            kv_transfer_params,
         })?;
         self.figures.prompt_tokens += prompt.len() as u64;
         self.tokens.push((id, prompt));
         Ok(())
+    }
+
+    /// P/D prefill: the decode side is done reading `request`'s blocks (its acknowledgement):
+    /// they are released with the next step. `false` if nothing waits for it (late, repeated,
+    /// or not a prefill engine).
+    pub fn acknowledge(&mut self, request: RequestId) -> bool {
+        let conn = self.core.scheduler_mut().connector_mut();
+        conn.right_mut().is_some_and(|pd| pd.acknowledge(request))
+    }
+
+    /// What the P/D connector counted (`None`: not a P/D engine).
+    pub fn pd_stats(&self) -> Option<PdStats> {
+        self.core
+            .scheduler()
+            .connector()
+            .right()
+            .map(|pd| *pd.stats())
+    }
+
+    /// P/D prefill: the KV server decode engines read from.
+    pub fn kv_server(&self) -> Option<&KvServer> {
+        self.kv_server.as_ref()
     }
 
     /// Aborts a request; `false` if it was not live.
@@ -538,6 +650,7 @@ impl Engine {
             .map(|(id, pos)| (id, vec![sample(seed, id, pos)]))
             .collect();
         let applied = self.core.apply(sampled)?;
+        sync_held(self.kv_server.as_ref(), &self.held, self.core.scheduler());
         let released = self.core.take_released();
         core_time += self.clock.now().saturating_sub(t);
         if self.config.check {
@@ -615,16 +728,17 @@ impl Engine {
         let sched = self.core.scheduler();
         let view = sched.view();
         let usable = self.free_blocks.max(1);
-        let cpu = sched.connector().manager();
+        let cpu = sched.connector().left().map(|c| c.manager());
+        let count = |f: fn(&kvrelay_core::CpuOffloadingManager) -> u32| cpu.map_or(0, f);
         m.levels(&Levels {
             running: view.running().len() as u32,
             waiting: view.waiting().count() as u32,
             kv_cache_usage: 1.0 - f64::from(view.num_free_blocks()) / f64::from(usable),
             cpu_chunks: f.cpu_blocks / self.config.blocks_per_chunk.max(1),
-            cpu_free: cpu.num_free_chunks(),
-            cpu_evictable: cpu.num_evictable(),
-            cpu_pinned: cpu.num_pinned(),
-            cpu_write_pending: cpu.num_write_pending(),
+            cpu_free: count(|c| c.num_free_chunks()),
+            cpu_evictable: count(|c| c.num_evictable()),
+            cpu_pinned: count(|c| c.num_pinned()),
+            cpu_write_pending: count(|c| c.num_write_pending()),
         });
     }
 
@@ -645,7 +759,11 @@ impl Engine {
             return;
         };
         let sched = self.core.scheduler_mut();
-        let work = sched.connector_mut().take_tier_work();
+        let work = sched
+            .connector_mut()
+            .left_mut()
+            .map(|c| c.take_tier_work())
+            .unwrap_or_default();
         let view = sched.view();
         let tpc = (self.config.block_size * self.config.blocks_per_chunk) as usize;
         for w in &work {
@@ -685,7 +803,12 @@ impl Engine {
             return Ok(());
         };
         let done = tier.collect().await?;
-        let conn = self.core.scheduler_mut().connector_mut();
+        let Some(conn) = self.core.scheduler_mut().connector_mut().left_mut() else {
+            return Err(StoreError::Protocol(
+                "a shared tier without the offloading connector".into(),
+            )
+            .into());
+        };
         for r in done.reports {
             conn.report_tier(r)
                 .map_err(|e| StoreError::Protocol(e.to_string()))?;
@@ -735,9 +858,10 @@ impl Engine {
     }
 
     /// Schedules one step.
-    fn schedule(&mut self) -> Result<ScheduledStep<OffloadingConnectorMeta>, RunError> {
-        let f = &mut self.figures;
+    fn schedule(&mut self) -> Result<ScheduledStep<EngineMeta>, RunError> {
         let scheduled = self.core.schedule()?;
+        sync_held(self.kv_server.as_ref(), &self.held, self.core.scheduler());
+        let f = &mut self.figures;
         let out = &scheduled.step.output;
         f.preemptions += out.preempted_req_ids.len() as u64;
         f.tokens_computed += u64::from(out.total_num_scheduled_tokens);
@@ -754,10 +878,7 @@ impl Engine {
     }
 
     /// Sends `step` to every rank, with the tokens and releases since the last one.
-    async fn send(
-        &mut self,
-        step: ScheduledStep<OffloadingConnectorMeta>,
-    ) -> Result<StepId, RunError> {
+    async fn send(&mut self, step: ScheduledStep<EngineMeta>) -> Result<StepId, RunError> {
         let id = step.output.step;
         let msg_step = Arc::new(step);
         let msg_tokens = Arc::new(std::mem::take(&mut self.tokens));
@@ -799,16 +920,36 @@ impl Engine {
         let busy = self.at_ranks.is_some()
             || self.ahead.is_some()
             || self.core.steps_in_flight().next().is_some()
-            || sched.connector().jobs_in_flight().next().is_some()
+            || sched.connector().left().is_some_and(|c| {
+                c.jobs_in_flight().next().is_some()
+                    || c.tiering().is_some_and(|t| t.has_pending_work())
+            })
             || sched
-                .connector()
-                .tiering()
-                .is_some_and(|t| t.has_pending_work())
+                .view()
+                .waiting()
+                .any(|r| sched.status(r) == Some(RequestStatus::WaitingForRemoteKvs))
             || self.tier.as_ref().is_some_and(Tier::running);
-        if busy || !sched.has_requests() {
+        if busy || !sched.has_requests() || self.awaiting_acks_only() {
             return None;
         }
         Some(self.live_requests())
+    }
+
+    /// P/D prefill without a lease: every request left is held for a decode engine's
+    /// acknowledgement and nothing is in flight, so nothing changes until one comes (compat
+    /// waits for ever: a run ends there, and [`Engine::leaks`] names them).
+    pub fn awaiting_acks_only(&self) -> bool {
+        let sched = self.core.scheduler();
+        let Some(pd) = sched.connector().right() else {
+            return false;
+        };
+        let awaiting: std::collections::BTreeSet<RequestId> = pd.awaiting_ack().collect();
+        pd.config().lease_steps.is_none()
+            && !awaiting.is_empty()
+            && self.at_ranks.is_none()
+            && self.ahead.is_none()
+            && self.core.steps_in_flight().next().is_none()
+            && sched.request_ids().all(|r| awaiting.contains(&r))
     }
 
     /// The scheduler's requests, waiting and running, in id order.
@@ -842,25 +983,14 @@ impl Engine {
                 self.free_blocks
             ));
         }
-        let conn = sched.connector();
-        let jobs: Vec<u64> = conn.jobs_in_flight().map(|j| j.0).collect();
-        if !jobs.is_empty() {
-            out.push(format!("offloading jobs still in flight: {jobs:?}"));
-        }
-        let fenced: Vec<u64> = conn.fenced_blocks().map(|b| b.0).collect();
-        if !fenced.is_empty() {
-            out.push(format!("blocks still fenced: {fenced:?}"));
-        }
-        let m = conn.manager();
-        let pinned = m.num_pinned();
-        if pinned > 0 || m.num_write_pending() > 0 {
-            out.push(format!(
-                "{pinned} CPU chunks still pinned, {} stores pending",
-                m.num_write_pending()
-            ));
-        }
-        if conn.tiering().is_some_and(|t| t.has_pending_work()) {
-            out.push("tier jobs (cascades, promotions) still unreported".to_owned());
+        match sched.connector() {
+            kvrelay_core::Either::Left(conn) => offloading_leaks(conn, &mut out),
+            kvrelay_core::Either::Right(pd) => {
+                let held: Vec<u32> = pd.awaiting_ack().map(|r| r.0).collect();
+                if !held.is_empty() {
+                    out.push(format!("requests still held for a decode engine: {held:?}"));
+                }
+            }
         }
         if self.tier.as_ref().is_some_and(Tier::running) || !self.promoting.is_empty() {
             let n = self.promoting.len();
@@ -939,12 +1069,14 @@ impl Engine {
 
 /// Every block hash the core may still name in an event: the GPU pool's cached blocks, the
 /// offloading connector's and manager's, the requests' (see [`crate::events`]).
-fn live_hashes(s: &Scheduler<OffloadingConnector>) -> Vec<BlockHash> {
+fn live_hashes(s: &Scheduler<EngineConnector>) -> Vec<BlockHash> {
     let pool = s.block_pool();
     let mut out: Vec<BlockHash> = (0..u64::from(pool.num_blocks()))
         .filter_map(|b| pool.cached_hash(BlockId(b)).map(|(h, _)| h))
         .collect();
-    out.extend(s.connector().referenced_hashes());
+    if let Some(c) = s.connector().left() {
+        out.extend(c.referenced_hashes());
+    }
     let view = s.view();
     for id in s.request_ids() {
         if let Some(r) = view.request(id) {
@@ -952,6 +1084,29 @@ fn live_hashes(s: &Scheduler<OffloadingConnector>) -> Vec<BlockHash> {
         }
     }
     out
+}
+
+/// What the offloading connector still holds (see [`Engine::leaks`]).
+fn offloading_leaks(conn: &OffloadingConnector, out: &mut Vec<String>) {
+    let jobs: Vec<u64> = conn.jobs_in_flight().map(|j| j.0).collect();
+    if !jobs.is_empty() {
+        out.push(format!("offloading jobs still in flight: {jobs:?}"));
+    }
+    let fenced: Vec<u64> = conn.fenced_blocks().map(|b| b.0).collect();
+    if !fenced.is_empty() {
+        out.push(format!("blocks still fenced: {fenced:?}"));
+    }
+    let m = conn.manager();
+    let pinned = m.num_pinned();
+    if pinned > 0 || m.num_write_pending() > 0 {
+        out.push(format!(
+            "{pinned} CPU chunks still pinned, {} stores pending",
+            m.num_write_pending()
+        ));
+    }
+    if conn.tiering().is_some_and(|t| t.has_pending_work()) {
+        out.push("tier jobs (cascades, promotions) still unreported".to_owned());
+    }
 }
 
 /// vLLM's `finished_reason` label for a core finish.

@@ -200,6 +200,15 @@ pub enum RunError {
         /// The engine's `max_model_len`.
         max_model_len: u32,
     },
+    /// A request whose `kv_transfer_params` do not read as P/D params (refused at submit,
+    /// never treated as absent).
+    #[error("request {request:?} refused: {error}")]
+    BadParams {
+        /// The request.
+        request: RequestId,
+        /// What is wrong with them.
+        error: kvrelay_core::pd::PdParamsError,
+    },
 }
 
 /// Up to 8 request ids, then how many more.

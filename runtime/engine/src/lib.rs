@@ -29,6 +29,7 @@
 //! | [`stop`] | stopping a run before its end: [`Stopper`] asks, [`StopSignal`] hears; the grace period |
 //! | [`api`] | the embedding API: submit a request and stream its tokens, abort, reset |
 //! | [`engine`] | [`Engine`]: the core's engine step with W ranks attached, one step at a time |
+//! | [`connector`] | the engine's connector: offloading (`kvrelay run`) or P/D (`kvrelay pd`) |
 //! | [`rank`] | the rank task: a `RankDriver` over the offloading worker, the arena, the transfer engine |
 //! | `content` | what every KV byte must be, and the per-request token book ranks derive it from |
 //! | [`transfer`] | the seam between a rank and its memory (`KvArena`, `TransferEngine`), the backends `host` and `cuda` |
@@ -37,6 +38,7 @@
 //! | [`report`] | the figures of a run (readable and `--json`), its Perfetto timeline |
 //! | [`metrics`] | Prometheus metrics with vLLM's names, served on `--metrics HOST:PORT` |
 //! | [`events`] | KV events in vLLM's wire format, published on `--kv-events tcp://HOST:PORT` |
+//! | [`pd`] | prefill/decode disaggregation: a prefill engine's KV server, a decode rank's reads |
 //! | [`tier`] | the shared tier behind the CPU pools (a Redis Cluster), `--tier redis://HOST:PORT` |
 //! | [`error`] | [`RunError`] |
 //!
@@ -46,11 +48,13 @@
 
 pub mod api;
 pub mod config;
+pub mod connector;
 pub mod content;
 pub mod engine;
 pub mod error;
 pub mod events;
 pub mod metrics;
+pub mod pd;
 pub mod rank;
 pub mod report;
 pub mod run;

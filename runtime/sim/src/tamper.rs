@@ -17,8 +17,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use kvrelay_core::{BlockId, OffloadingConnectorMeta, RequestId, ScheduledStep, tables_reset};
+use kvrelay_core::{BlockId, RequestId, ScheduledStep, tables_reset};
 use kvrelay_engine::RunError;
+use kvrelay_engine::connector::EngineMeta;
 use kvrelay_engine::rank::{RankReport, RankSetup, StepMsg};
 use kvrelay_engine::transport::{BoxFuture, RankConn, Transport};
 use tokio::sync::{Notify, mpsc};
@@ -81,7 +82,7 @@ struct Tamper {
     scheduled: BTreeMap<RequestId, u32>,
 }
 
-type Step = ScheduledStep<OffloadingConnectorMeta>;
+type Step = ScheduledStep<EngineMeta>;
 
 impl Tamper {
     fn new(fault: StepFault) -> Self {
@@ -127,6 +128,7 @@ impl Tamper {
         let target = match self.fault {
             StepFault::LoadIntoReadBlock => s
                 .meta
+                .left_mut()?
                 .load_jobs
                 .values_mut()
                 .find(|j| j.request != reader)

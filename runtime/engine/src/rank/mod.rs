@@ -35,27 +35,32 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvrelay_core::{
-    BlockAccess, BlockId, GroupKind, JobId, KvLayout, Mode, OffloadingConnectorMeta,
-    OffloadingWorker, OffloadingWorkerConfig, RankAction, RankConfig, RankDriver, RequestId,
-    ScheduledStep, StepId, Token, Transfer, TransferDirection, TransferDone, WorkerCall,
+    BlockAccess, BlockId, CopyRun, Either, EitherWorker, GroupKind, JobId, KvLayout, Mode,
+    OffloadingWorker, OffloadingWorkerConfig, PdWorker, RankAction, RankConfig, RankDriver,
+    RequestId, ScheduledStep, StepId, Token, Transfer, TransferDirection, TransferDone, WorkerCall,
     WorkerOutput, copy_plan, tables_reset,
 };
 use tokio::sync::{Notify, mpsc};
 
 use crate::RunError;
+use crate::connector::{EngineMeta, EngineWorker};
 use crate::content::{POISON, TokenBook, UNWRITTEN, salt, salted};
+use crate::pd::fetch::RemoteEngine;
 use crate::report::perfetto::{Recorder, now_us};
 use crate::report::samples::Samples;
 use crate::transfer::cuda::{CudaArena, CudaEngine, Device};
 use crate::transfer::host::{HostArena, HostEngine, HostPool};
 use crate::transfer::{
-    Backend, COPY_QUEUE_BOUND, CopyDone, CopyJob, KvArena, Slot, TransferEngine, TransferError,
+    Backend, COPY_QUEUE_BOUND, CopyDone, CopyJob, KvArena, RemoteRead, Slot, TransferEngine,
+    TransferError,
 };
+use kvrelay_core::PlanError;
+use kvrelay_core::pd::{is_remote_slot, remote_slot_parts};
 
 /// What the engine sends a rank.
 #[derive(Debug)]
 pub struct StepMsg {
-    pub step: Arc<ScheduledStep<OffloadingConnectorMeta>>,
+    pub step: Arc<ScheduledStep<EngineMeta>>,
     /// Tokens appended since the previous step: new requests' prompts, tokens sampled since.
     pub tokens: Arc<Vec<(RequestId, Vec<Token>)>>,
     /// Requests the engine released: their tokens are forgotten.
@@ -150,6 +155,22 @@ pub struct RankSetup {
     /// in-process ranks only). `None`: the rank allocates its own.
     #[serde(skip)]
     pub host_pool: Option<HostPool>,
+    /// The rank's part in P/D (`None`: the offloading connector's worker).
+    pub pd: Option<RankPd>,
+    /// The "GPU" arena, when the engine shares it (a prefill engine's KV server reads held
+    /// blocks from it; host backend, in-process ranks only). `None`: the rank allocates its own.
+    #[serde(skip)]
+    pub arena: Option<HostArena>,
+}
+
+/// A rank's part in prefill/decode disaggregation ([`crate::pd`]).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RankPd {
+    /// Failed loads as invalid blocks (`true`) or request-level `failed_recving`.
+    pub failures_as_blocks: bool,
+    /// A decode engine's: where its loads read (the prefill engine's KV server), and how long
+    /// one read may take before it is a failed load.
+    pub source: Option<crate::pd::Source>,
 }
 
 /// When a rank's driver hears that a transfer completed.
@@ -202,6 +223,11 @@ impl RankSetup {
                     "a shared CPU pool (the shared tier) needs the host backend".into(),
                 ));
             }
+            Backend::Cuda if self.pd.is_some() => {
+                return Err(RunError::Config(
+                    "P/D (kvrelay pd) needs the host backend for now".into(),
+                ));
+            }
             Backend::Cuda => {
                 let dev = Device::open(arena_bytes).map_err(failed)?;
                 let engine = CudaEngine::spawn(self.rank, dev.clone(), host_bytes, done_tx, wake)
@@ -210,14 +236,21 @@ impl RankSetup {
                 (Box::new(arena), Box::new(engine))
             }
             Backend::Host | Backend::Auto => {
-                let arena = HostArena::new(arena_bytes, slot_bytes);
-                let pool = match &self.host_pool {
-                    Some(p) => p.clone(),
-                    None => HostPool::new(host_bytes),
+                let arena =
+                    (self.arena.clone()).unwrap_or_else(|| HostArena::new(arena_bytes, slot_bytes));
+                let source = self.pd.as_ref().and_then(|p| p.source.clone());
+                let engine: Box<dyn TransferEngine> = match source {
+                    Some(s) => Box::new(RemoteEngine::spawn(self.rank, &arena, s, done_tx, wake)),
+                    None => {
+                        let pool = match &self.host_pool {
+                            Some(p) => p.clone(),
+                            None => HostPool::new(host_bytes),
+                        };
+                        let e = HostEngine::spawn(self.rank, &arena, pool, done_tx, wake);
+                        Box::new(e.map_err(failed)?)
+                    }
                 };
-                let engine =
-                    HostEngine::spawn(self.rank, &arena, pool, done_tx, wake).map_err(failed)?;
-                (Box::new(arena), Box::new(engine))
+                (Box::new(arena), engine)
             }
         };
         Ok(self.build_on(arena, wrap(engine), done_rx))
@@ -231,11 +264,14 @@ impl RankSetup {
         engine: Box<dyn TransferEngine>,
         done_rx: mpsc::Receiver<CopyDone>,
     ) -> RankTask {
-        let worker = OffloadingWorker::new(OffloadingWorkerConfig {
-            blocks_per_chunk: self.blocks_per_chunk,
-            is_store_writer: true,
-            bytes_per_block: self.gpu.block_bytes() * u64::from(self.gpu.layers()),
-            mode: self.mode,
+        let worker = EitherWorker::new(match &self.pd {
+            None => Either::Left(OffloadingWorker::new(OffloadingWorkerConfig {
+                blocks_per_chunk: self.blocks_per_chunk,
+                is_store_writer: true,
+                bytes_per_block: self.gpu.block_bytes() * u64::from(self.gpu.layers()),
+                mode: self.mode,
+            })),
+            Some(pd) => Either::Right(PdWorker::new(pd.failures_as_blocks)),
         });
         let rc = RankConfig {
             layers: self.gpu.layers(),
@@ -274,7 +310,7 @@ struct SlotName {
 
 pub struct RankTask {
     rank: u32,
-    driver: RankDriver<OffloadingWorker>,
+    driver: RankDriver<EngineWorker>,
     shape: RankShape,
     slot_bytes: usize,
     arena: Box<dyn KvArena>,
@@ -327,7 +363,7 @@ impl RankTask {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         rank: u32,
-        driver: RankDriver<OffloadingWorker>,
+        driver: RankDriver<EngineWorker>,
         shape: RankShape,
         arena: Box<dyn KvArena>,
         engine: Box<dyn TransferEngine>,
@@ -571,11 +607,15 @@ impl RankTask {
     }
 
     fn start(&mut self, t: Transfer) -> Result<(), RunError> {
-        let runs =
-            copy_plan(&t, &self.shape.gpu, &self.shape.host).map_err(|error| RunError::Plan {
-                rank: self.rank,
-                error,
-            })?;
+        let planned = if t.external.first().is_some_and(|&s| is_remote_slot(s)) {
+            remote_plan(&t, &self.shape.gpu).map(|(runs, r)| (runs, Some(r)))
+        } else {
+            copy_plan(&t, &self.shape.gpu, &self.shape.host).map(|runs| (runs, None))
+        };
+        let (runs, remote) = planned.map_err(|error| RunError::Plan {
+            rank: self.rank,
+            error,
+        })?;
         let bs = self.shape.block_size as usize;
         if self.stats.timeline.is_on() {
             self.transfer_started.insert(t.job, now_us());
@@ -612,6 +652,7 @@ impl RankTask {
                 job: t.job,
                 direction: t.direction,
                 runs,
+                remote,
             })
             .map_err(|error| RunError::Transfer {
                 rank: self.rank,
@@ -729,8 +770,13 @@ impl RankTask {
         whose.clear();
         let mut checked = 0u64;
         for ((&b, &slot), &group) in t.gpu_blocks.iter().zip(&t.external).zip(&t.groups) {
-            let (g, h) = (b.0 as usize * bs, slot as usize * bs);
-            self.gpu_shadow[g..g + bs].copy_from_slice(&self.host_shadow[h..h + bs]);
+            let g = b.0 as usize * bs;
+            if let Some((_, index)) = remote_slot_parts(slot) {
+                self.shadow_from_book(t.request, index, g);
+            } else {
+                let h = slot as usize * bs;
+                self.gpu_shadow[g..g + bs].copy_from_slice(&self.host_shadow[h..h + bs]);
+            }
             let before = slots.len();
             for layer in self.shape.gpu.layers_of(group) {
                 let salt = salt(layer, group, self.rank);
@@ -758,6 +804,23 @@ impl RankTask {
         named?;
         self.stats.loaded_blocks_verified += checked;
         Ok(())
+    }
+
+    /// What block `index` of `request` must hold after a P/D load, from the request's own
+    /// tokens (the prefill engine computed the same prompt): the prefix hash of each of its
+    /// token slots up to the tokens known (the prompt), unwritten past them.
+    fn shadow_from_book(&mut self, request: RequestId, index: u32, at: usize) {
+        let bs = self.shape.block_size as usize;
+        let shadow = &mut self.gpu_shadow[at..at + bs];
+        shadow.fill(UNWRITTEN);
+        let first = index.saturating_mul(bs as u32);
+        let last = (first + bs as u32).min(self.book.known(request));
+        if let Some(p) = (first < last)
+            .then(|| self.book.prefixes(request, first..last))
+            .flatten()
+        {
+            shadow[..p.len()].copy_from_slice(p);
+        }
     }
 
     /// `Ok` when no slot mismatched; else the error naming the slot (`name(i)` of the first
@@ -949,4 +1012,52 @@ fn prefixes<'b>(
             request,
             position: book.known(request).max(positions.start),
         })
+}
+
+/// A P/D load's copies: every block's layers, in the order the prefill engine's KV server
+/// sends them (per block, its group's layers in order), into the rank's arena; and what to
+/// read (each block's index from its [`remote_slot`](kvrelay_core::pd::remote_slot), and its
+/// group).
+fn remote_plan(t: &Transfer, gpu: &KvLayout) -> Result<(Vec<CopyRun>, RemoteRead), PlanError> {
+    let job = t.job.0;
+    let n = t.gpu_blocks.len();
+    if t.groups.len() != n || t.external.len() != n {
+        return Err(PlanError::Shape {
+            job,
+            blocks: n,
+            groups: t.groups.len(),
+            external: t.external.len(),
+        });
+    }
+    let len = gpu.block_bytes();
+    let (mut runs, mut blocks, mut at) = (Vec::new(), Vec::with_capacity(n), 0u64);
+    let request = t
+        .external
+        .first()
+        .and_then(|&s| remote_slot_parts(s))
+        .map(|p| p.0);
+    for ((&block, &slot), &group) in t.gpu_blocks.iter().zip(&t.external).zip(&t.groups) {
+        let out_of_range = PlanError::OutOfRange { job, block, slot };
+        let Some((_, index)) = remote_slot_parts(slot).filter(|p| Some(p.0) == request) else {
+            return Err(out_of_range);
+        };
+        if gpu.layers_of(group).next().is_none() {
+            return Err(PlanError::UnknownGroup { job, group });
+        }
+        for layer in gpu.layers_of(group) {
+            let g = gpu.offset(layer, block.0).ok_or(out_of_range.clone())?;
+            runs.push(CopyRun {
+                gpu: g,
+                host: at,
+                len,
+            });
+            at += len;
+        }
+        blocks.push((index, group));
+    }
+    let read = RemoteRead {
+        request: request.unwrap_or(RequestId(0)),
+        blocks,
+    };
+    Ok((runs, read))
 }

@@ -22,10 +22,10 @@ pub struct Latency {
 
 /// What the report shows of [`Latency`], in virtual ms.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct LatencyFigures {
-    pub(crate) ttft_ms_median: f64,
-    pub(crate) ttft_ms_p99: f64,
-    pub(crate) tpot_ms_median: f64,
+pub struct LatencyFigures {
+    pub ttft_ms_median: f64,
+    pub ttft_ms_p99: f64,
+    pub tpot_ms_median: f64,
 }
 
 impl Latency {
@@ -60,7 +60,7 @@ impl Latency {
 
     /// Time to first token over the requests that produced one (median, p99), and the median
     /// over requests of the time per output token after the first (those with two or more).
-    pub(crate) fn figures(&self) -> LatencyFigures {
+    pub fn figures(&self) -> LatencyFigures {
         let mut ttft: Vec<f64> = Vec::with_capacity(self.arrival_ms.len());
         let mut tpot: Vec<f64> = Vec::with_capacity(self.arrival_ms.len());
         for (i, &arrival) in self.arrival_ms.iter().enumerate() {

@@ -18,7 +18,7 @@ use crate::metrics::{Metrics, Total};
 use crate::rank::RankStats;
 use crate::workload::TraceRecord;
 
-pub use self::latency::Latency;
+pub use self::latency::{Latency, LatencyFigures};
 pub use self::text::bytes;
 
 /// What a run did. Every figure is counted by the run itself; none is estimated.

@@ -87,6 +87,13 @@ impl PartialEq for HostPool {
     }
 }
 
+/// The same arena (shared), not the same bytes.
+impl PartialEq for HostArena {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.bytes, &other.bytes)
+    }
+}
+
 impl KvArena for HostArena {
     fn fill(&mut self, slots: &[Slot]) -> Result<(), TransferError> {
         let mut arena = self.bytes.write().unwrap_or_else(|p| p.into_inner());

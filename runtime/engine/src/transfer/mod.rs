@@ -71,6 +71,16 @@ pub struct CopyJob {
     pub job: JobId,
     pub direction: TransferDirection,
     pub runs: Vec<CopyRun>,
+    /// A P/D load's source ([`crate::pd`]): its runs' `host` offsets are into the bytes read
+    /// from the prefill engine, not into the CPU pool. `None`: a transfer with the CPU pool.
+    pub remote: Option<RemoteRead>,
+}
+
+/// What a P/D load reads from the prefill engine: blocks `(index, group)` of its request.
+#[derive(Clone, Debug, Eq, PartialEq)]
+pub struct RemoteRead {
+    pub request: kvrelay_core::RequestId,
+    pub blocks: Vec<(u32, u32)>,
 }
 
 /// One transfer performed.

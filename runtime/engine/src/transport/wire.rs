@@ -16,9 +16,9 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use kvrelay_core::{
-    OffloadingConnectorMeta, RequestId, ScheduledStep, StepId, Token, WorkerOutput,
-};
+use kvrelay_core::{RequestId, ScheduledStep, StepId, Token, WorkerOutput};
+
+use crate::connector::EngineMeta;
 
 use crate::rank::{RankDelta, RankSetup, RankStats};
 
@@ -32,7 +32,7 @@ pub enum Down {
     /// One engine step.
     Step {
         /// The step (its id inside), for every rank.
-        step: ScheduledStep<OffloadingConnectorMeta>,
+        step: ScheduledStep<EngineMeta>,
         /// Tokens appended since the previous step.
         tokens: Vec<(RequestId, Vec<Token>)>,
         /// Requests released.
@@ -158,6 +158,8 @@ mod tests {
             timeline: false,
             completions: crate::rank::Completions::AfterSteps(2),
             host_pool: None,
+            pd: None,
+            arena: None,
         }
     }
 
@@ -166,7 +168,7 @@ mod tests {
     #[test]
     fn golden_bytes() {
         let hello = encode(&Up::Hello { rank: 3 });
-        assert_eq!(hello, [6, 0, 0, 0, 4, 0, 0, 0, 0, 3]);
+        assert_eq!(hello, [6, 0, 0, 0, 5, 0, 0, 0, 0, 3]);
         let out = encode(&Up::Output {
             step: StepId(5),
             output: WorkerOutput {
@@ -182,7 +184,7 @@ mod tests {
         assert_eq!(
             out,
             [
-                42, 0, 0, 0, 4, 0, 0, 0, 1, 5, 1, 1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0,
+                42, 0, 0, 0, 5, 0, 0, 0, 1, 5, 1, 1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0,
                 // The delta (a RankStats): four counts, two times (seconds, nanoseconds),
                 // copies 2, five counts, then the empty loaded tokens, hook samples, checks
                 // and timeline.
@@ -196,12 +198,12 @@ mod tests {
                     step: StepId(7),
                     ..SchedulerOutput::default()
                 },
-                meta: OffloadingConnectorMeta::default(),
+                meta: EngineMeta::default(),
             },
             tokens: vec![(RequestId(1), vec![300])],
             forget: vec![RequestId(4)],
         });
-        assert_eq!(&step[..9], [step.len() as u8 - 4, 0, 0, 0, 4, 0, 0, 0, 1]);
+        assert_eq!(&step[..9], [step.len() as u8 - 4, 0, 0, 0, 5, 0, 0, 0, 1]);
         let back: Down = decode_body(&step[4..]).unwrap();
         assert!(
             matches!(back, Down::Step { ref tokens, .. } if tokens == &vec![(RequestId(1), vec![300])])
