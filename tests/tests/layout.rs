@@ -505,7 +505,7 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("core/src/offloading/manager/arc.rs", "evict", 127),
     ("runtime/cli/src/check/config.rs", "system", 124),
     ("core/src/scheduler/schedule.rs", "admit", 123),
-    ("runtime/engine/src/engine.rs", "step", 122),
+    ("runtime/engine/src/engine/mod.rs", "step", 122),
     (
         "core/src/offloading/connector.rs",
         "update_state_after_alloc",

@@ -5,7 +5,7 @@
 //! `worker`, `kvrelay-sim`, `kvrelay-conformance` for `conformance` and `bench`,
 //! `kvrelay-model-check` for `check`); this crate parses the command line and prints. Each
 //! subcommand's flags and printing are a module of their own: [`run`], [`sim`], [`check`],
-//! [`bench`](mod@bench), [`sweep`] (its chart: [`plot`]).
+//! [`bench`](mod@bench), [`sweep`] (its chart: [`plot`]), [`route`], [`pd`].
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,6 +15,7 @@ use kvrelay_conformance as conformance;
 
 mod bench;
 mod check;
+mod pd;
 mod plot;
 mod route;
 mod run;
@@ -101,6 +102,14 @@ enum Command {
     /// machines).
     #[command(after_long_help = route::HELP)]
     Route(Box<route::RouteArgs>),
+    /// Prefill/decode disaggregation: a prefill and a decode engine process with the P/D
+    /// connector, a router between them, every handed-off block verified; a report per engine
+    /// and end to end (--json for machines).
+    #[command(after_long_help = pd::HELP)]
+    Pd(Box<pd::PdArgs>),
+    /// One P/D engine as a process of its own: started by `kvrelay pd`, not by hand.
+    #[command(hide = true)]
+    PdEngine,
 }
 
 fn main() -> ExitCode {
@@ -125,6 +134,14 @@ fn main() -> ExitCode {
         Command::Route(args) => {
             init_tracing();
             route::run(&args)
+        }
+        Command::Pd(args) => {
+            init_tracing();
+            pd::run(&args)
+        }
+        Command::PdEngine => {
+            init_tracing();
+            kvrelay_engine::pd::engine_main()
         }
     }
 }

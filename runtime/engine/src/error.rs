@@ -200,6 +200,14 @@ pub enum RunError {
         /// The engine's `max_model_len`.
         max_model_len: u32,
     },
+    /// A P/D engine process failed, or its link did (`kvrelay pd`).
+    #[error("{engine} engine process: {why}")]
+    EngineProcess {
+        /// Which engine (`prefill`, `decode`).
+        engine: String,
+        /// What happened.
+        why: String,
+    },
     /// A request whose `kv_transfer_params` do not read as P/D params (refused at submit,
     /// never treated as absent).
     #[error("request {request:?} refused: {error}")]

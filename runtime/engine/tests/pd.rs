@@ -75,13 +75,21 @@ async fn a_workload_runs_through_prefill_then_decode_with_every_block_verified()
     let c = config(PdRole::Prefill, Mode::Compat, None);
     let (routed, p, d) = run_pair(c, None, 5_000, |e| Box::new(e)).await;
     let routed = routed.unwrap();
-    assert_eq!(routed.finished, routed.requests, "{routed:?}");
-    assert!(routed.handed_off > routed.requests / 2, "{routed:?}");
-    assert_eq!(routed.acks_sent, routed.handed_off);
-    assert_eq!(p.pd.acks, routed.handed_off, "{p:?}");
+    assert_eq!(
+        routed.counts.finished, routed.counts.requests,
+        "{:?}",
+        routed.counts
+    );
+    assert!(
+        routed.counts.handed_off > routed.counts.requests / 2,
+        "{:?}",
+        routed.counts
+    );
+    assert_eq!(routed.counts.acks_sent, routed.counts.handed_off);
+    assert_eq!(p.pd.acks, routed.counts.handed_off, "{p:?}");
     assert_eq!(p.leaks, Vec::<String>::new());
     assert_eq!(d.leaks, Vec::<String>::new());
-    assert_eq!(d.pd.remote_loads, routed.handed_off);
+    assert_eq!(d.pd.remote_loads, routed.counts.handed_off);
     assert!(p.served_blocks > 0);
     assert_eq!(d.blocks_loaded, p.served_blocks, "{d:?} {p:?}");
     assert_eq!(d.bytes_loaded, p.served_bytes);
@@ -101,7 +109,7 @@ async fn a_source_that_is_gone_costs_recomputation_not_requests() {
     let c = config(PdRole::Prefill, Mode::Compat, None);
     let (routed, p, d) = run_pair(c, Some(addr), 5_000, |e| Box::new(e)).await;
     let routed = routed.unwrap();
-    assert_eq!(routed.finished, routed.requests);
+    assert_eq!(routed.counts.finished, routed.counts.requests);
     assert!(d.failed_loads > 0 && d.blocks_loaded == 0, "{d:?}");
     assert_eq!(d.leaks, Vec::<String>::new());
     assert_eq!(p.leaks, Vec::<String>::new());
@@ -124,7 +132,7 @@ async fn a_silent_source_fails_each_load_at_its_deadline() {
     let (routed, _, d) = run_pair(c, Some(addr), 50, |e| Box::new(e)).await;
     hold.abort();
     let routed = routed.unwrap();
-    assert_eq!(routed.finished, routed.requests);
+    assert_eq!(routed.counts.finished, routed.counts.requests);
     assert!(d.failed_loads > 0 && d.blocks_loaded == 0, "{d:?}");
     assert_eq!(d.leaks, Vec::<String>::new());
 }
@@ -152,9 +160,9 @@ async fn a_silent_decode_side_stalls_the_prefill_engine_in_compat_and_not_in_str
     let c = config(PdRole::Prefill, Mode::Strict, Some(4));
     let (routed, p, _) = run_pair(c, None, 5_000, |e| Box::new(Deaf(e))).await;
     let routed = routed.unwrap();
-    assert_eq!(routed.finished, routed.requests);
+    assert_eq!(routed.counts.finished, routed.counts.requests);
     assert_eq!(p.pd.acks, 0);
-    assert_eq!(p.pd.leases_expired, routed.handed_off, "{p:?}");
+    assert_eq!(p.pd.leases_expired, routed.counts.handed_off, "{p:?}");
     assert_eq!(p.leaks, Vec::<String>::new());
 }
 

@@ -11,7 +11,8 @@
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use kvrelay_core::{CopyRun, TransferDirection};
+use kvrelay_core::pd::remote_slot_parts;
+use kvrelay_core::{CopyRun, KvLayout, PlanError, RequestId, Transfer, TransferDirection};
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, mpsc};
 
@@ -184,4 +185,52 @@ fn write_runs(arena: &RwLock<Vec<u8>>, runs: &[CopyRun], bytes: &[u8]) -> Result
         dst.copy_from_slice(&bytes[h..h + n]);
     }
     Ok(())
+}
+
+/// A P/D load's copies: every block's layers, in the order the prefill engine's KV server
+/// sends them (per block, its group's layers in order), into the rank's arena; and what to
+/// read (each block's index from its [`remote_slot`](kvrelay_core::pd::remote_slot), and its
+/// group).
+pub(crate) fn plan(t: &Transfer, gpu: &KvLayout) -> Result<(Vec<CopyRun>, RemoteRead), PlanError> {
+    let job = t.job.0;
+    let n = t.gpu_blocks.len();
+    if t.groups.len() != n || t.external.len() != n {
+        return Err(PlanError::Shape {
+            job,
+            blocks: n,
+            groups: t.groups.len(),
+            external: t.external.len(),
+        });
+    }
+    let len = gpu.block_bytes();
+    let (mut runs, mut blocks, mut at) = (Vec::new(), Vec::with_capacity(n), 0u64);
+    let request = t
+        .external
+        .first()
+        .and_then(|&s| remote_slot_parts(s))
+        .map(|p| p.0);
+    for ((&block, &slot), &group) in t.gpu_blocks.iter().zip(&t.external).zip(&t.groups) {
+        let out_of_range = PlanError::OutOfRange { job, block, slot };
+        let Some((_, index)) = remote_slot_parts(slot).filter(|p| Some(p.0) == request) else {
+            return Err(out_of_range);
+        };
+        if gpu.layers_of(group).next().is_none() {
+            return Err(PlanError::UnknownGroup { job, group });
+        }
+        for layer in gpu.layers_of(group) {
+            let g = gpu.offset(layer, block.0).ok_or(out_of_range.clone())?;
+            runs.push(CopyRun {
+                gpu: g,
+                host: at,
+                len,
+            });
+            at += len;
+        }
+        blocks.push((index, group));
+    }
+    let read = RemoteRead {
+        request: request.unwrap_or(RequestId(0)),
+        blocks,
+    };
+    Ok((runs, read))
 }

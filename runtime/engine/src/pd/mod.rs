@@ -22,10 +22,15 @@
 //! `kvrelay pd`.
 
 pub mod fetch;
+pub mod process;
 pub mod route;
+mod run;
 mod serve;
 
-pub use self::route::{EngineSummary, PdLink, Routed, Submit, Tick, Ticked, route};
+pub use self::process::{EngineProcess, engine_main};
+pub use self::route::{EngineSummary, PdLink, RouteCounts, Routed, Submit, Tick, Ticked, route};
+pub use self::run::{PdReport, pair_configs, run_processes};
+pub(crate) use self::serve::sync_held;
 pub use self::serve::{HeldTable, KvServer, ServeCounts};
 
 use kvrelay_core::{BlockId, PdConfig, RequestId};

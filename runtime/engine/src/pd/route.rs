@@ -28,6 +28,9 @@ pub struct Tick {
     pub submit: Vec<Submit>,
     /// Prefill: requests the decode side is done reading.
     pub acks: Vec<RequestId>,
+    /// Requests to abort (after the submissions: a request submitted and aborted in one tick
+    /// is aborted as it waits for its KV).
+    pub aborts: Vec<RequestId>,
 }
 
 /// A request for an engine.
@@ -42,6 +45,7 @@ pub struct Submit {
 /// What an engine did in one tick.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Ticked {
+    /// The step's outputs, then a finish (`Aborted`) per request the tick aborted.
     pub outputs: Vec<RequestOutput>,
     /// Requests refused at submit, with why.
     pub refused: Vec<(RequestId, String)>,
@@ -97,11 +101,23 @@ impl PdLink for Engine {
         for r in tick.acks {
             self.acknowledge(r);
         }
+        let mut aborted = Vec::new();
+        for r in tick.aborts {
+            if self.abort(r)? {
+                aborted.push(RequestOutput {
+                    id: r,
+                    new_tokens: Vec::new(),
+                    finish: Some(FinishReason::Aborted),
+                    kv_transfer_params: None,
+                });
+            }
+        }
         if self.has_work() {
             let o = self.step().await?;
             out.stuck = if o.idle { self.stuck() } else { None };
             out.outputs = o.outputs;
         }
+        out.outputs.extend(aborted);
         out.busy = self.has_work() && !self.awaiting_acks_only();
         Ok(out)
     }
@@ -140,6 +156,14 @@ impl PdLink for Engine {
 /// What a routed run did, end to end.
 #[derive(Clone, Debug, Default)]
 pub struct Routed {
+    pub counts: RouteCounts,
+    /// On the virtual clock, from each request's arrival.
+    pub latency: Latency,
+}
+
+/// The router's counts.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct RouteCounts {
     pub requests: u64,
     pub finished: u64,
     pub refused: u64,
@@ -148,8 +172,6 @@ pub struct Routed {
     pub handed_off: u64,
     pub acks_sent: u64,
     pub ticks: u64,
-    /// On the virtual clock, from each request's arrival.
-    pub latency: Latency,
 }
 
 /// A request between its arrival and its finish on the decode engine.
@@ -194,26 +216,36 @@ pub async fn route<P: PdLink, D: PdLink>(
         acks: Vec::new(),
         stuck: [0; 2],
         routed: Routed {
-            requests: records.len() as u64,
+            counts: RouteCounts {
+                requests: records.len() as u64,
+                ..RouteCounts::default()
+            },
             latency: Latency::new(records),
-            ..Routed::default()
         },
     };
     loop {
         let submit = r.arrivals();
         let acks = std::mem::take(&mut r.acks);
-        let p = prefill.tick(Tick { submit, acks }).await?;
+        let p = (prefill.tick(Tick {
+            submit,
+            acks,
+            ..Tick::default()
+        }))
+        .await?;
         r.heard_prefill(&p)?;
         let submit = std::mem::take(&mut r.to_decode);
         let d = decode
             .tick(Tick {
                 submit,
-                acks: Vec::new(),
+                ..Tick::default()
             })
             .await?;
         r.heard_decode(&d)?;
-        r.routed.ticks += 1;
-        progress(r.routed.finished + r.routed.refused, r.routed.requests);
+        r.routed.counts.ticks += 1;
+        progress(
+            r.routed.counts.finished + r.routed.counts.refused,
+            r.routed.counts.requests,
+        );
         if r.done() && !p.busy && !d.busy && r.acks.is_empty() {
             return Ok(r.routed);
         }
@@ -264,12 +296,12 @@ impl Router<'_> {
             if o.finish != Some(FinishReason::LengthCapped) {
                 // Aborted or failed on the prefill engine: the client sees it end there.
                 self.flight.remove(&o.id);
-                self.routed.finished += 1;
+                self.routed.counts.finished += 1;
                 continue;
             }
             let params = o.kv_transfer_params.clone();
             f.unacked = params.is_some();
-            self.routed.handed_off += u64::from(params.is_some());
+            self.routed.counts.handed_off += u64::from(params.is_some());
             self.to_decode.push(Submit {
                 id: o.id,
                 prompt: std::mem::take(&mut f.prompt),
@@ -292,11 +324,11 @@ impl Router<'_> {
             if f.unacked && (!o.new_tokens.is_empty() || o.finish.is_some()) {
                 f.unacked = false;
                 self.acks.push(o.id);
-                self.routed.acks_sent += 1;
+                self.routed.counts.acks_sent += 1;
             }
             if o.finish.is_some() {
                 self.flight.remove(&o.id);
-                self.routed.finished += 1;
+                self.routed.counts.finished += 1;
             }
         }
         Ok(())
@@ -306,7 +338,7 @@ impl Router<'_> {
         for (id, why) in refused {
             tracing::warn!(request = id.0, why, "P/D: request refused");
             if self.flight.remove(id).is_some() {
-                self.routed.refused += 1;
+                self.routed.counts.refused += 1;
             }
         }
     }

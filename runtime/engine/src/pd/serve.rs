@@ -166,3 +166,21 @@ fn answer(shared: &Shared, read: &KvRead) -> KvReply {
     }
     KvReply::Blocks(out)
 }
+
+/// P/D prefill: the KV server's table follows the connector's held requests. Called after
+/// every schedule (which builds releases) and apply (which holds finished requests), so a
+/// released request leaves the table before the scheduler can free its blocks.
+pub(crate) fn sync_held(
+    server: Option<&KvServer>,
+    held: &HeldTable,
+    s: &kvrelay_core::Scheduler<crate::connector::EngineConnector>,
+) {
+    let (Some(_), Some(pd)) = (server, s.connector().right()) else {
+        return;
+    };
+    let mut t = held.write().unwrap_or_else(|p| p.into_inner());
+    t.retain(|r, _| pd.held_blocks(*r).is_some());
+    for (r, blocks) in pd.held() {
+        t.entry(r).or_insert_with(|| blocks.to_vec());
+    }
+}

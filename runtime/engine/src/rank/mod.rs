@@ -22,9 +22,11 @@
 //! reports.
 
 mod delta;
+mod setup;
 mod watch;
 
 pub use self::delta::RankDelta;
+pub use self::setup::{Completions, RankPd, RankSetup, RankShape};
 pub use self::watch::{Hazard, Watch};
 
 use std::collections::{BTreeMap, VecDeque};
@@ -35,26 +37,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvrelay_core::{
-    BlockAccess, BlockId, CopyRun, Either, EitherWorker, GroupKind, JobId, KvLayout, Mode,
-    OffloadingWorker, OffloadingWorkerConfig, PdWorker, RankAction, RankConfig, RankDriver,
-    RequestId, ScheduledStep, StepId, Token, Transfer, TransferDirection, TransferDone, WorkerCall,
-    WorkerOutput, copy_plan, tables_reset,
+    BlockAccess, BlockId, JobId, RankAction, RankDriver, RequestId, ScheduledStep, StepId, Token,
+    Transfer, TransferDirection, TransferDone, WorkerCall, WorkerOutput, copy_plan, tables_reset,
 };
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::mpsc;
 
 use crate::RunError;
 use crate::connector::{EngineMeta, EngineWorker};
 use crate::content::{POISON, TokenBook, UNWRITTEN, salt, salted};
-use crate::pd::fetch::RemoteEngine;
 use crate::report::perfetto::{Recorder, now_us};
 use crate::report::samples::Samples;
-use crate::transfer::cuda::{CudaArena, CudaEngine, Device};
-use crate::transfer::host::{HostArena, HostEngine, HostPool};
-use crate::transfer::{
-    Backend, COPY_QUEUE_BOUND, CopyDone, CopyJob, KvArena, RemoteRead, Slot, TransferEngine,
-    TransferError,
-};
-use kvrelay_core::PlanError;
+use crate::transfer::{CopyDone, CopyJob, KvArena, Slot, TransferEngine, TransferError};
 use kvrelay_core::pd::{is_remote_slot, remote_slot_parts};
 
 /// What the engine sends a rank.
@@ -121,182 +114,6 @@ pub struct RankStats {
     pub invariant_checks: u64,
     /// Steps and transfers, for the timeline (`--timeline`).
     pub timeline: Recorder,
-}
-
-/// The rank's fixed shape.
-#[derive(Clone, Debug)]
-pub struct RankShape {
-    pub gpu: KvLayout,
-    pub host: KvLayout,
-    pub block_size: u32,
-    pub blocks_per_chunk: u32,
-}
-
-/// Everything a rank is built from: the same for an in-process rank and a worker process
-/// (which receives it in its first frame).
-#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct RankSetup {
-    pub rank: u32,
-    /// `host` or `cuda` (resolved by the engine, never `auto`).
-    pub backend: Backend,
-    pub gpu: KvLayout,
-    pub host: KvLayout,
-    pub block_size: u32,
-    pub blocks_per_chunk: u32,
-    pub groups: Vec<GroupKind>,
-    /// The offloading worker's mode: what a failed transfer does (the engine's mode).
-    pub mode: Mode,
-    pub check: bool,
-    /// Record steps and transfers for the timeline (`--timeline`).
-    pub timeline: bool,
-    /// When the driver hears of a completed transfer.
-    pub completions: Completions,
-    /// The CPU pool, when the engine shares it (a shared tier reads and writes it; host backend,
-    /// in-process ranks only). `None`: the rank allocates its own.
-    #[serde(skip)]
-    pub host_pool: Option<HostPool>,
-    /// The rank's part in P/D (`None`: the offloading connector's worker).
-    pub pd: Option<RankPd>,
-    /// The "GPU" arena, when the engine shares it (a prefill engine's KV server reads held
-    /// blocks from it; host backend, in-process ranks only). `None`: the rank allocates its own.
-    #[serde(skip)]
-    pub arena: Option<HostArena>,
-}
-
-/// A rank's part in prefill/decode disaggregation ([`crate::pd`]).
-#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct RankPd {
-    /// Failed loads as invalid blocks (`true`) or request-level `failed_recving`.
-    pub failures_as_blocks: bool,
-    /// A decode engine's: where its loads read (the prefill engine's KV server), and how long
-    /// one read may take before it is a failed load.
-    pub source: Option<crate::pd::Source>,
-}
-
-/// When a rank's driver hears that a transfer completed.
-#[derive(Clone, Copy, Debug, Eq, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Completions {
-    /// At the `Collect` of the step `n` steps after the one that started it (or sooner, when a
-    /// step waits for it), whenever its copies really finished: every run of a workload then
-    /// takes the same steps, whatever the machine's speed. 0: the step that started it.
-    AfterSteps(u32),
-    /// As soon as its copies finish (fed at the next `Collect` or wait): what a real engine
-    /// sees; the simulation's order.
-    AsArrived,
-}
-
-impl Default for Completions {
-    fn default() -> Self {
-        Self::AfterSteps(1)
-    }
-}
-
-impl RankSetup {
-    /// The rank task with its arena and transfer engine; `wake` is notified after every
-    /// completed transfer.
-    pub fn build(&self, wake: Arc<Notify>) -> Result<RankTask, RunError> {
-        self.build_with(wake, std::convert::identity)
-    }
-
-    /// [`RankSetup::build`] with the backend's transfer engine passed through `wrap` first: the
-    /// transfer-engine seam, where a test or a simulation puts an engine of its own around the
-    /// backend's (to delay, fail or corrupt transfers).
-    pub fn build_with(
-        &self,
-        wake: Arc<Notify>,
-        wrap: impl FnOnce(Box<dyn TransferEngine>) -> Box<dyn TransferEngine>,
-    ) -> Result<RankTask, RunError> {
-        let failed = |error: TransferError| RunError::Transfer {
-            rank: self.rank,
-            error,
-        };
-        let (arena_bytes, host_bytes) = (
-            self.gpu.total_bytes() as usize,
-            self.host.total_bytes() as usize,
-        );
-        let slot_bytes = (self.gpu.block_bytes() / u64::from(self.block_size)) as usize;
-        let (done_tx, done_rx) = mpsc::channel(COPY_QUEUE_BOUND);
-        let (arena, engine): (Box<dyn KvArena>, Box<dyn TransferEngine>) = match self.backend {
-            Backend::Cuda if self.host_pool.is_some() => {
-                return Err(RunError::Config(
-                    "a shared CPU pool (the shared tier) needs the host backend".into(),
-                ));
-            }
-            Backend::Cuda if self.pd.is_some() => {
-                return Err(RunError::Config(
-                    "P/D (kvrelay pd) needs the host backend for now".into(),
-                ));
-            }
-            Backend::Cuda => {
-                let dev = Device::open(arena_bytes).map_err(failed)?;
-                let engine = CudaEngine::spawn(self.rank, dev.clone(), host_bytes, done_tx, wake)
-                    .map_err(failed)?;
-                let arena = CudaArena::new(dev, slot_bytes).map_err(failed)?;
-                (Box::new(arena), Box::new(engine))
-            }
-            Backend::Host | Backend::Auto => {
-                let arena =
-                    (self.arena.clone()).unwrap_or_else(|| HostArena::new(arena_bytes, slot_bytes));
-                let source = self.pd.as_ref().and_then(|p| p.source.clone());
-                let engine: Box<dyn TransferEngine> = match source {
-                    Some(s) => Box::new(RemoteEngine::spawn(self.rank, &arena, s, done_tx, wake)),
-                    None => {
-                        let pool = match &self.host_pool {
-                            Some(p) => p.clone(),
-                            None => HostPool::new(host_bytes),
-                        };
-                        let e = HostEngine::spawn(self.rank, &arena, pool, done_tx, wake);
-                        Box::new(e.map_err(failed)?)
-                    }
-                };
-                (Box::new(arena), engine)
-            }
-        };
-        Ok(self.build_on(arena, wrap(engine), done_rx))
-    }
-
-    /// The rank task over a given arena and transfer engine whose completions arrive on `done`
-    /// (the simulation's engine; [`RankSetup::build`] makes the backend's).
-    pub fn build_on(
-        &self,
-        arena: Box<dyn KvArena>,
-        engine: Box<dyn TransferEngine>,
-        done_rx: mpsc::Receiver<CopyDone>,
-    ) -> RankTask {
-        let worker = EitherWorker::new(match &self.pd {
-            None => Either::Left(OffloadingWorker::new(OffloadingWorkerConfig {
-                blocks_per_chunk: self.blocks_per_chunk,
-                is_store_writer: true,
-                bytes_per_block: self.gpu.block_bytes() * u64::from(self.gpu.layers()),
-                mode: self.mode,
-            })),
-            Some(pd) => Either::Right(PdWorker::new(pd.failures_as_blocks)),
-        });
-        let rc = RankConfig {
-            layers: self.gpu.layers(),
-            block_size: self.block_size,
-            groups: self.groups.clone(),
-        };
-        let shape = RankShape {
-            gpu: self.gpu.clone(),
-            host: self.host.clone(),
-            block_size: self.block_size,
-            blocks_per_chunk: self.blocks_per_chunk,
-        };
-        let mut task = RankTask::new(
-            self.rank,
-            RankDriver::new(rc, worker),
-            shape,
-            arena,
-            engine,
-            done_rx,
-            self.check,
-        );
-        task.stats.timeline = Recorder::new(self.timeline);
-        task.completions = self.completions;
-        task
-    }
 }
 
 /// A checked slot, as an error names it.
@@ -608,7 +425,7 @@ impl RankTask {
 
     fn start(&mut self, t: Transfer) -> Result<(), RunError> {
         let planned = if t.external.first().is_some_and(|&s| is_remote_slot(s)) {
-            remote_plan(&t, &self.shape.gpu).map(|(runs, r)| (runs, Some(r)))
+            crate::pd::fetch::plan(&t, &self.shape.gpu).map(|(runs, r)| (runs, Some(r)))
         } else {
             copy_plan(&t, &self.shape.gpu, &self.shape.host).map(|runs| (runs, None))
         };
@@ -1012,52 +829,4 @@ fn prefixes<'b>(
             request,
             position: book.known(request).max(positions.start),
         })
-}
-
-/// A P/D load's copies: every block's layers, in the order the prefill engine's KV server
-/// sends them (per block, its group's layers in order), into the rank's arena; and what to
-/// read (each block's index from its [`remote_slot`](kvrelay_core::pd::remote_slot), and its
-/// group).
-fn remote_plan(t: &Transfer, gpu: &KvLayout) -> Result<(Vec<CopyRun>, RemoteRead), PlanError> {
-    let job = t.job.0;
-    let n = t.gpu_blocks.len();
-    if t.groups.len() != n || t.external.len() != n {
-        return Err(PlanError::Shape {
-            job,
-            blocks: n,
-            groups: t.groups.len(),
-            external: t.external.len(),
-        });
-    }
-    let len = gpu.block_bytes();
-    let (mut runs, mut blocks, mut at) = (Vec::new(), Vec::with_capacity(n), 0u64);
-    let request = t
-        .external
-        .first()
-        .and_then(|&s| remote_slot_parts(s))
-        .map(|p| p.0);
-    for ((&block, &slot), &group) in t.gpu_blocks.iter().zip(&t.external).zip(&t.groups) {
-        let out_of_range = PlanError::OutOfRange { job, block, slot };
-        let Some((_, index)) = remote_slot_parts(slot).filter(|p| Some(p.0) == request) else {
-            return Err(out_of_range);
-        };
-        if gpu.layers_of(group).next().is_none() {
-            return Err(PlanError::UnknownGroup { job, group });
-        }
-        for layer in gpu.layers_of(group) {
-            let g = gpu.offset(layer, block.0).ok_or(out_of_range.clone())?;
-            runs.push(CopyRun {
-                gpu: g,
-                host: at,
-                len,
-            });
-            at += len;
-        }
-        blocks.push((index, group));
-    }
-    let read = RemoteRead {
-        request: request.unwrap_or(RequestId(0)),
-        blocks,
-    };
-    Ok((runs, read))
 }

@@ -149,7 +149,7 @@ impl Drop for WorkerProcess {
     }
 }
 
-fn worker_exe(configured: Option<&Path>) -> Result<PathBuf, String> {
+pub(crate) fn worker_exe(configured: Option<&Path>) -> Result<PathBuf, String> {
     if let Some(p) = configured {
         return Ok(p.to_path_buf());
     }
@@ -442,13 +442,13 @@ pub fn worker_main_with(socket: &Path, rank: u32, wrap: EngineWrap) -> ExitCode 
 /// Asks the kernel to SIGKILL this process when the thread that started it ends (Linux).
 /// Called before connecting: an engine that died before this call is not there to connect to.
 #[cfg(target_os = "linux")]
-fn die_with_parent() -> Result<(), String> {
+pub(crate) fn die_with_parent() -> Result<(), String> {
     nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).map_err(|e| e.to_string())
 }
 
 /// Elsewhere a worker notices its engine's death through its link alone.
 #[cfg(not(target_os = "linux"))]
-fn die_with_parent() -> Result<(), String> {
+pub(crate) fn die_with_parent() -> Result<(), String> {
     Ok(())
 }
 

@@ -18,16 +18,17 @@
 //! The engine loop of `kvrelay run` ([`crate::run()`]) and the embedding API
 //! ([`crate::api::EngineHandle`]) both drive this type.
 
+mod build;
+
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvrelay_core::{
-    BlockHash, BlockId, ChunkId, Either, EngineCore, FinishReason, GroupKind, KvLayout,
-    LayoutError, LayoutOrder, ManagerConfig, Mode, OffloadingConfig, OffloadingConnector, Params,
-    PdConnector, PdParams, PdStats, Rank, RequestId, RequestOutput, RequestSpec, RequestStatus,
-    ScheduledStep, Scheduler, SchedulerConfig, StepId, TierWork, TieringConfig, Token,
+    BlockHash, BlockId, ChunkId, EngineCore, FinishReason, OffloadingConnector, Params, PdParams,
+    PdStats, Rank, RequestId, RequestOutput, RequestSpec, RequestStatus, ScheduledStep, Scheduler,
+    StepId, TierWork, Token,
 };
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
@@ -35,17 +36,12 @@ use tokio::task::JoinHandle;
 use crate::connector::{EngineConnector, EngineMeta};
 use crate::events::Publisher;
 use crate::metrics::{FINISHED_REASONS, Levels, Metrics, Total};
-use crate::pd::{HeldTable, KvServer, PdRole};
-use crate::rank::RankPd;
-use crate::rank::{
-    Completions, PromotedChunk, RankDelta, RankReport, RankSetup, RankStats, StepMsg,
-};
+use crate::pd::{HeldTable, KvServer};
+use crate::rank::{Completions, PromotedChunk, RankDelta, RankReport, RankStats, StepMsg};
 use crate::report::perfetto::{Recorder, now_us};
 use crate::report::samples::Samples;
 use crate::stop::{STOP_GRACE, StopSignal};
-use crate::tier::{Pools, StoreError, Tier};
-use crate::transfer::host::HostArena;
-use crate::transfer::host::HostPool;
+use crate::tier::{StoreError, Tier};
 use crate::transport::{self, Clock, TokioClock, Transport};
 use crate::{RunConfig, RunError, workload};
 
@@ -152,173 +148,6 @@ pub struct Engine {
     pub figures: Figures,
 }
 
-fn layouts(
-    c: &RunConfig,
-    gpu_blocks: u32,
-    cpu_blocks: u32,
-) -> Result<(KvLayout, KvLayout), RunError> {
-    let bad = |e: LayoutError| RunError::Config(e.to_string());
-    let block_bytes = c.block_bytes();
-    if c.block_size == 0 || !block_bytes.is_multiple_of(8 * u64::from(c.block_size)) {
-        return Err(RunError::Config(format!(
-            "block_bytes ({}) must be a positive multiple of 8 × block_size ({})",
-            block_bytes, c.block_size
-        )));
-    }
-    let gpu = KvLayout::new(
-        vec![0; c.layers as usize],
-        gpu_blocks,
-        block_bytes,
-        LayoutOrder::LayerMajor,
-    )
-    .map_err(bad)?;
-    let host = gpu
-        .with_blocks(cpu_blocks, LayoutOrder::LayerMajor)
-        .map_err(bad)?;
-    Ok((gpu, host))
-}
-
-/// The GPU and CPU pools per rank for requests of at most `max_model_len` tokens: refused when
-/// the GPU pool cannot hold one (as vLLM refuses it at start-up).
-fn pools(c: &RunConfig, max_model_len: u32) -> Result<(u32, u32), RunError> {
-    let gpu_blocks = c.gpu_blocks_for(max_model_len);
-    let cpu_blocks = c.cpu_blocks_for(gpu_blocks);
-    if c.blocks_per_chunk == 0 || !cpu_blocks.is_multiple_of(c.blocks_per_chunk) {
-        return Err(RunError::Config(
-            "cpu_blocks must be a positive multiple of blocks_per_chunk".into(),
-        ));
-    }
-    let needed = max_model_len.div_ceil(c.block_size.max(1));
-    if gpu_blocks.saturating_sub(1) < needed {
-        return Err(RunError::PoolTooSmall {
-            max_model_len,
-            block_size: c.block_size,
-            needed,
-            gpu_blocks,
-        });
-    }
-    Ok((gpu_blocks, cpu_blocks))
-}
-
-/// The scheduler of a run: one full-attention group, prefix caching and chunked prefill on.
-fn scheduler_config(c: &RunConfig, gpu_blocks: u32, max_model_len: u32) -> SchedulerConfig {
-    SchedulerConfig {
-        block_size: c.block_size,
-        num_gpu_blocks: gpu_blocks,
-        groups: vec![GroupKind::FullAttention],
-        max_num_batched_tokens: c.max_batched_tokens(),
-        max_num_seqs: c.max_seqs(),
-        max_model_len,
-        enable_prefix_caching: true,
-        enable_chunked_prefill: true,
-        async_depth: c.async_depth,
-        mode: c.mode,
-        ..SchedulerConfig::default()
-    }
-}
-
-/// With a shared tier: its manager in the connector's config, and the CPU pools the engine
-/// shares with its ranks (`None` without a tier).
-fn tier_pools(
-    c: &RunConfig,
-    backend: crate::Backend,
-    host: &KvLayout,
-    off: &mut OffloadingConfig,
-) -> Result<Option<Pools>, RunError> {
-    let Some(t) = &c.tier else {
-        return Ok(None);
-    };
-    check_tier(c, backend)?;
-    off.tiering = Some(TieringConfig {
-        tiers: 1,
-        deadline_steps: (c.mode == Mode::Strict).then_some(t.deadline_steps.max(1)),
-        promoted_most_recent: c.mode == Mode::Strict,
-    });
-    let pools = (0..c.ranks)
-        .map(|_| HostPool::new(host.total_bytes() as usize))
-        .collect();
-    Ok(Some(Pools {
-        pools,
-        host: host.clone(),
-        blocks_per_chunk: c.blocks_per_chunk,
-    }))
-}
-
-/// P/D prefill: the KV server's table follows the connector's held requests. Called after
-/// every schedule (which builds releases) and apply (which holds finished requests), so a
-/// released request leaves the table before the scheduler can free its blocks.
-fn sync_held(server: Option<&KvServer>, held: &HeldTable, s: &Scheduler<EngineConnector>) {
-    let (Some(_), Some(pd)) = (server, s.connector().right()) else {
-        return;
-    };
-    let mut t = held.write().unwrap_or_else(|p| p.into_inner());
-    t.retain(|r, _| pd.held_blocks(*r).is_some());
-    for (r, blocks) in pd.held() {
-        t.entry(r).or_insert_with(|| blocks.to_vec());
-    }
-}
-
-/// A P/D engine: in-process ranks and the host backend (a prefill engine's KV server reads
-/// the ranks' arenas), no shared tier yet, and a decode engine knows its source.
-fn check_pd(c: &RunConfig, backend: crate::Backend) -> Result<(), RunError> {
-    let Some(p) = &c.pd else {
-        return Ok(());
-    };
-    let why = if c.workers != crate::config::Workers::InProcess {
-        "P/D needs in-process ranks (--workers in-process): the KV server reads their arenas"
-    } else if backend != crate::Backend::Host {
-        "P/D needs the host backend (--backend host) for now"
-    } else if c.tier.is_some() {
-        "P/D with a shared tier (--tier) is not supported yet"
-    } else if p.role == PdRole::Decode && p.source.is_none() {
-        "a P/D decode engine needs its source (the prefill engine's KV server)"
-    } else {
-        return Ok(());
-    };
-    Err(RunError::Config(why.into()))
-}
-
-/// A P/D prefill engine's rank arenas, made here so that its KV server can read them.
-fn served_arenas(c: &RunConfig, gpu: &KvLayout) -> Option<Vec<HostArena>> {
-    let p = c.pd.as_ref()?;
-    let slot_bytes = (gpu.block_bytes() / u64::from(c.block_size.max(1))) as usize;
-    (p.role == PdRole::Prefill).then(|| {
-        (0..c.ranks)
-            .map(|_| HostArena::new(gpu.total_bytes() as usize, slot_bytes))
-            .collect()
-    })
-}
-
-/// A shared tier needs the ranks' CPU pools in this process: in-process ranks, host backend.
-fn check_tier(c: &RunConfig, backend: crate::Backend) -> Result<(), RunError> {
-    if c.workers != crate::config::Workers::InProcess {
-        return Err(RunError::Config(
-            "--tier needs in-process ranks (--workers in-process): the tier reads and writes \
-             the CPU pools from the engine's process"
-                .into(),
-        ));
-    }
-    if backend != crate::Backend::Host {
-        return Err(RunError::Config(
-            "--tier needs the host backend (--backend host) for now".into(),
-        ));
-    }
-    Ok(())
-}
-
-/// The shared tier's default key namespace: the KV layout, so that only engines whose chunks
-/// are interchangeable share them.
-fn namespace(c: &RunConfig) -> String {
-    format!(
-        "l{}-b{}-t{}-c{}-w{}",
-        c.layers,
-        c.block_bytes(),
-        c.block_size,
-        c.blocks_per_chunk,
-        c.ranks
-    )
-}
-
 /// The token just past the chunk whose last block hash is `hash`, in a request with
 /// `block_hashes` (`None`: not a chunk of the request).
 fn chunk_end(block_hashes: &[BlockHash], hash: BlockHash, bpc: usize, tpc: usize) -> Option<usize> {
@@ -357,30 +186,14 @@ impl Engine {
             return Err(RunError::Config("async_depth: 1 or 2".into()));
         }
         let max_model_len = max_model_len.max(2);
-        let (gpu_blocks, cpu_blocks) = pools(c, max_model_len)?;
-        let (gpu, host) = layouts(c, gpu_blocks, cpu_blocks)?;
+        let (gpu_blocks, cpu_blocks) = build::pools(c, max_model_len)?;
+        let (gpu, host) = build::layouts(c, gpu_blocks, cpu_blocks)?;
         let backend = c.backend.resolve().map_err(RunError::Backend)?;
-        let sc = scheduler_config(c, gpu_blocks, max_model_len);
-        let mut off = OffloadingConfig::new(
-            c.blocks_per_chunk,
-            c.ranks,
-            ManagerConfig {
-                capacity_chunks: cpu_blocks / c.blocks_per_chunk,
-                policy: c.policy,
-                store_threshold: 0,
-            },
-        );
-        let pools = tier_pools(c, backend, &host, &mut off)?;
-        let connector = match &c.pd {
-            None => Either::Left(Box::new(
-                OffloadingConnector::new(off, &sc).map_err(|e| RunError::Config(e.to_string()))?,
-            )),
-            Some(p) => {
-                check_pd(c, backend)?;
-                Either::Right(PdConnector::new(p.connector()))
-            }
-        };
-        let arenas = served_arenas(c, &gpu);
+        let sc = build::scheduler_config(c, gpu_blocks, max_model_len);
+        let mut off = build::offloading(c, cpu_blocks);
+        let pools = build::tier_pools(c, backend, &host, &mut off)?;
+        let connector = build::connector(c, backend, off, &sc)?;
+        let arenas = build::served_arenas(c, &gpu);
         let mut core = EngineCore::new(sc.clone(), connector, c.ranks)?;
         let free_blocks = core.scheduler().view().num_free_blocks();
         let events = match &c.kv_events {
@@ -394,25 +207,9 @@ impl Engine {
         let mut to_ranks = Vec::new();
         let mut handles = Vec::new();
         for r in 0..c.ranks {
-            let setup = RankSetup {
-                rank: r,
-                backend,
-                gpu: gpu.clone(),
-                host: host.clone(),
-                block_size: c.block_size,
-                blocks_per_chunk: c.blocks_per_chunk,
-                groups: sc.groups.clone(),
-                mode: sc.mode,
-                check: c.check,
-                timeline: c.timeline.is_some(),
-                completions: c.completions,
-                host_pool: pools.as_ref().map(|p| p.pools[r as usize].clone()),
-                pd: c.pd.as_ref().map(|p| RankPd {
-                    failures_as_blocks: true,
-                    source: p.source.clone(),
-                }),
-                arena: arenas.as_ref().map(|a| a[r as usize].clone()),
-            };
+            let mut setup = build::rank_setup(c, r, backend, (&gpu, &host), &sc);
+            setup.host_pool = pools.as_ref().map(|p| p.pools[r as usize].clone());
+            setup.arena = arenas.as_ref().map(|a| a[r as usize].clone());
             let conn = transport
                 .connect(setup, wake.clone(), report_tx.clone())
                 .await?;
@@ -420,7 +217,7 @@ impl Engine {
             handles.push(conn.task);
         }
         let tier = match (&c.tier, pools) {
-            (Some(t), Some(pools)) => Some(Tier::connect(t, namespace(c), pools).await?),
+            (Some(t), Some(pools)) => Some(Tier::connect(t, build::namespace(c), pools).await?),
             _ => None,
         };
         let held = HeldTable::default();
@@ -650,7 +447,7 @@ impl Engine {
             .map(|(id, pos)| (id, vec![sample(seed, id, pos)]))
             .collect();
         let applied = self.core.apply(sampled)?;
-        sync_held(self.kv_server.as_ref(), &self.held, self.core.scheduler());
+        crate::pd::sync_held(self.kv_server.as_ref(), &self.held, self.core.scheduler());
         let released = self.core.take_released();
         core_time += self.clock.now().saturating_sub(t);
         if self.config.check {
@@ -860,7 +657,7 @@ impl Engine {
     /// Schedules one step.
     fn schedule(&mut self) -> Result<ScheduledStep<EngineMeta>, RunError> {
         let scheduled = self.core.schedule()?;
-        sync_held(self.kv_server.as_ref(), &self.held, self.core.scheduler());
+        crate::pd::sync_held(self.kv_server.as_ref(), &self.held, self.core.scheduler());
         let f = &mut self.figures;
         let out = &scheduled.step.output;
         f.preemptions += out.preempted_req_ids.len() as u64;
