@@ -34,7 +34,9 @@ Examples:
   kvrelay pd --trace tests/traces/mooncake/conversation_trace.jsonl.gz --requests 300
   kvrelay pd --mode strict --lease-steps 64 --json
 
-Exit status: 0 when the run finished, 1 when it stopped on an error, 2 on bad flags or files.";
+Exit status: 0 when every request finished and neither engine left anything behind (held
+blocks, requests, jobs), 1 when the run stopped on an error or left something behind (the
+report says what), 2 on bad flags or files.";
 
 /// `kvrelay pd` flags: [`EngineArgs`] for both engines, and the P/D settings.
 #[derive(Args, Debug, Clone)]
@@ -114,5 +116,9 @@ pub(crate) fn run(args: &PdArgs) -> ExitCode {
     } else {
         print!("{}", report.text());
     }
-    ExitCode::SUCCESS
+    if report.clean() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
 }

@@ -726,10 +726,20 @@ impl Engine {
                 .waiting()
                 .any(|r| sched.status(r) == Some(RequestStatus::WaitingForRemoteKvs))
             || self.tier.as_ref().is_some_and(Tier::running);
-        if busy || !sched.has_requests() || self.awaiting_acks_only() {
+        if busy || !sched.has_requests() || self.awaits_acks() {
             return None;
         }
         Some(self.live_requests())
+    }
+
+    /// P/D prefill: a request is held for a decode engine's acknowledgement, so what runs next
+    /// may depend on the decode side (its blocks come back with it): not stuck on its own.
+    fn awaits_acks(&self) -> bool {
+        let sched = self.core.scheduler();
+        sched
+            .connector()
+            .right()
+            .is_some_and(|pd| pd.awaiting_ack().next().is_some())
     }
 
     /// P/D prefill without a lease: every request left is held for a decode engine's

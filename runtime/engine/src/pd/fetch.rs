@@ -96,7 +96,7 @@ impl Reader {
             let t = Instant::now();
             let result = self.load(&job).await;
             if let Err(e) = &result {
-                tracing::warn!(rank = self.rank, job = job.job.0, error = %e, "P/D load failed");
+                tracing::debug!(rank = self.rank, job = job.job.0, error = %e, "P/D load failed");
             }
             let d = CopyDone {
                 job: job.job,

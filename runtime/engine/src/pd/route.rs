@@ -18,8 +18,9 @@ use crate::report::Latency;
 use crate::workload::{self, TraceRecord};
 use crate::{Engine, RunConfig, RunError};
 
-/// Ticks in a row in which an engine is stuck (requests, nothing runnable or in flight) after
-/// which the run stops with [`RunError::Stalled`].
+/// Ticks in a row in which an engine is stuck (requests, nothing runnable or in flight), or
+/// the pair is (both idle, nothing handed between them, requests in flight), after which the
+/// run stops with [`RunError::Stalled`].
 const STUCK_TICKS: u32 = 3;
 
 /// What an engine is told in one tick.
@@ -54,6 +55,8 @@ pub struct Ticked {
     pub busy: bool,
     /// Requests that can never run (after an idle step).
     pub stuck: Option<Vec<RequestId>>,
+    /// No step, or an idle one (nothing scheduled, nothing came back).
+    pub idle: bool,
 }
 
 /// What an engine did in the whole run.
@@ -88,7 +91,10 @@ pub trait PdLink {
 
 impl PdLink for Engine {
     async fn tick(&mut self, tick: Tick) -> Result<Ticked, RunError> {
-        let mut out = Ticked::default();
+        let mut out = Ticked {
+            idle: true,
+            ..Ticked::default()
+        };
         for s in tick.submit {
             match self.add_with(s.id, s.prompt, s.max_tokens, s.params) {
                 Ok(()) => {}
@@ -115,6 +121,7 @@ impl PdLink for Engine {
         if self.has_work() {
             let o = self.step().await?;
             out.stuck = if o.idle { self.stuck() } else { None };
+            out.idle = o.idle;
             out.outputs = o.outputs;
         }
         out.outputs.extend(aborted);
@@ -194,6 +201,8 @@ struct Router<'a> {
     to_decode: Vec<Submit>,
     acks: Vec<RequestId>,
     stuck: [u32; 2],
+    /// Ticks in a row in which both engines were idle and nothing passed between them.
+    quiet: u32,
     routed: Routed,
 }
 
@@ -215,6 +224,7 @@ pub async fn route<P: PdLink, D: PdLink>(
         to_decode: Vec::new(),
         acks: Vec::new(),
         stuck: [0; 2],
+        quiet: 0,
         routed: Routed {
             counts: RouteCounts {
                 requests: records.len() as u64,
@@ -226,6 +236,7 @@ pub async fn route<P: PdLink, D: PdLink>(
     loop {
         let submit = r.arrivals();
         let acks = std::mem::take(&mut r.acks);
+        let mut handed = !submit.is_empty() || !acks.is_empty() || !r.to_decode.is_empty();
         let p = (prefill.tick(Tick {
             submit,
             acks,
@@ -241,6 +252,8 @@ pub async fn route<P: PdLink, D: PdLink>(
             })
             .await?;
         r.heard_decode(&d)?;
+        handed |= !p.outputs.is_empty() || !d.outputs.is_empty();
+        r.check_quiet(p.idle && d.idle && !handed)?;
         r.routed.counts.ticks += 1;
         progress(
             r.routed.counts.finished + r.routed.counts.refused,
@@ -356,6 +369,26 @@ impl Router<'_> {
             }),
             _ => Ok(()),
         }
+    }
+
+    /// Both engines idle with requests in flight, for [`STUCK_TICKS`] ticks in a row: each
+    /// waits on the other (a prefill engine holding blocks for acknowledgements that no
+    /// decode-side progress can bring), and the run stops naming the requests in flight.
+    fn check_quiet(&mut self, quiet: bool) -> Result<(), RunError> {
+        self.quiet = if quiet && !self.flight.is_empty() {
+            self.quiet + 1
+        } else {
+            0
+        };
+        if self.quiet < STUCK_TICKS {
+            return Ok(());
+        }
+        let mut requests: Vec<RequestId> = self.flight.keys().copied().collect();
+        requests.sort();
+        Err(RunError::Stalled {
+            steps: u64::from(self.quiet),
+            requests,
+        })
     }
 
     fn done(&self) -> bool {

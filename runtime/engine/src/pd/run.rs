@@ -119,6 +119,15 @@ impl PdReport {
         }
     }
 
+    /// Every request finished (or was refused at submit) and neither engine left anything
+    /// behind.
+    pub fn clean(&self) -> bool {
+        let n = &self.counts;
+        n.finished + n.refused == n.requests
+            && self.prefill.leaks.is_empty()
+            && self.decode.leaks.is_empty()
+    }
+
     /// The readable report, one figure per line.
     pub fn text(&self) -> String {
         let (p, d, n) = (&self.prefill, &self.decode, &self.counts);
@@ -181,7 +190,7 @@ impl PdReport {
 
 fn engine_line(e: &EngineSummary) -> String {
     format!(
-        "{} steps, {} tokens computed, {} prefix-hit tokens, {} preemptions",
+        "{} steps, {} tokens computed, {} reused at admission (prefix hits and loads), {} preemptions",
         e.steps, e.tokens_computed, e.prefix_hit_tokens, e.preemptions
     )
 }
