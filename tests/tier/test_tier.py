@@ -237,3 +237,25 @@ def test_bench_tier_measures_both_sides(tier):
     gone = subprocess.run([BIN, "bench", "tier", "--tier", "redis://127.0.0.1:1",
                            "--timeout-ms", "500"], capture_output=True, text=True, timeout=60)
     assert gone.returncode == 1 and "cannot connect" in gone.stderr, gone.stderr
+
+
+def test_pd_engines_share_the_tier(tier):
+    # kvrelay pd --tier: both engines' CPU pools cascade into the cluster; a second pair of
+    # engines prefills from what the first stored (promoted, every value checked), while the
+    # prompt KV still moves from the prefill engine to the decode engine, verified.
+    cmd = [BIN, "pd", "--trace", str(TRACE), "--requests", REQUESTS, "--tier", tier, "--json"]
+    reports = []
+    for _ in range(2):
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr
+        reports.append(json.loads(p.stdout))
+    first, second = reports
+    for r in reports:
+        assert r["finished"] == r["requests"]
+        assert r["prefill"]["leaks"] == [] and r["decode"]["leaks"] == []
+        assert r["decode"]["remote_blocks_loaded"] == r["prefill"]["served_blocks"] > 0
+        assert r["decode"]["failed_loads"] == 0
+    assert first["prefill"]["tier"]["blocks_stored"] > 0
+    assert second["prefill"]["tier"]["blocks_loaded"] > 0
+    # The second prefill engine computes a small fraction of what the first did.
+    assert second["prefill"]["tokens_computed"] * 10 < first["prefill"]["tokens_computed"]

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::run::EngineArgs;
+use crate::run::{EngineArgs, TierArgs};
 
 pub(crate) const HELP: &str = "\
 Each request goes to the prefill engine with do_remote_decode and one output token; when it
@@ -19,7 +19,9 @@ engine's KV server (TCP on loopback, rank to rank), each read under --read-deadl
 check every loaded block byte for byte against the request's tokens when it lands. A failed or
 late read is a failed load: the decode engine recomputes those tokens. Once the decode side
 has read a request's KV (its first token, or its end), the router acknowledges it and the
-prefill engine releases the blocks.
+prefill engine releases the blocks. Each engine also offloads to its CPU pool (vLLM's
+MultiConnector over the P/D connector and the offloading connector), and with --tier both share
+one tier behind their CPU pools: the decode engine finds there what the prefill engine stored.
 
 Both engines step in lockstep on one virtual clock, so the counts are the same on every run.
 Latencies are on that clock: time to first token runs from a request's arrival to its first
@@ -33,6 +35,7 @@ Examples:
   kvrelay pd
   kvrelay pd --trace tests/traces/mooncake/conversation_trace.jsonl.gz --requests 300
   kvrelay pd --mode strict --lease-steps 64 --json
+  kvrelay pd --tier redis://127.0.0.1:7000     (a local cluster: tests/tier/cluster.sh start)
 
 Exit status: 0 when every request finished and neither engine left anything behind (held
 blocks, requests, jobs), 1 when the run stopped on an error or left something behind (the
@@ -43,6 +46,8 @@ report says what), 2 on bad flags or files.";
 pub(crate) struct PdArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub tier: TierArgs,
     /// Strict mode: steps a finished request's blocks wait for the decode side's
     /// acknowledgement before they are released anyway (default: wait for ever, as vLLM).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
@@ -58,7 +63,10 @@ pub(crate) struct PdArgs {
 
 /// `kvrelay pd`: see [`HELP`].
 pub(crate) fn run(args: &PdArgs) -> ExitCode {
-    let config = match args.engine.config() {
+    let config = match args.engine.config().and_then(|mut c| {
+        args.tier.apply(&mut c)?;
+        Ok(c)
+    }) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("kvrelay pd: {e}");

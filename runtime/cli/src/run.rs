@@ -255,6 +255,13 @@ pub(crate) struct RunArgs {
     /// Keep answering replay requests this many seconds after the run ended [default: 0].
     #[arg(long, value_name = "SECONDS")]
     pub kv_events_linger: Option<f64>,
+    #[command(flatten)]
+    pub tier: TierArgs,
+}
+
+/// The `--tier*` flags `kvrelay run` shares with `kvrelay pd`.
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct TierArgs {
     /// A shared tier behind the CPU pools: a Redis Cluster (any node finds the others), or
     /// `memory` (in-process, for trying it out). Engines of one KV layout share its chunks;
     /// every value is checked when read. See docs/TIERING.md.
@@ -266,6 +273,40 @@ pub(crate) struct RunArgs {
     /// Deadline of each tier command, and of connecting, in milliseconds [default: 2000].
     #[arg(long, value_name = "MS")]
     pub tier_timeout_ms: Option<u64>,
+}
+
+impl TierArgs {
+    /// The `--tier*` flags over the configuration's `[tier]`.
+    pub(crate) fn apply(&self, c: &mut RunConfig) -> Result<(), String> {
+        if let Some(spec) = &self.tier {
+            let parsed = TierConfig::parse(spec)?;
+            c.tier.get_or_insert_with(Default::default).endpoints = parsed.endpoints;
+        }
+        let Some(t) = c.tier.as_mut() else {
+            return match self.tier_namespace.is_some() || self.tier_timeout_ms.is_some() {
+                true => Err("--tier-*: name the tier with --tier first".into()),
+                false => Ok(()),
+            };
+        };
+        if t.endpoints.is_empty() {
+            return Err("[tier]: endpoints is empty".into());
+        }
+        if let Some(n) = &self.tier_namespace {
+            if n.is_empty() || n.contains(['{', '}', ' ']) {
+                return Err(format!(
+                    "--tier-namespace {n:?}: a name without braces or spaces"
+                ));
+            }
+            t.namespace = Some(n.clone());
+        }
+        if let Some(ms) = self.tier_timeout_ms {
+            if ms == 0 {
+                return Err("--tier-timeout-ms: 1 or more".into());
+            }
+            t.timeout_ms = ms;
+        }
+        Ok(())
+    }
 }
 
 impl RunArgs {
@@ -297,40 +338,8 @@ impl RunArgs {
             c.metrics_linger_s = s;
         }
         self.kv_events(&mut c)?;
-        self.tier(&mut c)?;
+        self.tier.apply(&mut c)?;
         Ok(c)
-    }
-
-    /// The `--tier*` flags over the configuration's `[tier]`.
-    fn tier(&self, c: &mut RunConfig) -> Result<(), String> {
-        if let Some(spec) = &self.tier {
-            let parsed = TierConfig::parse(spec)?;
-            c.tier.get_or_insert_with(Default::default).endpoints = parsed.endpoints;
-        }
-        let Some(t) = c.tier.as_mut() else {
-            return match self.tier_namespace.is_some() || self.tier_timeout_ms.is_some() {
-                true => Err("--tier-*: name the tier with --tier first".into()),
-                false => Ok(()),
-            };
-        };
-        if t.endpoints.is_empty() {
-            return Err("[tier]: endpoints is empty".into());
-        }
-        if let Some(n) = &self.tier_namespace {
-            if n.is_empty() || n.contains(['{', '}', ' ']) {
-                return Err(format!(
-                    "--tier-namespace {n:?}: a name without braces or spaces"
-                ));
-            }
-            t.namespace = Some(n.clone());
-        }
-        if let Some(ms) = self.tier_timeout_ms {
-            if ms == 0 {
-                return Err("--tier-timeout-ms: 1 or more".into());
-            }
-            t.timeout_ms = ms;
-        }
-        Ok(())
     }
 
     /// The `--kv-events*` flags over the configuration's `[kv_events]`.

@@ -37,7 +37,7 @@ fn pd_runs_a_workload_through_two_engine_processes_verified() {
     assert!(n(&r["handed_off"]) > 0);
     assert_eq!(n(&r["prefill"]["pd"]["acks"]), n(&r["handed_off"]));
     let (p, d) = (&r["prefill"], &r["decode"]);
-    assert_eq!(n(&d["blocks_loaded"]), n(&p["served_blocks"]));
+    assert_eq!(n(&d["remote_blocks_loaded"]), n(&p["served_blocks"]));
     assert_eq!(n(&d["loaded_blocks_verified"]), n(&d["blocks_loaded"]));
     assert_eq!(n(&d["failed_loads"]), 0);
     assert_eq!(p["leaks"], serde_json::json!([]));

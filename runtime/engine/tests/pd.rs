@@ -91,8 +91,8 @@ async fn a_workload_runs_through_prefill_then_decode_with_every_block_verified()
     assert_eq!(d.leaks, Vec::<String>::new());
     assert_eq!(d.pd.remote_loads, routed.counts.handed_off);
     assert!(p.served_blocks > 0);
-    assert_eq!(d.blocks_loaded, p.served_blocks, "{d:?} {p:?}");
-    assert_eq!(d.bytes_loaded, p.served_bytes);
+    assert_eq!(d.remote_blocks_loaded, p.served_blocks, "{d:?} {p:?}");
+    assert_eq!(d.remote_bytes_loaded, p.served_bytes);
     assert_eq!(d.loaded_blocks_verified, d.blocks_loaded);
     assert_eq!(d.failed_loads, 0);
     assert_eq!(p.served_gone, 0);
@@ -110,7 +110,7 @@ async fn a_source_that_is_gone_costs_recomputation_not_requests() {
     let (routed, p, d) = run_pair(c, Some(addr), 5_000, |e| Box::new(e)).await;
     let routed = routed.unwrap();
     assert_eq!(routed.counts.finished, routed.counts.requests);
-    assert!(d.failed_loads > 0 && d.blocks_loaded == 0, "{d:?}");
+    assert!(d.failed_loads > 0 && d.remote_blocks_loaded == 0, "{d:?}");
     assert_eq!(d.leaks, Vec::<String>::new());
     assert_eq!(p.leaks, Vec::<String>::new());
 }
@@ -133,8 +133,69 @@ async fn a_silent_source_fails_each_load_at_its_deadline() {
     hold.abort();
     let routed = routed.unwrap();
     assert_eq!(routed.counts.finished, routed.counts.requests);
-    assert!(d.failed_loads > 0 && d.blocks_loaded == 0, "{d:?}");
+    assert!(d.failed_loads > 0 && d.remote_blocks_loaded == 0, "{d:?}");
     assert_eq!(d.leaks, Vec::<String>::new());
+}
+
+/// A TCP proxy to `upstream` that holds every chunk of the server's answers for `delay`: a slow
+/// transport.
+async fn slow_proxy(upstream: String, delay: std::time::Duration) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let server = tokio::net::TcpStream::connect(&upstream).await.unwrap();
+            let (mut cr, mut cw) = client.into_split();
+            let (mut sr, mut sw) = server.into_split();
+            tokio::spawn(async move { tokio::io::copy(&mut cr, &mut sw).await });
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 1 << 16];
+                while let Ok(n) = sr.read(&mut buf).await {
+                    if n == 0 || cw.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(delay).await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+// Protects determinism under a slow transport: with every answer held 2 ms per chunk (well
+// within the deadline), every load still lands and is verified, and the run takes exactly the
+// steps and moves exactly the blocks of the direct run (the lockstep clock waits for loads).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_transport_changes_no_count() {
+    let mut c = config(PdRole::Prefill, Mode::Compat, None);
+    c.workload.conversations = 6;
+    let (direct, p0, d0) = run_pair(c.clone(), None, 5_000, |e| Box::new(e)).await;
+    let direct = direct.unwrap();
+    let records = requests(&c).unwrap();
+    let max_len = kvrelay_engine::run::longest(&records);
+    let prefill = Engine::start(&c, max_len).await.unwrap();
+    let upstream = prefill.kv_server().unwrap().addr().to_string();
+    let proxy = slow_proxy(upstream, std::time::Duration::from_millis(2)).await;
+    let mut decode = Engine::start(&decode_config(proxy, 5_000), max_len)
+        .await
+        .unwrap();
+    let mut prefill = prefill;
+    let slow = route(&c, &records, &mut prefill, &mut decode, |_, _| {})
+        .await
+        .unwrap();
+    let (p1, d1) = (
+        prefill.finish().await.unwrap(),
+        decode.finish().await.unwrap(),
+    );
+    assert_eq!(slow.counts, direct.counts);
+    assert_eq!(
+        (d1.steps, d1.remote_blocks_loaded),
+        (d0.steps, d0.remote_blocks_loaded)
+    );
+    assert_eq!(d1.loaded_blocks_verified, d1.blocks_loaded);
+    assert_eq!(d1.failed_loads, 0);
+    assert_eq!(p1.steps, p0.steps);
 }
 
 // Protects the lease (I-54) against a decode side that never acknowledges: in compat the

@@ -27,23 +27,21 @@ pub(super) fn offloading(c: &RunConfig, cpu_blocks: u32) -> OffloadingConfig {
     )
 }
 
-/// The engine's connector: P/D when the run is one side of a pair ([`RunConfig::pd`]), else
-/// the offloading connector of `off`.
+/// The engine's connector: the offloading connector of `off`; on one side of a P/D pair
+/// ([`RunConfig::pd`]) the MultiConnector over the P/D connector and it.
 pub(super) fn connector(
     c: &RunConfig,
     backend: crate::Backend,
     off: OffloadingConfig,
     sc: &SchedulerConfig,
 ) -> Result<EngineConnector, RunError> {
+    let off = OffloadingConnector::new(off, sc).map_err(|e| RunError::Config(e.to_string()))?;
     match &c.pd {
-        None => {
-            let off =
-                OffloadingConnector::new(off, sc).map_err(|e| RunError::Config(e.to_string()))?;
-            Ok(Either::Left(Box::new(off)))
-        }
+        None => Ok(Either::Left(Box::new(off))),
         Some(p) => {
             check_pd(c, backend)?;
-            Ok(Either::Right(PdConnector::new(p.connector())))
+            crate::connector::pd_engine(PdConnector::new(p.connector()), off)
+                .map_err(|e| RunError::Config(e.to_string()))
         }
     }
 }
@@ -174,7 +172,7 @@ pub(super) fn tier_pools(
 }
 
 /// A P/D engine: in-process ranks and the host backend (a prefill engine's KV server reads
-/// the ranks' arenas), no shared tier yet, and a decode engine knows its source.
+/// the ranks' arenas), and a decode engine knows its source.
 fn check_pd(c: &RunConfig, backend: crate::Backend) -> Result<(), RunError> {
     let Some(p) = &c.pd else {
         return Ok(());
@@ -183,8 +181,6 @@ fn check_pd(c: &RunConfig, backend: crate::Backend) -> Result<(), RunError> {
         "P/D needs in-process ranks (--workers in-process): the KV server reads their arenas"
     } else if backend != crate::Backend::Host {
         "P/D needs the host backend (--backend host) for now"
-    } else if c.tier.is_some() {
-        "P/D with a shared tier (--tier) is not supported yet"
     } else if p.role == PdRole::Decode && p.source.is_none() {
         "a P/D decode engine needs its source (the prefill engine's KV server)"
     } else {

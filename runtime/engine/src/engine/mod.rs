@@ -33,7 +33,7 @@ use kvrelay_core::{
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
-use crate::connector::{EngineConnector, EngineMeta};
+use crate::connector::{self, EngineConnector, EngineMeta};
 use crate::events::Publisher;
 use crate::metrics::{FINISHED_REASONS, Levels, Metrics, Total};
 use crate::pd::{HeldTable, KvServer};
@@ -313,16 +313,12 @@ impl Engine {
     /// or not a prefill engine).
     pub fn acknowledge(&mut self, request: RequestId) -> bool {
         let conn = self.core.scheduler_mut().connector_mut();
-        conn.right_mut().is_some_and(|pd| pd.acknowledge(request))
+        connector::pd_mut(conn).is_some_and(|pd| pd.acknowledge(request))
     }
 
     /// What the P/D connector counted (`None`: not a P/D engine).
     pub fn pd_stats(&self) -> Option<PdStats> {
-        self.core
-            .scheduler()
-            .connector()
-            .right()
-            .map(|pd| *pd.stats())
+        connector::pd(self.core.scheduler().connector()).map(|pd| *pd.stats())
     }
 
     /// P/D prefill: the KV server decode engines read from.
@@ -525,7 +521,7 @@ impl Engine {
         let sched = self.core.scheduler();
         let view = sched.view();
         let usable = self.free_blocks.max(1);
-        let cpu = sched.connector().left().map(|c| c.manager());
+        let cpu = connector::offloading(sched.connector()).map(|c| c.manager());
         let count = |f: fn(&kvrelay_core::CpuOffloadingManager) -> u32| cpu.map_or(0, f);
         m.levels(&Levels {
             running: view.running().len() as u32,
@@ -556,9 +552,7 @@ impl Engine {
             return;
         };
         let sched = self.core.scheduler_mut();
-        let work = sched
-            .connector_mut()
-            .left_mut()
+        let work = connector::offloading_mut(sched.connector_mut())
             .map(|c| c.take_tier_work())
             .unwrap_or_default();
         let view = sched.view();
@@ -600,7 +594,8 @@ impl Engine {
             return Ok(());
         };
         let done = tier.collect().await?;
-        let Some(conn) = self.core.scheduler_mut().connector_mut().left_mut() else {
+        let Some(conn) = connector::offloading_mut(self.core.scheduler_mut().connector_mut())
+        else {
             return Err(StoreError::Protocol(
                 "a shared tier without the offloading connector".into(),
             )
@@ -717,7 +712,7 @@ impl Engine {
         let busy = self.at_ranks.is_some()
             || self.ahead.is_some()
             || self.core.steps_in_flight().next().is_some()
-            || sched.connector().left().is_some_and(|c| {
+            || connector::offloading(sched.connector()).is_some_and(|c| {
                 c.jobs_in_flight().next().is_some()
                     || c.tiering().is_some_and(|t| t.has_pending_work())
             })
@@ -736,10 +731,7 @@ impl Engine {
     /// may depend on the decode side (its blocks come back with it): not stuck on its own.
     fn awaits_acks(&self) -> bool {
         let sched = self.core.scheduler();
-        sched
-            .connector()
-            .right()
-            .is_some_and(|pd| pd.awaiting_ack().next().is_some())
+        connector::pd(sched.connector()).is_some_and(|pd| pd.awaiting_ack().next().is_some())
     }
 
     /// P/D prefill without a lease: every request left is held for a decode engine's
@@ -747,7 +739,7 @@ impl Engine {
     /// waits for ever: a run ends there, and [`Engine::leaks`] names them).
     pub fn awaiting_acks_only(&self) -> bool {
         let sched = self.core.scheduler();
-        let Some(pd) = sched.connector().right() else {
+        let Some(pd) = connector::pd(sched.connector()) else {
             return false;
         };
         let awaiting: std::collections::BTreeSet<RequestId> = pd.awaiting_ack().collect();
@@ -790,13 +782,13 @@ impl Engine {
                 self.free_blocks
             ));
         }
-        match sched.connector() {
-            kvrelay_core::Either::Left(conn) => offloading_leaks(conn, &mut out),
-            kvrelay_core::Either::Right(pd) => {
-                let held: Vec<u32> = pd.awaiting_ack().map(|r| r.0).collect();
-                if !held.is_empty() {
-                    out.push(format!("requests still held for a decode engine: {held:?}"));
-                }
+        if let Some(conn) = connector::offloading(sched.connector()) {
+            offloading_leaks(conn, &mut out);
+        }
+        if let Some(pd) = connector::pd(sched.connector()) {
+            let held: Vec<u32> = pd.awaiting_ack().map(|r| r.0).collect();
+            if !held.is_empty() {
+                out.push(format!("requests still held for a decode engine: {held:?}"));
             }
         }
         if self.tier.as_ref().is_some_and(Tier::running) || !self.promoting.is_empty() {
@@ -881,7 +873,7 @@ fn live_hashes(s: &Scheduler<EngineConnector>) -> Vec<BlockHash> {
     let mut out: Vec<BlockHash> = (0..u64::from(pool.num_blocks()))
         .filter_map(|b| pool.cached_hash(BlockId(b)).map(|(h, _)| h))
         .collect();
-    if let Some(c) = s.connector().left() {
+    if let Some(c) = connector::offloading(s.connector()) {
         out.extend(c.referenced_hashes());
     }
     let view = s.view();

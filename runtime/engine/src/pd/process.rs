@@ -46,7 +46,7 @@ enum Up {
         kv_addr: Option<String>,
     },
     Ticked(Ticked),
-    Summary(EngineSummary),
+    Summary(Box<EngineSummary>),
     /// The engine stopped with this error.
     Failed(String),
 }
@@ -143,7 +143,7 @@ impl PdLink for EngineProcess {
 
     async fn finish(mut self) -> Result<EngineSummary, RunError> {
         let summary = match self.ask(&Down::Finish).await? {
-            Up::Summary(s) => s,
+            Up::Summary(s) => *s,
             other => return Err(self.unexpected(&other)),
         };
         drop(self.stdin);
@@ -211,7 +211,7 @@ where
             },
             Down::Finish => {
                 let up = match engine.finish().await {
-                    Ok(s) => Up::Summary(s),
+                    Ok(s) => Up::Summary(Box::new(s)),
                     Err(e) => Up::Failed(e.to_string()),
                 };
                 return write_frame(output, &up).await;

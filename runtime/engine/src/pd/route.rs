@@ -66,8 +66,12 @@ pub struct EngineSummary {
     pub preemptions: u64,
     pub tokens_computed: u64,
     pub prefix_hit_tokens: u64,
+    /// Loads of every kind (from the prefill engine and from the CPU pool).
     pub blocks_loaded: u64,
     pub bytes_loaded: u64,
+    /// Of those, read from the prefill engine.
+    pub remote_blocks_loaded: u64,
+    pub remote_bytes_loaded: u64,
     pub failed_loads: u64,
     pub loaded_blocks_verified: u64,
     pub read_blocks_checked: u64,
@@ -77,6 +81,8 @@ pub struct EngineSummary {
     pub served_blocks: u64,
     pub served_bytes: u64,
     pub served_gone: u64,
+    /// What the shared tier did (`None`: no tier).
+    pub tier: Option<crate::tier::TierFigures>,
     /// What the engine did not give back (see [`Engine::leaks`]).
     pub leaks: Vec<String>,
 }
@@ -131,6 +137,7 @@ impl PdLink for Engine {
 
     async fn finish(self) -> Result<EngineSummary, RunError> {
         let leaks = self.leaks();
+        let tier = self.tier_figures().cloned();
         let pd = self.pd_stats().unwrap_or_default();
         let served = self.kv_server().map(|s| {
             let c = s.counts();
@@ -147,6 +154,8 @@ impl PdLink for Engine {
             prefix_hit_tokens: f.reused_tokens,
             blocks_loaded: ranks.iter().map(|r| r.blocks_loaded).sum(),
             bytes_loaded: ranks.iter().map(|r| r.bytes_loaded).sum(),
+            remote_blocks_loaded: ranks.iter().map(|r| r.remote_blocks_loaded).sum(),
+            remote_bytes_loaded: ranks.iter().map(|r| r.remote_bytes_loaded).sum(),
             failed_loads: ranks.iter().map(|r| r.failed_transfers).sum(),
             loaded_blocks_verified: ranks.iter().map(|r| r.loaded_blocks_verified).sum(),
             read_blocks_checked: ranks.iter().map(|r| r.read_blocks_checked).sum(),
@@ -155,6 +164,7 @@ impl PdLink for Engine {
             served_blocks,
             served_bytes,
             served_gone,
+            tier,
             leaks,
         })
     }

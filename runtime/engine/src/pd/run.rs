@@ -166,6 +166,11 @@ impl PdReport {
         );
         line("prefill engine", engine_line(p));
         line("decode engine", engine_line(d));
+        for (name, e) in [("prefill tier", p), ("decode tier", d)] {
+            if let Some(t) = &e.tier {
+                line(name, tier_line(t));
+            }
+        }
         line(
             "latency",
             format!(
@@ -192,5 +197,17 @@ fn engine_line(e: &EngineSummary) -> String {
     format!(
         "{} steps, {} tokens computed, {} reused at admission (prefix hits and loads), {} preemptions",
         e.steps, e.tokens_computed, e.prefix_hit_tokens, e.preemptions
+    )
+}
+
+fn tier_line(t: &crate::tier::TierFigures) -> String {
+    format!(
+        "{} blocks stored ({}), {} loaded ({}); {} store and {} load failures",
+        t.blocks_stored,
+        bytes(t.bytes_stored),
+        t.blocks_loaded,
+        bytes(t.bytes_loaded),
+        t.store_failures,
+        t.load_failures
     )
 }

@@ -175,7 +175,7 @@ pub(crate) fn sync_held(
     held: &HeldTable,
     s: &kvrelay_core::Scheduler<crate::connector::EngineConnector>,
 ) {
-    let (Some(_), Some(pd)) = (server, s.connector().right()) else {
+    let (Some(_), Some(pd)) = (server, crate::connector::pd(s.connector())) else {
         return;
     };
     let mut t = held.write().unwrap_or_else(|p| p.into_inner());

@@ -43,6 +43,8 @@ impl RankStats {
             (&mut self.read_blocks_checked, o.read_blocks_checked),
             (&mut self.flushed_stores, o.flushed_stores),
             (&mut self.failed_transfers, o.failed_transfers),
+            (&mut self.remote_blocks_loaded, o.remote_blocks_loaded),
+            (&mut self.remote_bytes_loaded, o.remote_bytes_loaded),
             (&mut self.invariant_checks, o.invariant_checks),
         ] {
             *a = n(*a, b);

@@ -104,6 +104,9 @@ pub struct RankStats {
     pub flushed_stores: u64,
     /// Transfers that failed part-way (injected by the simulation), stores and loads.
     pub failed_transfers: u64,
+    /// Of the blocks and bytes loaded, those read from a prefill engine (P/D, [`crate::pd`]).
+    pub remote_blocks_loaded: u64,
+    pub remote_bytes_loaded: u64,
     /// Tokens loaded, per request (rank 0 reports them). Ordered, so that its encoding does
     /// not depend on hash order (a fuzz finding: a decoded report re-encoded differently).
     pub loaded_tokens: BTreeMap<RequestId, u32>,
@@ -515,6 +518,10 @@ impl RankTask {
                 self.stats.load_time += d.elapsed;
                 if let Some(t) = self.loads.remove(&d.job) {
                     self.stats.blocks_loaded += t.gpu_blocks.len() as u64;
+                    if t.external.first().is_some_and(|&s| is_remote_slot(s)) {
+                        self.stats.remote_blocks_loaded += t.gpu_blocks.len() as u64;
+                        self.stats.remote_bytes_loaded += d.bytes;
+                    }
                     if self.rank == 0 {
                         let tokens = t.gpu_blocks.len() as u32 * self.shape.block_size;
                         *self.stats.loaded_tokens.entry(t.request).or_default() += tokens;

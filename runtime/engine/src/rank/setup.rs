@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use kvrelay_core::{
-    Either, EitherWorker, GroupKind, KvLayout, Mode, OffloadingWorker, OffloadingWorkerConfig,
-    PdWorker, RankConfig, RankDriver,
+    GroupKind, KvLayout, Mode, OffloadingWorker, OffloadingWorkerConfig, PdWorker, RankConfig,
+    RankDriver,
 };
 use tokio::sync::{Notify, mpsc};
 
@@ -18,7 +18,7 @@ use crate::report::perfetto::Recorder;
 use crate::transfer::cuda::{CudaArena, CudaEngine, Device};
 use crate::transfer::host::{HostArena, HostEngine, HostPool};
 use crate::transfer::{
-    Backend, COPY_QUEUE_BOUND, CopyDone, KvArena, TransferEngine, TransferError,
+    Backend, COPY_QUEUE_BOUND, CopyDone, CopyJob, KvArena, TransferEngine, TransferError,
 };
 
 /// The rank's fixed shape.
@@ -136,18 +136,20 @@ impl RankSetup {
             Backend::Host | Backend::Auto => {
                 let arena =
                     (self.arena.clone()).unwrap_or_else(|| HostArena::new(arena_bytes, slot_bytes));
-                let source = self.pd.as_ref().and_then(|p| p.source.clone());
-                let engine: Box<dyn TransferEngine> = match source {
-                    Some(s) => Box::new(RemoteEngine::spawn(self.rank, &arena, s, done_tx, wake)),
-                    None => {
-                        let pool = match &self.host_pool {
-                            Some(p) => p.clone(),
-                            None => HostPool::new(host_bytes),
-                        };
-                        let e = HostEngine::spawn(self.rank, &arena, pool, done_tx, wake);
-                        Box::new(e.map_err(failed)?)
-                    }
+                let pool = match &self.host_pool {
+                    Some(p) => p.clone(),
+                    None => HostPool::new(host_bytes),
                 };
+                let (done, w) = (done_tx.clone(), wake.clone());
+                let host = HostEngine::spawn(self.rank, &arena, pool, done, w).map_err(failed)?;
+                let engine: Box<dyn TransferEngine> =
+                    match self.pd.as_ref().and_then(|p| p.source.clone()) {
+                        Some(s) => Box::new(Dispatch {
+                            host,
+                            remote: RemoteEngine::spawn(self.rank, &arena, s, done_tx, wake),
+                        }),
+                        None => Box::new(host),
+                    };
                 (Box::new(arena), engine)
             }
         };
@@ -162,15 +164,14 @@ impl RankSetup {
         engine: Box<dyn TransferEngine>,
         done_rx: mpsc::Receiver<CopyDone>,
     ) -> RankTask {
-        let worker = EitherWorker::new(match &self.pd {
-            None => Either::Left(OffloadingWorker::new(OffloadingWorkerConfig {
-                blocks_per_chunk: self.blocks_per_chunk,
-                is_store_writer: true,
-                bytes_per_block: self.gpu.block_bytes() * u64::from(self.gpu.layers()),
-                mode: self.mode,
-            })),
-            Some(pd) => Either::Right(PdWorker::new(pd.failures_as_blocks)),
+        let offloading = OffloadingWorker::new(OffloadingWorkerConfig {
+            blocks_per_chunk: self.blocks_per_chunk,
+            is_store_writer: true,
+            bytes_per_block: self.gpu.block_bytes() * u64::from(self.gpu.layers()),
+            mode: self.mode,
         });
+        let pd = (self.pd.as_ref()).map(|p| PdWorker::new(p.failures_as_blocks));
+        let worker = crate::connector::worker(offloading, pd);
         let rc = RankConfig {
             layers: self.gpu.layers(),
             block_size: self.block_size,
@@ -194,5 +195,22 @@ impl RankSetup {
         task.stats.timeline = Recorder::new(self.timeline);
         task.completions = self.completions;
         task
+    }
+}
+
+/// A decode rank's transfer engine: its P/D loads ([`CopyJob::remote`]) read from the prefill
+/// engine, its offloading transfers move between the arena and the CPU pool. Both report on
+/// the rank's one completion channel.
+struct Dispatch {
+    host: HostEngine,
+    remote: RemoteEngine,
+}
+
+impl TransferEngine for Dispatch {
+    fn start(&mut self, job: CopyJob) -> Result<(), TransferError> {
+        match job.remote {
+            Some(_) => self.remote.start(job),
+            None => self.host.start(job),
+        }
     }
 }

@@ -184,11 +184,11 @@ mod tests {
         assert_eq!(
             out,
             [
-                42, 0, 0, 0, 5, 0, 0, 0, 1, 5, 1, 1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0,
+                44, 0, 0, 0, 5, 0, 0, 0, 1, 5, 1, 1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0,
                 // The delta (a RankStats): four counts, two times (seconds, nanoseconds),
-                // copies 2, five counts, then the empty loaded tokens, hook samples, checks
+                // copies 2, seven counts, then the empty loaded tokens, hook samples, checks
                 // and timeline.
-                0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+                0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
             ],
             "{out:?}"
         );
