@@ -151,8 +151,8 @@ impl PdReport {
             "kv moved",
             format!(
                 "{} blocks ({}) in {} reads, prefill to decode; {} reads of released requests refused",
-                d.blocks_loaded,
-                bytes(d.bytes_loaded),
+                d.remote_blocks_loaded,
+                bytes(d.remote_bytes_loaded),
                 p.served_reads,
                 p.served_gone
             ),
@@ -160,8 +160,12 @@ impl PdReport {
         line(
             "verified",
             format!(
-                "{} loaded blocks at landing, {} blocks at their first read; {} failed loads recomputed",
-                d.loaded_blocks_verified, d.read_blocks_checked, d.failed_loads
+                "{} loaded blocks at landing ({} read from the prefill engine, {} from the CPU pool), {} blocks at their first read; {} failed loads recomputed",
+                d.loaded_blocks_verified,
+                d.remote_blocks_loaded,
+                d.blocks_loaded.saturating_sub(d.remote_blocks_loaded),
+                d.read_blocks_checked,
+                d.failed_loads
             ),
         );
         line("prefill engine", engine_line(p));
