@@ -259,3 +259,28 @@ def test_pd_engines_share_the_tier(tier):
     assert second["prefill"]["tier"]["blocks_loaded"] > 0
     # The second prefill engine computes a small fraction of what the first did.
     assert second["prefill"]["tokens_computed"] * 10 < first["prefill"]["tokens_computed"]
+
+
+# Protects a P/D pair against the tier losing its keys (issue 37 item 4): a master SIGKILLed
+# (no replica: its keys are gone) while both engines promote and cascade; the tier's failures
+# cost the offloading children misses and failed loads, every request still finishes, the
+# handoff's blocks are still read and checked, nothing is left behind.
+def test_pd_engines_lose_the_tier_keys_mid_run_not_requests(tier):
+    cmd = [BIN, "pd", "--trace", str(TRACE), "--tier", tier, "--tier-timeout-ms", "300", "--json"]
+    first = subprocess.run(cmd + ["--requests", REQUESTS], capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0, first.stderr
+    pid = int(Path(f"/tmp/kvrelay-tier-test-{BASE}/{BASE + 1}/redis.pid").read_text().strip())
+    running = subprocess.Popen(cmd + ["--requests", "300"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    assert running.poll() is None, "the run is still going when the master dies"
+    os.kill(pid, 9)
+    out, err = running.communicate(timeout=600)
+    assert running.returncode == 0, err
+    r = json.loads(out)
+    assert r["finished"] == r["requests"] == 300
+    assert r["prefill"]["leaks"] == [] and r["decode"]["leaks"] == []
+    assert r["decode"]["remote_blocks_loaded"] == r["prefill"]["served_blocks"] > 0
+    lost = [e["tier"]["io_errors"] + e["tier"]["timeouts"] for e in (r["prefill"], r["decode"])]
+    assert sum(lost) > 0, "the dead master was seen"

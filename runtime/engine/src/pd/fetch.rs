@@ -234,3 +234,52 @@ pub(crate) fn plan(t: &Transfer, gpu: &KvLayout) -> Result<(Vec<CopyRun>, Remote
     };
     Ok((runs, read))
 }
+
+#[cfg(test)]
+mod tests {
+    use kvrelay_core::pd::remote_slot;
+    use kvrelay_core::{BlockId, JobId, LayoutOrder};
+
+    use super::*;
+
+    fn transfer(slots: Vec<u64>) -> Transfer {
+        Transfer {
+            job: JobId(1),
+            direction: TransferDirection::Load,
+            request: RequestId(9),
+            gpu_blocks: vec![BlockId(3), BlockId(1)],
+            groups: vec![0, 0],
+            external: slots,
+        }
+    }
+
+    // Protects the decode side's plan: one held request's blocks, read in the server's order
+    // (per block, its layers), each landing on its own GPU block; a host slot, or blocks of two
+    // requests in one load, are plan errors; an answer of the wrong length writes nothing.
+    #[test]
+    fn a_load_reads_one_held_request_in_the_servers_order() {
+        let gpu = KvLayout::new(vec![0, 0], 4, 8, LayoutOrder::LayerMajor).unwrap();
+        let t = transfer(vec![
+            remote_slot(RequestId(5), 0),
+            remote_slot(RequestId(5), 4),
+        ]);
+        let (runs, read) = plan(&t, &gpu).unwrap();
+        assert_eq!(read.request, RequestId(5));
+        assert_eq!(read.blocks, vec![(0, 0), (4, 0)]);
+        let at = |layer, block| gpu.offset(layer, block).unwrap();
+        let want = [(at(0, 3), 0), (at(1, 3), 8), (at(0, 1), 16), (at(1, 1), 24)];
+        let got: Vec<(u64, u64)> = runs.iter().map(|r| (r.gpu, r.host)).collect();
+        assert_eq!(got, want);
+        assert!(plan(&transfer(vec![remote_slot(RequestId(5), 0), 2]), &gpu).is_err());
+        let two = vec![remote_slot(RequestId(5), 0), remote_slot(RequestId(6), 1)];
+        assert!(plan(&transfer(two), &gpu).is_err());
+        let arena = RwLock::new(vec![0u8; gpu.total_bytes() as usize]);
+        assert!(write_runs(&arena, &runs, &[1u8; 31]).is_err());
+        assert!(arena.read().unwrap().iter().all(|&b| b == 0));
+        write_runs(&arena, &runs, &[1u8; 32]).unwrap();
+        assert_eq!(
+            arena.read().unwrap().iter().filter(|&&b| b == 1).count(),
+            32
+        );
+    }
+}

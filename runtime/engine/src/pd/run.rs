@@ -143,8 +143,8 @@ impl PdReport {
         line(
             "handoff",
             format!(
-                "{} handed off with params, {} acknowledged, {} leases expired, {} late acks",
-                n.handed_off, p.pd.acks, p.pd.leases_expired, p.pd.late_acks
+                "{} handed off with params, {} remote loads, {} acknowledged, {} leases expired, {} late acks",
+                n.handed_off, d.pd.remote_loads, p.pd.acks, p.pd.leases_expired, p.pd.late_acks
             ),
         );
         line(

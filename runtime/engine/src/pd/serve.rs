@@ -184,3 +184,71 @@ pub(crate) fn sync_held(
         t.entry(r).or_insert_with(|| blocks.to_vec());
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kvrelay_core::LayoutOrder;
+
+    use super::*;
+
+    /// Two ranks of a 2-layer arena of 4 blocks of 8 bytes, rank r's bytes all `r + 1`, and
+    /// request 7 held with blocks [2, 3] (one group).
+    fn shared() -> Shared {
+        let gpu = KvLayout::new(vec![0, 0], 4, 8, LayoutOrder::LayerMajor).unwrap();
+        let arenas: Vec<HostArena> = (0..2u8)
+            .map(|r| {
+                let a = HostArena::new(gpu.total_bytes() as usize, 4);
+                a.shared().write().unwrap().fill(r + 1);
+                a
+            })
+            .collect();
+        let held = HeldTable::default();
+        held.write()
+            .unwrap()
+            .insert(RequestId(7), vec![vec![BlockId(2), BlockId(3)]]);
+        Shared {
+            arenas,
+            gpu,
+            held,
+            counts: ServeCounts::default(),
+        }
+    }
+
+    fn read(rank: u32, request: u32, blocks: Vec<(u32, u32)>) -> KvRead {
+        KvRead {
+            rank,
+            request: RequestId(request),
+            blocks,
+        }
+    }
+
+    // Protects the server's boundary: a read of a held request gets its rank's bytes (every
+    // layer of each block); anything else — a request not held, a rank, group or block it does
+    // not have, too many blocks — is a typed answer, never a read and never a panic.
+    #[test]
+    fn reads_outside_what_is_held_are_typed_answers_never_reads() {
+        let s = shared();
+        assert_eq!(
+            answer(&s, &read(1, 7, vec![(1, 0), (0, 0)])),
+            KvReply::Blocks(vec![2; 2 * 2 * 8])
+        );
+        assert_eq!(
+            answer(&s, &read(0, 8, vec![(0, 0)])),
+            KvReply::Gone(RequestId(8))
+        );
+        for bad in [
+            read(2, 7, vec![(0, 0)]),
+            read(0, 7, vec![(2, 0)]),
+            read(0, 7, vec![(0, 1)]),
+            read(0, 7, vec![(u32::MAX, u32::MAX)]),
+            read(0, 7, vec![(0, 0); READ_BLOCKS + 1]),
+        ] {
+            assert!(matches!(answer(&s, &bad), KvReply::Refused(_)), "{bad:?}");
+        }
+        s.held.write().unwrap().clear();
+        assert_eq!(
+            answer(&s, &read(0, 7, vec![(0, 0)])),
+            KvReply::Gone(RequestId(7))
+        );
+    }
+}
