@@ -27,6 +27,7 @@
 //! | [`offloading`] | [`OffloadingConnector`] + [`OffloadingWorker`] | `OffloadingConnector` (both roles) | §1.8, §5.5–§5.7, §6.4, I-38…I-47 |
 //! | [`offloading`] | [`CpuOffloadingManager`] | `CPUOffloadingManager` + its LRU/ARC policies | §5.2–§5.4, I-40 |
 //! | [`compose`] | [`MultiConnector`] + [`MultiWorker`] | `MultiConnector` (both roles) | §1.7, §4.3, I-28…I-32 |
+//! | [`compose`] | [`Either`] + [`EitherWorker`] | (kvrelay's own: one of two connectors, chosen when an engine is built) | — |
 //! | [`pd`] | [`PdConnector`] + [`PdWorker`] | NIXL's P/D protocol (both roles) | §2.10, §8.9, I-53, I-54 |
 //!
 //! Rooms depend downwards only: `ids`/`tokens`/`sorted_set` ← [`messages`] ← [`scheduler`] ←

@@ -44,12 +44,24 @@ fn pd_runs_a_workload_through_two_engine_processes_verified() {
     assert_eq!(d["leaks"], serde_json::json!([]));
 }
 
-// Protects flag checking: a lease is strict mode's departure, and compat refuses it.
+// Protects flag checking, before any engine process starts: a lease is strict mode's
+// departure (compat refuses it); the KV server reads in-process arenas in host memory.
 #[test]
-fn a_lease_without_strict_mode_is_refused() {
-    let out = kvrelay(&["pd", "--conversations", "2", "--lease-steps", "4"]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--mode strict"));
+fn what_a_pair_cannot_run_is_refused_with_its_reason() {
+    for (flags, says) in [
+        (&["--lease-steps", "4"][..], "--mode strict"),
+        (&["--workers", "process"][..], "in-process ranks"),
+        (&["--backend", "cuda"][..], "host backend"),
+    ] {
+        let mut args = vec!["pd", "--conversations", "2"];
+        args.extend_from_slice(flags);
+        let out = kvrelay(&args);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(says),
+            "{flags:?}"
+        );
+    }
 }
 
 fn config() -> RunConfig {

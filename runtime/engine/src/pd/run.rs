@@ -68,11 +68,7 @@ pub async fn run_processes(
     deadline_ms: u64,
     progress: impl FnMut(u64, u64),
 ) -> Result<PdReport, RunError> {
-    if lease_steps.is_some() && c.mode != kvrelay_core::Mode::Strict {
-        return Err(RunError::Config(
-            "a lease (--lease-steps) is strict mode's departure: add --mode strict".into(),
-        ));
-    }
+    check(c, lease_steps)?;
     let started = Instant::now();
     let max_len = c
         .max_model_len
@@ -95,6 +91,20 @@ pub async fn run_processes(
         decode,
         started.elapsed(),
     ))
+}
+
+/// What a pair refuses before any process starts (the engines check the rest).
+fn check(c: &RunConfig, lease_steps: Option<u32>) -> Result<(), RunError> {
+    let why = if lease_steps.is_some() && c.mode != kvrelay_core::Mode::Strict {
+        "a lease (--lease-steps) is strict mode's departure: add --mode strict"
+    } else if c.workers != crate::Workers::InProcess {
+        "P/D needs in-process ranks (--workers in-process): the KV server reads their arenas"
+    } else if c.backend == crate::Backend::Cuda {
+        "P/D needs the host backend (--backend host) for now"
+    } else {
+        return Ok(());
+    };
+    Err(RunError::Config(why.into()))
 }
 
 impl PdReport {
