@@ -20,8 +20,9 @@ check every loaded block byte for byte against the request's tokens when it land
 late read is a failed load: the decode engine recomputes those tokens. Once the decode side
 has read a request's KV (its first token, or its end), the router acknowledges it and the
 prefill engine releases the blocks. Each engine also offloads to its CPU pool (vLLM's
-MultiConnector over the P/D connector and the offloading connector), and with --tier both share
-one tier behind their CPU pools: the decode engine finds there what the prefill engine stored.
+MultiConnector over the P/D connector and the offloading connector); with --tier both cascade
+into one shared tier behind their CPU pools, and a prefill engine prefills from what any engine
+stored there (a second pair, a restart).
 
 Both engines step in lockstep on one virtual clock, so the counts are the same on every run.
 Latencies are on that clock: time to first token runs from a request's arrival to its first

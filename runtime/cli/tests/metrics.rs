@@ -49,7 +49,8 @@ fn scrape(addr: &str, accept: &str) -> String {
     try_scrape(addr, accept).expect("connects")
 }
 
-/// `GET /metrics`; the body, or `None` once nothing serves on `addr`.
+/// `GET /metrics`; the body, or `None` once nothing serves on `addr` (the connection refused,
+/// or reset by a server that stopped while it answered: the run ended).
 fn try_scrape(addr: &str, accept: &str) -> Option<String> {
     let mut s = TcpStream::connect(addr).ok()?;
     s.set_read_timeout(Some(DEADLINE)).unwrap();
@@ -57,9 +58,12 @@ fn try_scrape(addr: &str, accept: &str) -> Option<String> {
         s,
         "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nAccept: {accept}\r\n\r\n"
     )
-    .unwrap();
+    .ok()?;
     let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
+    match s.read_to_string(&mut out) {
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return None,
+        r => r.unwrap(),
+    };
     let (head, body) = out.split_once("\r\n\r\n").expect("a head");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     Some(body.to_owned())
