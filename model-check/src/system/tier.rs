@@ -73,6 +73,7 @@ impl TierModel {
             tiers: 1,
             deadline_steps: self.deadline_steps,
             promoted_most_recent: self.deadline_steps.is_some(),
+            hold_promoted: self.deadline_steps.is_some(),
         }
     }
 }

@@ -427,6 +427,7 @@ impl Harness for TieringHarness {
             tiers: c.tiers,
             deadline_steps,
             promoted_most_recent: c.mode == Mode::Strict,
+            hold_promoted: c.mode == Mode::Strict,
         };
         let manager = TieringManager::new(primary, config)
             .map_err(|e| CaseError(format!("bad config: {e}")))?;

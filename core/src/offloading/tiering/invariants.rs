@@ -48,8 +48,9 @@ impl TieringManager {
         Ok(())
     }
 
-    /// I-50: a cascade pins each primary chunk it reads (a key's pins ≥ its cascades); a
-    /// promotion's keys, handed out or queued, are write-pending and promoted once.
+    /// I-50: a cascade pins each primary chunk it reads, and so does a hold (a key's pins ≥ its
+    /// cascades and holds); a promotion's keys, handed out or queued, are write-pending and
+    /// promoted once.
     fn check_pins(&self) -> Result<(), InvariantViolation> {
         let mut cascades: BTreeMap<_, i32> = BTreeMap::new();
         let mut promoting = BTreeMap::new();
@@ -75,9 +76,16 @@ impl TieringManager {
                 *cascades.entry(*key).or_default() += 1;
             }
         }
+        for key in self.held.values().flatten() {
+            *cascades.entry(*key).or_default() += 1;
+        }
         for (key, n) in cascades {
             let pins = self.primary.ref_count(key).unwrap_or(0);
-            ensure_invariant!(pins >= n, "I-50", "key {key:?}: {n} cascades, {pins} pins");
+            ensure_invariant!(
+                pins >= n,
+                "I-50",
+                "key {key:?}: {n} cascades and holds, {pins} pins"
+            );
         }
         Ok(())
     }
@@ -116,14 +124,21 @@ impl TieringManager {
         Ok(())
     }
 
-    /// I-52: a finished request with no store in flight is finalised; overdue keys belong to
-    /// expired promotions, and only in strict mode.
+    /// I-52: a finished request with no store in flight is finalised, and holds nothing;
+    /// overdue keys belong to expired promotions, and only in strict mode.
     fn check_requests(&self) -> Result<(), InvariantViolation> {
         for (r, s) in &self.requests {
             ensure_invariant!(
                 !s.finished || s.pending_primary_stores > 0,
                 "I-52",
                 "{r:?} finished with no store in flight but was not finalised"
+            );
+        }
+        for r in self.held.keys() {
+            ensure_invariant!(
+                self.config.hold_promoted && self.requests.get(r).is_some_and(|s| !s.finished),
+                "I-52",
+                "promoted chunks held for {r:?}, finished or unknown (or holds off)"
             );
         }
         ensure_invariant!(

@@ -29,7 +29,10 @@
 //! key looks missing, so its request recomputes; the promotion's primary chunk stays reserved
 //! until the runtime reports the job, so a late write never lands in a reused chunk. And a
 //! promotion that lands ranks its chunks most recent ([`TieringConfig::promoted_most_recent`]):
-//! under vLLM's ranks, an old request's promotions evict each other for ever.
+//! under vLLM's ranks, an old request's promotions evict each other for ever. And a promoted
+//! chunk stays pinned for its request until it loads it or finishes
+//! ([`TieringConfig::hold_promoted`]): when promotions want more chunks than the primary tier
+//! holds, they then miss instead of evicting each other for ever.
 //!
 //! # Layout
 //!
@@ -75,6 +78,8 @@ struct Job {
     age: u32,
     /// Strict: a promotion past its deadline (its keys are in `overdue`).
     expired: bool,
+    /// A promotion's request (`None`: a cascade).
+    request: Option<RequestId>,
 }
 
 /// `RequestState` (object-store tiers never ask for request-level stores, so no parked keys).
@@ -109,6 +114,9 @@ pub struct TieringManager {
     promotions_held: bool,
     /// Strict: keys of promotions past their deadline (looked up as misses).
     overdue: BTreeSet<OffloadKey>,
+    /// Strict ([`TieringConfig::hold_promoted`]): per request, the promoted keys pinned for it
+    /// until it loads them or finishes.
+    held: BTreeMap<RequestId, Vec<OffloadKey>>,
     /// Work for the runtime, taken every step (bounded by one step's lookups and stores).
     work: Vec<TierWork>,
     stats: TieringStats,
@@ -136,6 +144,7 @@ impl TieringManager {
             polled_this_step: false,
             promotions_held: false,
             overdue: BTreeSet::new(),
+            held: BTreeMap::new(),
             work: Vec::new(),
             stats: TieringStats::default(),
             error: None,
@@ -316,6 +325,7 @@ impl TieringManager {
                 promotion: false,
                 age: 0,
                 expired: false,
+                request: None,
             },
         );
         self.tiers[tier.0 as usize].submit(job, None);
@@ -333,9 +343,31 @@ impl TieringManager {
         keys: &[OffloadKey],
         access: Access<'_>,
     ) -> Result<Vec<ChunkId>, TieringError> {
-        self.primary
+        let request = access.request;
+        let chunks = self
+            .primary
             .prepare_load(keys, access)
-            .map_err(TieringError::Primary)
+            .map_err(TieringError::Primary)?;
+        if let Some(r) = request {
+            self.release_held(r, |k| keys.contains(k));
+        }
+        Ok(chunks)
+    }
+
+    /// Unpins the keys held for `request` that `which` picks (its load pinned them itself, or
+    /// it finished).
+    fn release_held(&mut self, request: RequestId, which: impl Fn(&OffloadKey) -> bool) {
+        let Some(held) = self.held.get_mut(&request) else {
+            return;
+        };
+        let (release, keep): (Vec<OffloadKey>, Vec<OffloadKey>) =
+            held.iter().partition(|k| which(k));
+        if keep.is_empty() {
+            self.held.remove(&request);
+        } else {
+            *held = keep;
+        }
+        self.unpin(&release);
     }
 
     /// `complete_load`: unpins what [`Self::prepare_load`] pinned.
@@ -358,6 +390,7 @@ impl TieringManager {
             .get_mut(&request)
             .ok_or(TieringError::UnknownRequest(Some(request)))?;
         state.finished = true;
+        self.release_held(request, |_| true);
         self.primary.on_request_finished(request);
         self.maybe_finalize(request);
         Ok(())
@@ -405,6 +438,7 @@ impl TieringManager {
                         promotion: true,
                         age: 0,
                         expired: false,
+                        request: Some(request),
                     },
                 );
                 self.tiers[tier.0 as usize].submit(job, Some(p.keys.clone()));
@@ -460,6 +494,9 @@ impl TieringManager {
         }
         self.poll();
         self.promotions.clear();
+        for request in self.held.keys().copied().collect::<Vec<_>>() {
+            self.release_held(request, |_| true);
+        }
         let finished: Vec<RequestId> = self
             .requests
             .iter()
@@ -597,6 +634,23 @@ impl TieringManager {
         self.primary.complete_store(&failed, false);
         if self.config.promoted_most_recent {
             self.primary.touch(&ok, Access::default());
+        }
+        self.hold(job.request, ok);
+    }
+
+    /// Strict: pins `keys`, just promoted, for `request` while it is live.
+    fn hold(&mut self, request: Option<RequestId>, keys: Vec<OffloadKey>) {
+        let Some(r) = request.filter(|r| self.requests.get(r).is_some_and(|s| !s.finished)) else {
+            return;
+        };
+        if !self.config.hold_promoted || keys.is_empty() {
+            return;
+        }
+        match self.primary.prepare_load(&keys, Access::default()) {
+            Ok(_) => self.held.entry(r).or_default().extend(keys),
+            Err(e) => {
+                self.error.get_or_insert(TieringError::Primary(e));
+            }
         }
     }
 }

@@ -28,6 +28,7 @@ fn manager(capacity: u32, deadline: Option<u32>) -> TieringManager {
         tiers: 1,
         deadline_steps: deadline,
         promoted_most_recent: deadline.is_some(),
+        hold_promoted: deadline.is_some(),
     };
     let mut m = TieringManager::new(primary, config).expect("valid config");
     m.on_new_request(R);
@@ -308,4 +309,70 @@ fn strict_ranks_a_landed_promotion_most_recent() {
         !second_promotion_evicts_the_first(true),
         "strict: the idle chunk goes"
     );
+}
+
+/// One step of two requests that each want `keys` from the tier, as the connector looks them
+/// up (in order: a hit goes on, a miss ends the request's hit, anything pending makes it wait)
+/// and loads a hit prefix; every probe is found and every promotion lands. The requests that
+/// loaded this step.
+fn contend(m: &mut TieringManager, wants: &[(RequestId, [OffloadKey; 2])]) -> Vec<RequestId> {
+    let mut loaded = Vec::new();
+    for (r, keys) in wants {
+        let mut hit = Vec::new();
+        let mut waits = false;
+        for (i, &k) in keys.iter().enumerate() {
+            match m.lookup(k, *r, i as u32) {
+                LookupResult::Hit => hit.push(k),
+                LookupResult::Miss => break,
+                LookupResult::HitPending | LookupResult::Retry => {
+                    waits = true;
+                    break;
+                }
+            }
+        }
+        if !waits && !hit.is_empty() {
+            let access = Access {
+                request: Some(*r),
+                positions: None,
+            };
+            m.prepare_load(&hit, access).expect("a hit loads");
+            m.complete_load(&hit).expect("pinned by its load");
+            loaded.push(*r);
+        }
+    }
+    let work = step(m);
+    answer(m, &work, true);
+    for (job, _) in loads(&work) {
+        finish(m, job, true);
+    }
+    loaded
+}
+
+// Protects the strict departure from vLLM's promotion livelock (docs/TIERING.md, "promotions
+// that evict each other"): two requests whose promotions need more chunks than the primary
+// tier holds. In compat each step's promotions evict the other request's, and neither ever
+// loads; in strict a promoted chunk stays pinned for its request, the promotion that finds no
+// room is a miss, and each request loads what it has.
+#[test]
+fn promotions_that_outgrow_the_primary_tier_evict_each_other_only_in_compat() {
+    const B: RequestId = RequestId(2);
+    for strict in [false, true] {
+        let mut m = manager(2, strict.then_some(50));
+        m.on_new_request(B);
+        let wants = [(R, [key(1), key(2)]), (B, [key(3), key(4)])];
+        let mut loaded = Vec::new();
+        for _ in 0..30 {
+            loaded.extend(contend(&mut m, &wants));
+        }
+        if strict {
+            assert!(loaded.contains(&R) && loaded.contains(&B), "{loaded:?}");
+            assert!(m.stats().promotion_allocation_failures > 0);
+        } else {
+            assert_eq!(loaded, Vec::<RequestId>::new(), "vLLM's livelock");
+        }
+        m.on_request_finished(R).unwrap();
+        m.on_request_finished(B).unwrap();
+        m.check_invariants().expect("nothing held past its request");
+        assert!(m.held.is_empty());
+    }
 }

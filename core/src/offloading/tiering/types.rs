@@ -52,6 +52,13 @@ pub struct TieringConfig {
     /// one, for ever (`docs/TIERING.md`). `true` (strict): a promotion that lands ranks its
     /// chunks most recent, as a touch does.
     pub promoted_most_recent: bool,
+    /// `false`: vLLM 0.33.0 (compat), where a promoted chunk is evictable as soon as it lands,
+    /// so when the requests waiting for promotions need more chunks than the primary tier
+    /// holds, each step's promotions evict the previous step's and no request ever loads (a
+    /// livelock, `docs/TIERING.md`). `true` (strict): a promoted chunk stays pinned for the
+    /// request that promoted it until that request loads it or finishes; a promotion that
+    /// finds no room is then a miss, and the request recomputes those tokens.
+    pub hold_promoted: bool,
 }
 
 impl TieringConfig {

@@ -160,6 +160,7 @@ pub(super) fn tier_pools(
         tiers: 1,
         deadline_steps: (c.mode == Mode::Strict).then_some(t.deadline_steps.max(1)),
         promoted_most_recent: c.mode == Mode::Strict,
+        hold_promoted: c.mode == Mode::Strict,
     });
     let pools = (0..c.ranks)
         .map(|_| HostPool::new(host.total_bytes() as usize))
