@@ -222,6 +222,18 @@ impl OffloadingConnector {
         out: &SchedulerOutput,
     ) {
         let bpc = self.bpc();
+        if view.config().mode == crate::Mode::Strict {
+            // Strict: a preempted request's blocks are freed (other requests may be given them
+            // this very step), so its table is dropped. Under async scheduling a request can
+            // still finish after its preemption, from an output in flight, and its finish's
+            // stores must not read blocks it no longer holds (vLLM keeps the table and stores
+            // from it: docs/COMPAT.md).
+            for id in out.preempted_req_ids.iter() {
+                if let Some(st) = self.requests.get_mut(id) {
+                    st.block_ids.iter_mut().for_each(Vec::clear);
+                }
+            }
+        }
         let mut ends: BTreeMap<RequestId, Vec<usize>> = BTreeMap::new();
         for req in out.scheduled_requests() {
             let (id, blocks, full) = (req.id, req.block_ids, req.full_table);

@@ -200,11 +200,16 @@ async fn shut_down(engine: Engine) -> Result<(Figures, Vec<RankStats>), String> 
         .map_err(|_| "the ranks did not stop within a minute (virtual) of shutdown".to_owned())
 }
 
-/// With a shared tier, the CPU pool holds at least this many (one-block) chunks: the longest
-/// request (`MAX_MODEL_LEN` tokens, 24 blocks) and a few more. In a smaller pool, a request
-/// whose chunks outnumber the pool promotes them for ever, each promotion evicting the last
-/// (the livelock of `docs/TIERING.md`, vLLM's, not departed from yet).
+/// With a shared tier in compat, the CPU pool holds at least this many (one-block) chunks: the
+/// longest request (`MAX_MODEL_LEN` tokens, 24 blocks) and a few more. In a smaller pool, a
+/// request whose chunks outnumber the pool promotes them for ever, each promotion evicting the
+/// last (vLLM's livelock, `docs/TIERING.md`). Strict holds a promoted chunk for its request
+/// (`TieringConfig::hold_promoted`), so its tier seeds draw pools below that too.
 const TIER_CPU_BLOCKS: u32 = 28;
+
+/// A strict second engine's CPU pool, every other seed: far fewer chunks than its requests wait
+/// for at once, so that holds, and promotions that find no room, run under the faults.
+const SECOND_STRICT_CPU_BLOCKS: u32 = 16;
 
 /// The second engine's CPU pool: every chunk its requests (`second_arrivals`) may wait for at
 /// once, so that all of them can be promoted together (its pool starts empty: every hit is a
@@ -214,7 +219,6 @@ const SECOND_CPU_BLOCKS: u32 = 8 * 24 + 32;
 /// The run's shape, drawn from the seed.
 fn config_for(seed: u64, r: &mut SimRng, faults: &FaultMix) -> RunConfig {
     let block_size = 4;
-    let cpu_floor = if faults.tier { TIER_CPU_BLOCKS } else { 0 };
     let config = RunConfig {
         seed,
         ranks: r.range(1, 3) as u32,
@@ -222,7 +226,7 @@ fn config_for(seed: u64, r: &mut SimRng, faults: &FaultMix) -> RunConfig {
         block_size,
         block_bytes: Some(8 * u64::from(block_size) * r.range(1, 2)),
         gpu_blocks: Some(r.range(28, 48) as u32),
-        cpu_blocks: Some((r.range(16, 64) as u32).max(cpu_floor)),
+        cpu_blocks: Some(r.range(16, 64) as u32),
         blocks_per_chunk: 1,
         policy: if r.chance(0.5) {
             kvrelay_core::PolicyKind::Lru
@@ -250,16 +254,16 @@ fn config_for(seed: u64, r: &mut SimRng, faults: &FaultMix) -> RunConfig {
         }),
         ..RunConfig::default()
     };
+    if !faults.tier || config.mode != Mode::Compat {
+        return config;
+    }
     // A compat tier seed uses ARC: under vLLM's LRU, an old request's promotions evict each
     // other for ever (`docs/TIERING.md`); strict ranks a landed promotion most recent.
-    let compat_lru = config.mode == Mode::Compat && config.policy == kvrelay_core::PolicyKind::Lru;
-    if faults.tier && compat_lru {
-        return RunConfig {
-            policy: kvrelay_core::PolicyKind::Arc,
-            ..config
-        };
+    RunConfig {
+        cpu_blocks: config.cpu_blocks.map(|n| n.max(TIER_CPU_BLOCKS)),
+        policy: kvrelay_core::PolicyKind::Arc,
+        ..config
     }
-    config
 }
 
 /// One request of the generated input: when it arrives, its prompt, its output length.
@@ -356,8 +360,12 @@ async fn run_seed(seed: u64, options: SimOptions) -> Result<SimReport, String> {
             seed: tr.next_u64(),
             ..transport
         };
+        let small = config.mode == Mode::Strict && tr.next_u64().is_multiple_of(2);
         let config = RunConfig {
-            cpu_blocks: Some(SECOND_CPU_BLOCKS),
+            cpu_blocks: Some(match small {
+                true => SECOND_STRICT_CPU_BLOCKS,
+                false => SECOND_CPU_BLOCKS,
+            }),
             ..config
         };
         let mut engine = transport.start(&config).await?;

@@ -105,3 +105,15 @@ fn under_lru_an_old_requests_promotions_no_longer_evict_each_other() {
     let t = r.tier.expect("a tier seed");
     assert!(t.promotions > 0, "{t:?}");
 }
+
+/// Protects strict's dropping of a preempted request's block table (`docs/COMPAT.md`): seed
+/// 15364 (strict, async depth 2, a shared tier, 20 CPU blocks) preempts a request whose output
+/// still in flight then finishes it; its finish's store read a block already given to another
+/// request (`written while a store reads it`) while strict kept the table.
+#[test]
+fn a_request_finished_after_its_preemption_stores_nothing_it_no_longer_holds() {
+    let r = simulate(15364).unwrap_or_else(|f| panic!("{f}"));
+    assert_eq!((r.mode, r.async_depth), ("strict", 2));
+    assert_eq!(r.ending, "quiescent");
+    assert!(r.tier.is_some(), "a tier seed");
+}
