@@ -163,6 +163,27 @@ impl Default for RunConfig {
 }
 
 impl RunConfig {
+    /// Why this configuration cannot run as (one side of) a P/D pair, `None` if it can: the
+    /// KV server reads the ranks' arenas, so they must be in-process and in host memory; a
+    /// decode engine needs its source. `backend` is [`RunConfig::backend`] resolved (the
+    /// engine's check) or not (the pair's, before any process starts: `auto` passes, its
+    /// engines resolve it).
+    pub fn pd_unsupported(&self, backend: Backend) -> Option<&'static str> {
+        if self.workers != Workers::InProcess {
+            Some(
+                "P/D needs in-process ranks (--workers in-process): the KV server reads their arenas",
+            )
+        } else if backend == Backend::Cuda {
+            Some("P/D needs the host backend (--backend host) for now")
+        } else if (self.pd.as_ref())
+            .is_some_and(|p| p.role == crate::pd::PdRole::Decode && p.source.is_none())
+        {
+            Some("a P/D decode engine needs its source (the prefill engine's KV server)")
+        } else {
+            None
+        }
+    }
+
     /// Bytes of one block of one layer on one rank: as given, else 2,048, or one word a token
     /// slot with a trace.
     pub fn block_bytes(&self) -> u64 {

@@ -172,22 +172,12 @@ pub(super) fn tier_pools(
     }))
 }
 
-/// A P/D engine: in-process ranks and the host backend (a prefill engine's KV server reads
-/// the ranks' arenas), and a decode engine knows its source.
+/// A P/D engine: see [`RunConfig::pd_unsupported`] (`backend` resolved).
 fn check_pd(c: &RunConfig, backend: crate::Backend) -> Result<(), RunError> {
-    let Some(p) = &c.pd else {
-        return Ok(());
-    };
-    let why = if c.workers != crate::config::Workers::InProcess {
-        "P/D needs in-process ranks (--workers in-process): the KV server reads their arenas"
-    } else if backend != crate::Backend::Host {
-        "P/D needs the host backend (--backend host) for now"
-    } else if p.role == PdRole::Decode && p.source.is_none() {
-        "a P/D decode engine needs its source (the prefill engine's KV server)"
-    } else {
-        return Ok(());
-    };
-    Err(RunError::Config(why.into()))
+    match c.pd_unsupported(backend) {
+        Some(why) => Err(RunError::Config(why.into())),
+        None => Ok(()),
+    }
 }
 
 /// A P/D prefill engine's rank arenas, made here so that its KV server can read them.

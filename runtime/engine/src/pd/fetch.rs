@@ -42,6 +42,8 @@ enum ReadError {
     Refused(String),
     #[error("{got} bytes for {want}")]
     Short { got: usize, want: usize },
+    #[error("a copy to bytes {0:?} of an arena of {1}")]
+    OutOfArena(core::ops::Range<usize>, usize),
     #[error("a store job: a decode rank only loads")]
     NotALoad,
 }
@@ -176,11 +178,9 @@ fn write_runs(arena: &RwLock<Vec<u8>>, runs: &[CopyRun], bytes: &[u8]) -> Result
     let mut a = arena.write().unwrap_or_else(|p| p.into_inner());
     for r in runs {
         let (g, h, n) = (r.gpu as usize, r.host as usize, r.len as usize);
+        let len = a.len();
         let Some(dst) = a.get_mut(g..g + n) else {
-            return Err(ReadError::Short {
-                got: a.len(),
-                want: g + n,
-            });
+            return Err(ReadError::OutOfArena(g..g + n, len));
         };
         dst.copy_from_slice(&bytes[h..h + n]);
     }

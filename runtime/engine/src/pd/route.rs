@@ -147,18 +147,22 @@ impl PdLink for Engine {
         });
         let (f, ranks) = self.shutdown().await;
         let [served_reads, served_blocks, served_bytes, served_gone] = served.unwrap_or_default();
+        let mut r = crate::rank::RankStats::default();
+        for rank in &ranks {
+            r.add(rank);
+        }
         Ok(EngineSummary {
             steps: f.steps,
             preemptions: f.preemptions,
             tokens_computed: f.tokens_computed,
             prefix_hit_tokens: f.reused_tokens,
-            blocks_loaded: ranks.iter().map(|r| r.blocks_loaded).sum(),
-            bytes_loaded: ranks.iter().map(|r| r.bytes_loaded).sum(),
-            remote_blocks_loaded: ranks.iter().map(|r| r.remote_blocks_loaded).sum(),
-            remote_bytes_loaded: ranks.iter().map(|r| r.remote_bytes_loaded).sum(),
-            failed_loads: ranks.iter().map(|r| r.failed_transfers).sum(),
-            loaded_blocks_verified: ranks.iter().map(|r| r.loaded_blocks_verified).sum(),
-            read_blocks_checked: ranks.iter().map(|r| r.read_blocks_checked).sum(),
+            blocks_loaded: r.blocks_loaded,
+            bytes_loaded: r.bytes_loaded,
+            remote_blocks_loaded: r.remote_blocks_loaded,
+            remote_bytes_loaded: r.remote_bytes_loaded,
+            failed_loads: r.failed_transfers,
+            loaded_blocks_verified: r.loaded_blocks_verified,
+            read_blocks_checked: r.read_blocks_checked,
             pd,
             served_reads,
             served_blocks,

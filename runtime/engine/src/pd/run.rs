@@ -96,15 +96,14 @@ pub async fn run_processes(
 /// What a pair refuses before any process starts (the engines check the rest).
 fn check(c: &RunConfig, lease_steps: Option<u32>) -> Result<(), RunError> {
     let why = if lease_steps.is_some() && c.mode != kvrelay_core::Mode::Strict {
-        "a lease (--lease-steps) is strict mode's departure: add --mode strict"
-    } else if c.workers != crate::Workers::InProcess {
-        "P/D needs in-process ranks (--workers in-process): the KV server reads their arenas"
-    } else if c.backend == crate::Backend::Cuda {
-        "P/D needs the host backend (--backend host) for now"
+        Some("a lease (--lease-steps) is strict mode's departure: add --mode strict")
     } else {
-        return Ok(());
+        c.pd_unsupported(c.backend)
     };
-    Err(RunError::Config(why.into()))
+    match why {
+        Some(why) => Err(RunError::Config(why.into())),
+        None => Ok(()),
+    }
 }
 
 impl PdReport {
