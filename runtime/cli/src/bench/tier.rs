@@ -244,6 +244,10 @@ fn print_table(args: &TierBenchArgs, version: &str, masters: u32, all: &[Measure
             100.0 * m.load_ratio
         );
     }
+    if args.side != "both" {
+        println!("one side measured (--side {}): no ratio", args.side);
+        return;
+    }
     let worst = all
         .iter()
         .map(|m| m.store_ratio.min(m.load_ratio))

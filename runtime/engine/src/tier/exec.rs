@@ -134,20 +134,21 @@ pub(super) async fn run(
     for ((_, kind), batch) in batches {
         let ctx = ctx.clone();
         tasks.spawn(async move {
-            let kind = Kind::from(kind);
             let mut first_error = None;
-            let sent = pipeline(&ctx, kind, &batch, &mut first_error);
-            let results = match tokio::time::timeout(timeout, sent).await {
-                Ok(r) => r,
-                Err(_) => batch
-                    .iter()
-                    .map(|_| ChunkResult::Failed(Failure::Timeout))
-                    .collect(),
-            };
+            let results = pipeline(&ctx, Kind::from(kind), &batch, &mut first_error).await;
             (batch, results, first_error)
         });
     }
-    while let Some(joined) = tasks.join_next().await {
+    // One deadline for the whole batch (every command was sent at its start): one timer, not
+    // one per pipeline, each of which would wake the runtime's driver to register.
+    let deadline = tokio::time::sleep(timeout);
+    tokio::pin!(deadline);
+    loop {
+        let joined = tokio::select! {
+            joined = tasks.join_next() => joined,
+            () = &mut deadline => break,
+        };
+        let Some(joined) = joined else { break };
         if let Ok((batch, results, error)) = joined {
             for ((w, i, _, _), r) in batch.into_iter().zip(results) {
                 slots[w][i] = Some(r);
@@ -156,6 +157,12 @@ pub(super) async fn run(
                 done.figures.first_error = error;
             }
         }
+    }
+    // Past the deadline: the pipelines still waiting are dropped (their connections with
+    // them: a node that does not answer in time is not asked again on the same one).
+    tasks.abort_all();
+    for r in slots.iter_mut().flatten().filter(|r| r.is_none()) {
+        *r = Some(ChunkResult::Failed(Failure::Timeout));
     }
     for (item, results) in work.into_iter().zip(slots) {
         settle(item, results, &ctx.2, &mut done);
@@ -250,7 +257,7 @@ async fn pipeline(
                         .collect()
                 })
                 .collect();
-            match store.put_many(&pairs).await {
+            match store.put_many(pairs).await {
                 Ok(out) => out
                     .into_iter()
                     .map(|r| r.map_or_else(|e| io_failed(&e), |()| ChunkResult::Stored))
@@ -277,7 +284,7 @@ async fn pipeline(
 fn promote(
     pools: &Pools,
     keys: &[String],
-    values: &[Option<Vec<u8>>],
+    values: &[Option<bytes::Bytes>],
     chunk: ChunkId,
 ) -> ChunkResult {
     let want = pools.chunk_bytes();

@@ -9,6 +9,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::Bytes;
+
 use super::resp::Cluster;
 
 /// Why a store call failed.
@@ -169,15 +171,14 @@ impl Store {
     }
 
     /// Writes every group's pairs (one `MSET` per group; groups as in [`Store::exists_many`]).
-    pub async fn put_many(&self, groups: &[Vec<(String, Vec<u8>)>]) -> Answers<()> {
+    /// The values are moved to the store (a Redis Cluster's go on the wire uncopied).
+    pub async fn put_many(&self, groups: Vec<Vec<(String, Vec<u8>)>>) -> Answers<()> {
         match self {
-            Self::Custom(b) => b.put_many(groups).await,
+            Self::Custom(b) => b.put_many(&groups).await,
             Self::Memory(m) => {
-                let mut map = m.map();
-                for (k, v) in groups.iter().flatten() {
-                    map.insert(k.clone(), v.clone());
-                }
-                Ok(groups.iter().map(|_| Ok(())).collect())
+                let answers = groups.iter().map(|_| Ok(())).collect();
+                m.map().extend(groups.into_iter().flatten());
+                Ok(answers)
             }
             Self::Redis(c) => Ok(answers(c.mset(groups).await)),
         }
@@ -185,14 +186,20 @@ impl Store {
 
     /// Every group's values (`None`: absent; one `MGET` per group, groups as in
     /// [`Store::exists_many`]).
-    pub async fn get_many(&self, groups: &[Vec<String>]) -> Answers<Vec<Option<Vec<u8>>>> {
+    pub async fn get_many(&self, groups: &[Vec<String>]) -> Answers<Vec<Option<Bytes>>> {
         match self {
-            Self::Custom(b) => b.get_many(groups).await,
+            Self::Custom(b) => Ok(b
+                .get_many(groups)
+                .await?
+                .into_iter()
+                .map(|g| g.map(|values| values.into_iter().map(|v| v.map(Bytes::from)).collect()))
+                .collect()),
             Self::Memory(m) => {
                 let map = m.map();
+                let get = |k: &String| map.get(k).map(|v| Bytes::copy_from_slice(v));
                 Ok(groups
                     .iter()
-                    .map(|g| Ok(g.iter().map(|k| map.get(k).cloned()).collect()))
+                    .map(|g| Ok(g.iter().map(get).collect()))
                     .collect())
             }
             Self::Redis(c) => Ok(answers(c.mget(groups).await)),

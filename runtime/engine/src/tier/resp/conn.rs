@@ -26,6 +26,9 @@ pub(crate) const IN_FLIGHT_BOUND: usize = 1 << 16;
 /// the node starts on them while the caller frames more, in writes large enough to be cheap.
 const WRITE_THROUGH: usize = 64 << 10;
 
+/// Segments one vectored write takes at most (a value and its framing are two).
+const MAX_SLICES: usize = 256;
+
 type Replies = Result<Vec<Reply>, String>;
 
 pub(crate) struct Conn {
@@ -45,7 +48,8 @@ struct Shared {
 
 #[derive(Default)]
 struct Queue {
-    /// Framed commands not yet written (written in this order, under the lock).
+    /// Framed commands not yet written, as segments (written in this order, under the lock;
+    /// never empty ones).
     outbox: VecDeque<Vec<u8>>,
     /// Bytes of the first one already written.
     head_sent: usize,
@@ -115,9 +119,13 @@ impl Conn {
         self.tasks.iter().for_each(AbortHandle::abort);
     }
 
-    /// Queues `buf` (`n` framed commands); their replies come through the returned
-    /// [`Waiting`].
-    pub(crate) fn submit(self: &Arc<Self>, buf: Vec<u8>, n: usize) -> Result<Waiting, String> {
+    /// Queues `segments` (`n` framed commands, in order); their replies come through the
+    /// returned [`Waiting`].
+    pub(crate) fn submit(
+        self: &Arc<Self>,
+        segments: Vec<Vec<u8>>,
+        n: usize,
+    ) -> Result<Waiting, String> {
         let (tx, rx) = oneshot::channel();
         {
             let mut q = self.shared.queue();
@@ -131,8 +139,10 @@ impl Conn {
                 ));
             }
             q.in_flight += n;
-            q.queued_bytes += buf.len();
-            q.outbox.push_back(buf);
+            for segment in segments.into_iter().filter(|s| !s.is_empty()) {
+                q.queued_bytes += segment.len();
+                q.outbox.push_back(segment);
+            }
             q.pending.push_back((n, tx));
             // Small commands wait for the writer, which takes everything queued by then.
             let flush = if q.queued_bytes >= WRITE_THROUGH {
@@ -189,7 +199,7 @@ impl Queue {
     fn flush(&mut self, stream: &TcpStream) -> io::Result<bool> {
         while !self.outbox.is_empty() {
             let slices: Vec<IoSlice<'_>> = (self.outbox.iter().enumerate())
-                .take(64)
+                .take(MAX_SLICES)
                 .map(|(i, b)| IoSlice::new(if i == 0 { &b[self.head_sent..] } else { b }))
                 .collect();
             let mut n = match stream.try_write_vectored(&slices) {

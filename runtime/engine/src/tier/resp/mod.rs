@@ -28,9 +28,11 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+
 use self::conn::{Conn, Waiting};
 pub(crate) use self::wire::Reply;
-use self::wire::{Command, key_slot};
+use self::wire::{Command, Frames, key_slot};
 
 /// At most one slot-map refresh started per this long.
 pub const REFRESH_EVERY: Duration = Duration::from_millis(250);
@@ -130,9 +132,12 @@ impl Cluster {
             .collect()
     }
 
-    /// Writes every group's pairs (one `MSET` per group).
-    pub async fn mset(&self, groups: &[Vec<(String, Vec<u8>)>]) -> Vec<Result<(), String>> {
-        let cmds = groups.iter().map(|g| Command::pairs("MSET", g)).collect();
+    /// Writes every group's pairs (one `MSET` per group; the values go on the wire uncopied).
+    pub async fn mset(&self, groups: Vec<Vec<(String, Vec<u8>)>>) -> Vec<Result<(), String>> {
+        let cmds = groups
+            .into_iter()
+            .map(|g| Command::pairs("MSET", g))
+            .collect();
         let replies = self.send(cmds).await;
         replies
             .into_iter()
@@ -143,8 +148,8 @@ impl Cluster {
             .collect()
     }
 
-    /// Every group's values (`None`: absent; one `MGET` per group).
-    pub async fn mget(&self, groups: &[Vec<String>]) -> Vec<Result<Vec<Option<Vec<u8>>>, String>> {
+    /// Every group's values (`None`: absent; one `MGET` per group), views of the read buffer.
+    pub async fn mget(&self, groups: &[Vec<String>]) -> Vec<Result<Vec<Option<Bytes>>, String>> {
         let cmds = groups.iter().map(|g| Command::keys("MGET", g)).collect();
         let replies = self.send(cmds).await;
         replies
@@ -168,17 +173,17 @@ impl Cluster {
     async fn send(&self, cmds: Vec<Command<'_>>) -> Vec<Result<Reply, String>> {
         let mut out: Vec<Result<Reply, String>> =
             (0..cmds.len()).map(|_| Err("not sent".into())).collect();
-        let mut by_node: BTreeMap<u16, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
+        let mut by_node: BTreeMap<u16, (Vec<usize>, Frames)> = BTreeMap::new();
         let mut unrouted = false;
         {
             let s = self.state();
-            for (i, cmd) in cmds.iter().enumerate() {
+            for (i, cmd) in cmds.into_iter().enumerate() {
                 let node = cmd.first_key().and_then(|k| s.slots[key_slot(k)]);
                 match node {
                     Some(n) => {
-                        let (idx, buf) = by_node.entry(n).or_default();
+                        let (idx, frames) = by_node.entry(n).or_default();
                         idx.push(i);
-                        cmd.write(buf);
+                        cmd.write(frames);
                     }
                     None => {
                         out[i] = Err("no node serves the key's slot".into());
@@ -192,9 +197,9 @@ impl Cluster {
         }
         // Every node's commands go out first, then the replies are awaited: all in flight at once.
         let mut waiting = Vec::with_capacity(by_node.len());
-        for (node, (idx, buf)) in by_node {
+        for (node, (idx, frames)) in by_node {
             let n = idx.len();
-            waiting.push((idx, self.submit(node, buf, n).await));
+            waiting.push((idx, self.submit(node, frames, n).await));
         }
         for (idx, sent) in waiting {
             let replies = match sent {
@@ -224,10 +229,10 @@ impl Cluster {
 }
 
 impl Cluster {
-    /// Writes `buf` (`n` commands) on `node`'s connection, opening one if it has none.
-    async fn submit(&self, node: u16, buf: Vec<u8>, n: usize) -> Result<Waiting, String> {
+    /// Writes `frames` (`n` commands) on `node`'s connection, opening one if it has none.
+    async fn submit(&self, node: u16, frames: Frames, n: usize) -> Result<Waiting, String> {
         let conn = self.conn(node).await?;
-        conn.submit(buf, n)
+        conn.submit(frames.into_segments(), n)
     }
 
     /// `node`'s live connection, or a fresh one.
@@ -309,9 +314,9 @@ async fn slot_map(nodes: &[String], timeout: Duration) -> Result<Vec<(u16, u16, 
     for addr in nodes {
         let asked = async {
             let conn = Arc::new(Conn::open(addr, timeout).await?);
-            let mut buf = Vec::new();
-            Command::keys("CLUSTER", &["SLOTS".to_owned()]).write(&mut buf);
-            let reply = conn.submit(buf, 1)?.replies().await?;
+            let mut frames = Frames::default();
+            Command::keys("CLUSTER", &["SLOTS".to_owned()]).write(&mut frames);
+            let reply = conn.submit(frames.into_segments(), 1)?.replies().await?;
             wire::slot_ranges(&reply[0], addr)
         };
         match asked.await {

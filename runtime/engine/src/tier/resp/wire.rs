@@ -2,7 +2,9 @@
 //! parsed with every length checked before it is trusted (a node is another process: what it
 //! sends is validated as it is decoded), and Redis Cluster's key slots.
 
-use bytes::{Buf, BytesMut};
+use std::ops::Range;
+
+use bytes::{Bytes, BytesMut};
 
 /// Redis Cluster's hash slots.
 pub(crate) const SLOTS: usize = 16_384;
@@ -16,18 +18,20 @@ const MAX_ARRAY: usize = 1 << 20;
 /// The longest status, error or length line accepted.
 const MAX_LINE: usize = 64 << 10;
 
-/// A reply.
+/// A reply. A bulk string is a view of the read buffer (`B`: [`Bytes`]), never a copy; while a
+/// reply is parsed, its bulk strings are ranges of the buffer (`B`: `Range<usize>`), so a reply
+/// that has not all arrived costs no copy.
 #[derive(Clone, Debug, Eq, PartialEq)]
-pub(crate) enum Reply {
+pub(crate) enum Reply<B = Bytes> {
     /// `+OK` and the like.
     Simple(String),
     /// `-ERR …`, `-MOVED …`.
     Error(String),
     Int(i64),
     /// `None`: the nil bulk string (an absent key).
-    Bulk(Option<Vec<u8>>),
+    Bulk(Option<B>),
     /// An array (the nil array as an empty one).
-    Array(Vec<Reply>),
+    Array(Vec<Reply<B>>),
 }
 
 impl Reply {
@@ -37,10 +41,24 @@ impl Reply {
     }
 }
 
-/// A command to frame: a name and its keys, or its key-value pairs.
+impl Reply<Range<usize>> {
+    /// The reply with its bulk strings cut from `frame` (the buffer the ranges index).
+    fn cut(self, frame: &Bytes) -> Reply {
+        match self {
+            Self::Simple(s) => Reply::Simple(s),
+            Self::Error(e) => Reply::Error(e),
+            Self::Int(n) => Reply::Int(n),
+            Self::Bulk(r) => Reply::Bulk(r.map(|r| frame.slice(r))),
+            Self::Array(items) => Reply::Array(items.into_iter().map(|i| i.cut(frame)).collect()),
+        }
+    }
+}
+
+/// A command to frame: a name and its keys, or its key-value pairs (the values moved into the
+/// frame, never copied).
 pub(crate) enum Command<'a> {
     Keys(&'static str, &'a [String]),
-    Pairs(&'static str, &'a [(String, Vec<u8>)]),
+    Pairs(&'static str, Vec<(String, Vec<u8>)>),
 }
 
 impl<'a> Command<'a> {
@@ -48,7 +66,7 @@ impl<'a> Command<'a> {
         Self::Keys(name, keys)
     }
 
-    pub(crate) fn pairs(name: &'static str, pairs: &'a [(String, Vec<u8>)]) -> Self {
+    pub(crate) fn pairs(name: &'static str, pairs: Vec<(String, Vec<u8>)>) -> Self {
         Self::Pairs(name, pairs)
     }
 
@@ -60,25 +78,56 @@ impl<'a> Command<'a> {
         }
     }
 
-    /// Appends its frame to `buf`.
-    pub(crate) fn write(&self, buf: &mut Vec<u8>) {
+    /// Appends its frame to `out`.
+    pub(crate) fn write(self, out: &mut Frames) {
         match self {
             Self::Keys(name, keys) => {
-                header(buf, b'*', 1 + keys.len());
-                bulk(buf, name.as_bytes());
-                keys.iter().for_each(|k| bulk(buf, k.as_bytes()));
+                header(&mut out.open, b'*', 1 + keys.len());
+                bulk(&mut out.open, name.as_bytes());
+                keys.iter().for_each(|k| bulk(&mut out.open, k.as_bytes()));
             }
             Self::Pairs(name, pairs) => {
-                let size: usize = pairs.iter().map(|(k, v)| k.len() + v.len() + 32).sum();
-                buf.reserve(size + 32);
-                header(buf, b'*', 1 + 2 * pairs.len());
-                bulk(buf, name.as_bytes());
-                for (k, v) in pairs.iter() {
-                    bulk(buf, k.as_bytes());
-                    bulk(buf, v);
+                header(&mut out.open, b'*', 1 + 2 * pairs.len());
+                bulk(&mut out.open, name.as_bytes());
+                for (k, v) in pairs {
+                    bulk(&mut out.open, k.as_bytes());
+                    header(&mut out.open, b'$', v.len());
+                    out.value(v);
+                    out.open.extend_from_slice(b"\r\n");
                 }
             }
         }
+    }
+}
+
+/// Values from this size on are segments of their own in [`Frames`] (smaller ones are copied).
+const OWN_SEGMENT: usize = 4 << 10;
+
+/// Framed commands for one connection, as segments for one vectored write: the framing copied
+/// together, each large value (a chunk's shard) a segment of its own, moved in.
+#[derive(Default)]
+pub(crate) struct Frames {
+    segments: Vec<Vec<u8>>,
+    open: Vec<u8>,
+}
+
+impl Frames {
+    fn value(&mut self, v: Vec<u8>) {
+        if v.len() < OWN_SEGMENT {
+            return self.open.extend_from_slice(&v);
+        }
+        if !self.open.is_empty() {
+            self.segments.push(std::mem::take(&mut self.open));
+        }
+        self.segments.push(v);
+    }
+
+    /// The segments, in the order they go on the wire.
+    pub(crate) fn into_segments(mut self) -> Vec<Vec<u8>> {
+        if !self.open.is_empty() {
+            self.segments.push(self.open);
+        }
+        self.segments
     }
 }
 
@@ -95,18 +144,18 @@ fn bulk(buf: &mut Vec<u8>, b: &[u8]) {
 }
 
 /// Takes the first whole reply off `buf`: `None` until all of it has arrived; `Err` when what
-/// arrived is not RESP, or a length is past the limits.
+/// arrived is not RESP, or a length is past the limits. Its bulk strings share `buf`'s memory.
 pub(crate) fn parse(buf: &mut BytesMut) -> Result<Option<Reply>, String> {
     match parse_at(buf, 0)? {
-        Some((reply, end)) => {
-            buf.advance(end);
-            Ok(Some(reply))
-        }
+        Some((reply, end)) => Ok(Some(reply.cut(&buf.split_to(end).freeze()))),
         None => Ok(None),
     }
 }
 
-fn parse_at(b: &[u8], at: usize) -> Result<Option<(Reply, usize)>, String> {
+/// A reply being parsed (bulk strings as ranges of the buffer) and where the next one starts.
+type Parsed = (Reply<Range<usize>>, usize);
+
+fn parse_at(b: &[u8], at: usize) -> Result<Option<Parsed>, String> {
     let Some((kind, line, next)) = line(b, at)? else {
         return Ok(None);
     };
@@ -128,10 +177,7 @@ fn parse_at(b: &[u8], at: usize) -> Result<Option<(Reply, usize)>, String> {
             if &b[next + n..next + n + 2] != b"\r\n" {
                 return Err("a bulk string not ended by CRLF".into());
             }
-            Ok(Some((
-                Reply::Bulk(Some(b[next..next + n].to_vec())),
-                next + n + 2,
-            )))
+            Ok(Some((Reply::Bulk(Some(next..next + n)), next + n + 2)))
         }
         b'*' => {
             let n = number(line)?;
@@ -255,15 +301,27 @@ mod tests {
     // tier meets, whole or cut anywhere.
     #[test]
     fn commands_frame_and_replies_parse_whole_or_in_pieces() {
-        let pairs = vec![("k{a}".to_owned(), b"v\r\n\0".to_vec())];
-        let mut buf = Vec::new();
-        Command::pairs("MSET", &pairs).write(&mut buf);
-        assert_eq!(buf, b"*3\r\n$4\r\nMSET\r\n$4\r\nk{a}\r\n$4\r\nv\r\n\0\r\n");
+        let big = vec![7u8; OWN_SEGMENT];
+        let pairs = vec![
+            ("k{a}".to_owned(), b"v\r\n\0".to_vec()),
+            ("l{a}".to_owned(), big.clone()),
+        ];
+        let mut frames = Frames::default();
+        Command::pairs("MSET", pairs).write(&mut frames);
+        let segments = frames.into_segments();
+        // The large value is moved in whole, between the framing around it.
+        assert_eq!(segments.len(), 3);
+        assert_eq!(segments[1], big);
+        let mut want = b"*5\r\n$4\r\nMSET\r\n$4\r\nk{a}\r\n$4\r\nv\r\n\0\r\n".to_vec();
+        want.extend_from_slice(format!("$4\r\nl{{a}}\r\n${}\r\n", big.len()).as_bytes());
+        want.extend_from_slice(&big);
+        want.extend_from_slice(b"\r\n");
+        assert_eq!(segments.concat(), want);
         let reply = b"*3\r\n$4\r\nv\r\n\0\r\n$-1\r\n$0\r\n\r\n";
         let want = Reply::Array(vec![
-            Reply::Bulk(Some(b"v\r\n\0".to_vec())),
+            Reply::Bulk(Some(Bytes::from_static(b"v\r\n\0"))),
             Reply::Bulk(None),
-            Reply::Bulk(Some(Vec::new())),
+            Reply::Bulk(Some(Bytes::new())),
         ]);
         assert_eq!(parsed(reply), Ok(Some(want)));
         for cut in 0..reply.len() {
@@ -309,7 +367,9 @@ mod tests {
     // the node asked, and a malformed answer refused.
     #[test]
     fn cluster_slots_become_ranges() {
-        let node = |h: &str, p| Reply::Array(vec![Reply::Bulk(Some(h.into())), Reply::Int(p)]);
+        let node = |h: &'static str, p| {
+            Reply::Array(vec![Reply::Bulk(Some(Bytes::from(h))), Reply::Int(p)])
+        };
         let reply = Reply::Array(vec![
             Reply::Array(vec![
                 Reply::Int(0),
