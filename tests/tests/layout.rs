@@ -461,9 +461,10 @@ fn the_circle_check_finds_a_circle() {
 }
 
 // Protects the boundary of unsafe code: the workspace forbids it, the runtime denies it, and only
-// the CUDA backend (driver copies and allocations, and its slot kernels' launches) may allow it.
+// the CUDA backend (driver copies and allocations, and its slot kernels' launches) and the shared
+// CPU pool (mapping the memory file a worker process shares with the engine) may allow it.
 #[test]
-fn only_the_cuda_backend_allows_unsafe_code() {
+fn only_the_cuda_backend_and_the_shared_pool_allow_unsafe_code() {
     let allowing: Vec<String> = workspace_files()
         .into_iter()
         .filter(|f| {
@@ -477,7 +478,8 @@ fn only_the_cuda_backend_allows_unsafe_code() {
         allowing,
         [
             "runtime/engine/src/transfer/cuda.rs",
-            "runtime/engine/src/transfer/kernels.rs"
+            "runtime/engine/src/transfer/kernels.rs",
+            "runtime/engine/src/transfer/shared.rs"
         ]
     );
 }

@@ -87,6 +87,23 @@ def test_a_second_engine_hits_what_the_first_stored(tier):
     assert alone["tokens_computed"] == first["tokens_computed"]
 
 
+# Protects `--tier --workers process`: the second engine's ranks are worker processes, whose CPU
+# pools are memory files the engine's tier writes promoted chunks into; every block they load
+# from those chunks is checked in the worker (a promotion that missed the worker's pool stops
+# the run with wrong KV). The first engine's ranks are worker processes too: its cascades read
+# their pools.
+def test_worker_processes_share_the_tier(tier):
+    p1, first = run(tier, "--workers", "process")
+    assert p1.returncode == 0, p1.stderr
+    assert first["tier_blocks_stored"] > 0 and first["tier_store_failures"] == 0
+    p2, second = run(tier, "--workers", "process")
+    assert p2.returncode == 0, p2.stderr
+    assert finished_all(first) and finished_all(second)
+    assert second["tier_blocks_loaded"] > 0 and second["tier_load_failures"] == 0
+    assert second["loaded_blocks_verified"] >= second["blocks_loaded"] > 0
+    assert second["tokens_computed"] < first["tokens_computed"]
+
+
 # Protects "a failed load is never served" (LMCache #4991, Dynamo #15079): values truncated or
 # replaced by foreign bytes under kvrelay's keys are refused by the header check; the requests
 # recompute and every one finishes with verified KV.

@@ -114,7 +114,7 @@ pub struct RunConfig {
     /// Publish KV events in vLLM's wire format (see `docs/KV_EVENTS.md`); `None`: none.
     pub kv_events: Option<KvEventsConfig>,
     /// A shared tier behind the CPU pools (see `docs/TIERING.md`); `None`: the CPU pools only.
-    /// Needs in-process ranks and the host backend.
+    /// Needs the host backend (worker processes share their pools with the engine).
     pub tier: Option<TierConfig>,
     /// This engine's side of prefill/decode disaggregation (`kvrelay pd`, [`crate::pd`]): the
     /// P/D connector instead of the offloading one. Needs in-process ranks, the host backend

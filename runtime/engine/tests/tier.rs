@@ -3,10 +3,13 @@
 //! values evicted or corrupted under a running engine are recomputed, never served. Every run
 //! checks every load and read (`check`), so wrong KV reaching a GPU block would stop it.
 
-use kvrelay_core::RequestId;
-use kvrelay_engine::engine::Figures;
+#[path = "support/tier_drive.rs"]
+mod tier_drive;
+
 use kvrelay_engine::tier::{Store, TierConfig};
 use kvrelay_engine::{Engine, RunConfig};
+
+use self::tier_drive::drive;
 
 fn config() -> RunConfig {
     RunConfig {
@@ -18,37 +21,6 @@ fn config() -> RunConfig {
         tier: Some(TierConfig::parse("memory").unwrap()),
         ..RunConfig::default()
     }
-}
-
-/// Twelve requests: four prefixes of 96 tokens, each with three suffixes.
-fn requests() -> Vec<(RequestId, Vec<u32>)> {
-    (0..12u32)
-        .map(|i| {
-            let mut p: Vec<u32> = (0..96).map(|t| t * 7 + (i % 4) * 10_000).collect();
-            p.extend([50_000 + i; 8]);
-            (RequestId(i), p)
-        })
-        .collect()
-}
-
-/// Runs the requests on `engine`; `between` runs after every step with the engine's figures.
-async fn drive(mut engine: Engine, mut between: impl FnMut(&Engine)) -> Figures {
-    for (id, prompt) in requests() {
-        engine.add(id, prompt, 4).unwrap();
-    }
-    let mut steps = 0;
-    while engine.has_work() {
-        let out = engine.step().await.expect("the run goes on");
-        between(&engine);
-        if out.idle {
-            engine.wait_idle().await;
-        }
-        steps += 1;
-        assert!(steps < 10_000, "the run ends");
-    }
-    let (figures, _ranks) = engine.shutdown().await;
-    assert_eq!(figures.finished, 12, "every request finishes");
-    figures
 }
 
 fn memory(store: &Store) -> kvrelay_engine::tier::MemoryStore {

@@ -67,6 +67,7 @@ pub(super) fn rank_setup(
         timeline: c.timeline.is_some(),
         completions: c.completions,
         host_pool: None,
+        shared_pool: None,
         pd: c.pd.as_ref().map(|p| RankPd {
             failures_as_blocks: true,
             source: p.source.clone(),
@@ -155,16 +156,25 @@ pub(super) fn tier_pools(
     let Some(t) = &c.tier else {
         return Ok(None);
     };
-    check_tier(c, backend)?;
+    check_tier(backend)?;
     off.tiering = Some(TieringConfig {
         tiers: 1,
         deadline_steps: (c.mode == Mode::Strict).then_some(t.deadline_steps.max(1)),
         promoted_most_recent: c.mode == Mode::Strict,
         hold_promoted: c.mode == Mode::Strict,
     });
+    // A worker process's pool is a memory file the engine's tier maps too.
+    let bytes = host.total_bytes() as usize;
     let pools = (0..c.ranks)
-        .map(|_| HostPool::new(host.total_bytes() as usize))
-        .collect();
+        .map(|_| match c.workers {
+            crate::config::Workers::InProcess => Ok(HostPool::new(bytes)),
+            crate::config::Workers::Process => HostPool::shared(bytes).map_err(|e| {
+                RunError::Config(format!(
+                    "--tier with worker processes: a shared CPU pool of {bytes} bytes: {e}"
+                ))
+            }),
+        })
+        .collect::<Result<_, _>>()?;
     Ok(Some(Pools {
         pools,
         host: host.clone(),
@@ -191,18 +201,14 @@ pub(super) fn served_arenas(c: &RunConfig, gpu: &KvLayout) -> Option<Vec<HostAre
     })
 }
 
-/// A shared tier needs the ranks' CPU pools in this process: in-process ranks, host backend.
-fn check_tier(c: &RunConfig, backend: crate::Backend) -> Result<(), RunError> {
-    if c.workers != crate::config::Workers::InProcess {
-        return Err(RunError::Config(
-            "--tier needs in-process ranks (--workers in-process): the tier reads and writes \
-             the CPU pools from the engine's process"
-                .into(),
-        ));
-    }
+/// A shared tier reads and writes the ranks' CPU pools: host memory (the host backend), in this
+/// process or in a memory file it shares with each worker process.
+fn check_tier(backend: crate::Backend) -> Result<(), RunError> {
     if backend != crate::Backend::Host {
         return Err(RunError::Config(
-            "--tier needs the host backend (--backend host) for now".into(),
+            "--tier needs the host backend (--backend host) for now: the CUDA backend's CPU \
+             pool is pinned memory the tier does not map"
+                .into(),
         ));
     }
     Ok(())

@@ -42,6 +42,7 @@ use crate::report::perfetto::{Recorder, now_us};
 use crate::report::samples::Samples;
 use crate::stop::{STOP_GRACE, StopSignal};
 use crate::tier::{StoreError, Tier};
+use crate::transfer::host::HostPool;
 use crate::transport::{self, Clock, TokioClock, Transport};
 use crate::{RunConfig, RunError, workload};
 
@@ -209,6 +210,7 @@ impl Engine {
         for r in 0..c.ranks {
             let mut setup = build::rank_setup(c, r, backend, (&gpu, &host), &sc);
             setup.host_pool = pools.as_ref().map(|p| p.pools[r as usize].clone());
+            setup.shared_pool = setup.host_pool.as_ref().and_then(HostPool::shared_path);
             setup.arena = arenas.as_ref().map(|a| a[r as usize].clone());
             let conn = transport
                 .connect(setup, wake.clone(), report_tx.clone())

@@ -59,14 +59,13 @@ pub struct StepMsg {
     /// Requests the engine released: their tokens are forgotten.
     pub forget: Arc<Vec<RequestId>>,
     /// CPU chunks the shared tier filled since the previous step (promotions): what each now
-    /// holds, for the checks of later loads. Always empty over worker processes (a shared
-    /// tier needs in-process ranks).
+    /// holds, for the checks of later loads.
     pub promoted: Arc<Vec<PromotedChunk>>,
 }
 
 /// A CPU chunk the shared tier filled, and the prefix hash of each of its token slots (what
 /// the chunk must hold, derived by the engine from the tokens of the request that promoted it).
-#[derive(Clone, Debug, Eq, PartialEq)]
+#[derive(Clone, Debug, Eq, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PromotedChunk {
     pub chunk: u32,
     pub prefixes: Vec<u64>,

@@ -49,10 +49,15 @@ pub struct RankSetup {
     pub timeline: bool,
     /// When the driver hears of a completed transfer.
     pub completions: Completions,
-    /// The CPU pool, when the engine shares it (a shared tier reads and writes it; host backend,
-    /// in-process ranks only). `None`: the rank allocates its own.
+    /// The CPU pool, when the engine shares it (a shared tier reads and writes it; host backend;
+    /// in-process ranks use it as it is, worker processes map `shared_pool`). `None`: the rank
+    /// allocates its own.
     #[serde(skip)]
     pub host_pool: Option<HostPool>,
+    /// A worker process's CPU pool, when the engine's shared tier reads and writes it: the
+    /// engine's memory file to map ([`HostPool::open_shared`]; `None`: the rank allocates its
+    /// own, or `host_pool` is given).
+    pub shared_pool: Option<std::path::PathBuf>,
     /// The rank's part in P/D (`None`: the offloading connector's worker).
     pub pd: Option<RankPd>,
     /// The "GPU" arena, when the engine shares it (a prefill engine's KV server reads held
@@ -116,7 +121,7 @@ impl RankSetup {
         let slot_bytes = (self.gpu.block_bytes() / u64::from(self.block_size)) as usize;
         let (done_tx, done_rx) = mpsc::channel(COPY_QUEUE_BOUND);
         let (arena, engine): (Box<dyn KvArena>, Box<dyn TransferEngine>) = match self.backend {
-            Backend::Cuda if self.host_pool.is_some() => {
+            Backend::Cuda if self.host_pool.is_some() || self.shared_pool.is_some() => {
                 return Err(RunError::Config(
                     "a shared CPU pool (the shared tier) needs the host backend".into(),
                 ));
@@ -136,10 +141,7 @@ impl RankSetup {
             Backend::Host | Backend::Auto => {
                 let arena =
                     (self.arena.clone()).unwrap_or_else(|| HostArena::new(arena_bytes, slot_bytes));
-                let pool = match &self.host_pool {
-                    Some(p) => p.clone(),
-                    None => HostPool::new(host_bytes),
-                };
+                let pool = self.pool(host_bytes)?;
                 let (done, w) = (done_tx.clone(), wake.clone());
                 let host = HostEngine::spawn(self.rank, &arena, pool, done, w).map_err(failed)?;
                 let engine: Box<dyn TransferEngine> =
@@ -154,6 +156,21 @@ impl RankSetup {
             }
         };
         Ok(self.build_on(arena, wrap(engine), done_rx))
+    }
+
+    /// The rank's CPU pool: the engine's (in-process, or its memory file mapped here), or its own.
+    fn pool(&self, bytes: usize) -> Result<HostPool, RunError> {
+        match (&self.host_pool, &self.shared_pool) {
+            (Some(p), _) => Ok(p.clone()),
+            (None, Some(path)) => HostPool::open_shared(path, bytes).map_err(|e| {
+                RunError::Config(format!(
+                    "rank {}: the CPU pool the engine shares ({}): {e}",
+                    self.rank,
+                    path.display()
+                ))
+            }),
+            (None, None) => Ok(HostPool::new(bytes)),
+        }
     }
 
     /// The rank task over a given arena and transfer engine whose completions arrive on `done`

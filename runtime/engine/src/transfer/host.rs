@@ -21,6 +21,7 @@ use kvrelay_core::{CopyRun, TransferDirection};
 use tokio::sync::{Notify, mpsc};
 
 use crate::content::{fill, holds};
+use crate::transfer::shared::SharedBytes;
 use crate::transfer::{
     COPY_QUEUE_BOUND, CopyDone, CopyJob, KvArena, Slot, TransferEngine, TransferError,
 };
@@ -49,23 +50,73 @@ impl HostArena {
 
 /// A rank's CPU offload pool in host memory, shared by its copy thread and, with a shared tier,
 /// the engine's tier IO (which reads chunks being cascaded and writes chunks being promoted:
-/// the core's pins and reservations keep it off every chunk a transfer touches).
+/// the core's pins and reservations keep it off every chunk a transfer touches). A worker
+/// process's pool is a memory file it shares with the engine ([`HostPool::shared`]).
 #[derive(Clone, Debug)]
-pub struct HostPool(Arc<RwLock<Vec<u8>>>);
+pub struct HostPool(Arc<RwLock<PoolBytes>>);
+
+/// A pool's bytes: this process's own, or shared with another process.
+#[derive(Debug)]
+pub enum PoolBytes {
+    Own(Vec<u8>),
+    Shared(SharedBytes),
+}
+
+impl std::ops::Deref for PoolBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Self::Own(v) => v,
+            Self::Shared(s) => s,
+        }
+    }
+}
+
+impl std::ops::DerefMut for PoolBytes {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            Self::Own(v) => v,
+            Self::Shared(s) => s,
+        }
+    }
+}
 
 impl HostPool {
     /// A zeroed pool of `total` bytes.
     pub fn new(total: usize) -> Self {
-        Self(Arc::new(RwLock::new(vec![0u8; total])))
+        Self::of(PoolBytes::Own(vec![0u8; total]))
+    }
+
+    /// A zeroed pool of `total` bytes in a memory file a worker process can map
+    /// ([`HostPool::open_shared`] with [`HostPool::shared_path`]).
+    pub fn shared(total: usize) -> std::io::Result<Self> {
+        SharedBytes::create(total).map(|s| Self::of(PoolBytes::Shared(s)))
+    }
+
+    /// The pool another process created with [`HostPool::shared`], mapped here.
+    pub fn open_shared(path: &std::path::Path, total: usize) -> std::io::Result<Self> {
+        SharedBytes::open(path, total).map(|s| Self::of(PoolBytes::Shared(s)))
+    }
+
+    fn of(bytes: PoolBytes) -> Self {
+        Self(Arc::new(RwLock::new(bytes)))
+    }
+
+    /// Where another process maps it (a pool made by [`HostPool::shared`]).
+    pub fn shared_path(&self) -> Option<std::path::PathBuf> {
+        match &*self.read() {
+            PoolBytes::Shared(s) => Some(s.path().to_owned()),
+            PoolBytes::Own(_) => None,
+        }
     }
 
     /// Reads the pool.
-    pub fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<u8>> {
+    pub fn read(&self) -> std::sync::RwLockReadGuard<'_, PoolBytes> {
         self.0.read().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Writes the pool.
-    pub fn write(&self) -> std::sync::RwLockWriteGuard<'_, Vec<u8>> {
+    pub fn write(&self) -> std::sync::RwLockWriteGuard<'_, PoolBytes> {
         self.0.write().unwrap_or_else(|p| p.into_inner())
     }
 

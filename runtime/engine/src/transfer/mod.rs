@@ -21,6 +21,7 @@ mod backend;
 pub mod cuda;
 pub mod host;
 mod kernels;
+pub mod shared;
 
 pub use self::backend::Backend;
 

@@ -4,7 +4,7 @@
 //! depending on the messages.
 
 /// The wire version; a frame of another version is refused.
-pub const WIRE_VERSION: u32 = 5;
+pub const WIRE_VERSION: u32 = 6;
 /// The largest frame accepted, in bytes.
 pub const MAX_FRAME: u32 = 64 << 20;
 

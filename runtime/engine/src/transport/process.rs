@@ -299,6 +299,7 @@ async fn send_step(
         step: (*m.step).clone(),
         tokens: (*m.tokens).clone(),
         forget: (*m.forget).clone(),
+        promoted: (*m.promoted).clone(),
     };
     let Err(e) = write_frame(wr, &frame).await else {
         return Ok(());
@@ -543,12 +544,12 @@ async fn serve(
         tokio::select! {
             f = frames.recv(), if step_tx.is_some() => {
                 match f {
-                    Some(Ok(Down::Step { step, tokens, forget })) => {
+                    Some(Ok(Down::Step { step, tokens, forget, promoted })) => {
                         let m = StepMsg {
                             step: Arc::new(step),
                             tokens: Arc::new(tokens),
                             forget: Arc::new(forget),
-                            promoted: Arc::default(),
+                            promoted: Arc::new(promoted),
                         };
                         if let Some(tx) = &step_tx && tx.send(m).await.is_err() {
                             step_tx = None;

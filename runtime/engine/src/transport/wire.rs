@@ -20,7 +20,7 @@ use kvrelay_core::{RequestId, ScheduledStep, StepId, Token, WorkerOutput};
 
 use crate::connector::EngineMeta;
 
-use crate::rank::{RankDelta, RankSetup, RankStats};
+use crate::rank::{PromotedChunk, RankDelta, RankSetup, RankStats};
 
 pub use super::frame::{MAX_FRAME, WIRE_VERSION, WireError};
 
@@ -37,6 +37,9 @@ pub enum Down {
         tokens: Vec<(RequestId, Vec<Token>)>,
         /// Requests released.
         forget: Vec<RequestId>,
+        /// CPU chunks the shared tier promoted since the previous step (the engine wrote them
+        /// in the pool this worker shares with it), and what each holds.
+        promoted: Vec<PromotedChunk>,
     },
 }
 
@@ -158,6 +161,7 @@ mod tests {
             timeline: false,
             completions: crate::rank::Completions::AfterSteps(2),
             host_pool: None,
+            shared_pool: None,
             pd: None,
             arena: None,
         }
@@ -168,7 +172,7 @@ mod tests {
     #[test]
     fn golden_bytes() {
         let hello = encode(&Up::Hello { rank: 3 });
-        assert_eq!(hello, [6, 0, 0, 0, 5, 0, 0, 0, 0, 3]);
+        assert_eq!(hello, [6, 0, 0, 0, 6, 0, 0, 0, 0, 3]);
         let out = encode(&Up::Output {
             step: StepId(5),
             output: WorkerOutput {
@@ -184,7 +188,7 @@ mod tests {
         assert_eq!(
             out,
             [
-                44, 0, 0, 0, 5, 0, 0, 0, 1, 5, 1, 1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0,
+                44, 0, 0, 0, 6, 0, 0, 0, 1, 5, 1, 1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0,
                 // The delta (a RankStats): four counts, two times (seconds, nanoseconds),
                 // copies 2, seven counts, then the empty loaded tokens, hook samples, checks
                 // and timeline.
@@ -202,11 +206,17 @@ mod tests {
             },
             tokens: vec![(RequestId(1), vec![300])],
             forget: vec![RequestId(4)],
+            promoted: vec![PromotedChunk {
+                chunk: 3,
+                prefixes: vec![9, 10],
+            }],
         });
-        assert_eq!(&step[..9], [step.len() as u8 - 4, 0, 0, 0, 5, 0, 0, 0, 1]);
+        assert_eq!(&step[..9], [step.len() as u8 - 4, 0, 0, 0, 6, 0, 0, 0, 1]);
+        // The promoted chunk last: chunk 3, two prefixes.
+        assert_eq!(&step[step.len() - 5..], [1, 3, 2, 9, 10]);
         let back: Down = decode_body(&step[4..]).unwrap();
         assert!(
-            matches!(back, Down::Step { ref tokens, .. } if tokens == &vec![(RequestId(1), vec![300])])
+            matches!(back, Down::Step { ref tokens, ref promoted, .. } if tokens == &vec![(RequestId(1), vec![300])] && promoted[0].chunk == 3)
         );
         let s = setup();
         let back: Down = decode_body(&encode(&Down::Setup(s.clone()))[4..]).unwrap();
