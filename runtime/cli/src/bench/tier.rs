@@ -196,9 +196,14 @@ fn measure(
         tier_load,
         redis_set,
         redis_get,
-        store_ratio: tier_store / redis_set,
-        load_ratio: tier_load / redis_get,
+        store_ratio: ratio(tier_store, redis_set),
+        load_ratio: ratio(tier_load, redis_get),
     })
+}
+
+/// `a / b`, or 0 when a side was not measured (`--side`).
+fn ratio(a: f64, b: f64) -> f64 {
+    if a > 0.0 && b > 0.0 { a / b } else { 0.0 }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -128,9 +128,10 @@ impl Bench {
                 setup.payload, setup.layers
             )));
         }
-        let masters = masters(first, setup.timeout).await?;
-        let per_batch = (masters * setup.pipeline / setup.ranks).max(1) as usize;
-        let pools = pools(&setup, per_batch)?;
+        let cluster = cluster(first, setup.timeout).await?;
+        let masters = cluster.masters() as u32;
+        let keys = balanced_keys(&cluster, masters, (setup.pipeline / setup.ranks).max(1))?;
+        let pools = pools(&setup, keys.len())?;
         let config = TierConfig {
             endpoints: setup.endpoints.clone(),
             namespace: Some(NAMESPACE.into()),
@@ -140,12 +141,6 @@ impl Bench {
         let tier = Tier::connect(&config, NAMESPACE.into(), pools)
             .await
             .map_err(BenchError::Cluster)?;
-        let keys = (0..per_batch as u64)
-            .map(|i| OffloadKey {
-                hash: BlockHash(mix(i ^ 0x6b76_7265_6c61_7900)),
-                group: 0,
-            })
-            .collect();
         let value_bytes = (0..setup.ranks)
             .map(|r| {
                 let key = shard_key(NAMESPACE, any_key(), r);
@@ -309,13 +304,12 @@ fn failures(f: &TierFigures) -> String {
     )
 }
 
-/// The masters serving slots, as `CLUSTER SLOTS` on `endpoint` lists them.
-async fn masters(endpoint: &str, timeout: Duration) -> Result<u32, BenchError> {
+/// The cluster as `CLUSTER SLOTS` on `endpoint` lists it: an error unless a master serves a slot.
+async fn cluster(endpoint: &str, timeout: Duration) -> Result<Cluster, BenchError> {
     let node = endpoint.trim_start_matches("redis://").to_owned();
     let cluster = Cluster::connect(vec![node], timeout).await;
-    let n = cluster.map(|c| c.masters() as u32);
-    match n {
-        Ok(n) if n > 0 => Ok(n),
+    match cluster {
+        Ok(c) if c.masters() > 0 => Ok(c),
         Ok(_) => Err("no master serves a slot".to_owned()),
         Err(e) => Err(e),
     }
@@ -325,6 +319,38 @@ async fn masters(endpoint: &str, timeout: Duration) -> Result<u32, BenchError> {
             reason,
         })
     })
+}
+
+/// A batch's chunk keys: `per_master` on each of the `masters`, so that every connection has
+/// the same values in flight, as each of redis-benchmark's has `-P` (content-addressed keys
+/// fall where their hash sends them: a batch of random ones loads one node more than another).
+fn balanced_keys(
+    cluster: &Cluster,
+    masters: u32,
+    per_master: u32,
+) -> Result<Vec<OffloadKey>, BenchError> {
+    let mut taken: std::collections::BTreeMap<u16, u32> = std::collections::BTreeMap::new();
+    let mut keys = Vec::new();
+    for i in 0..1u64 << 16 {
+        let key = OffloadKey {
+            hash: BlockHash(mix(i ^ 0x6b76_7265_6c61_7900)),
+            group: 0,
+        };
+        let Some(node) = cluster.master_of(&shard_key(NAMESPACE, key, 0)) else {
+            continue;
+        };
+        let n = taken.entry(node).or_default();
+        if *n < per_master {
+            *n += 1;
+            keys.push(key);
+        }
+        if keys.len() == (masters * per_master) as usize {
+            return Ok(keys);
+        }
+    }
+    Err(BenchError::Setup(format!(
+        "no {per_master} keys on each of {masters} masters among 65,536 tried"
+    )))
 }
 
 /// Pools of `2 × chunks` one-block chunks per rank, filled with bytes that differ per rank.

@@ -118,6 +118,11 @@ impl Cluster {
         used.len()
     }
 
+    /// The master serving `key`'s slot (an index among the nodes this client knows), if any.
+    pub fn master_of(&self, key: &str) -> Option<u16> {
+        self.state().slots[key_slot(key)]
+    }
+
     /// Per group, whether every key of it exists (one `EXISTS` per group).
     pub async fn exists(&self, groups: &[Vec<String>]) -> Vec<Result<bool, String>> {
         let cmds = groups.iter().map(|g| Command::keys("EXISTS", g)).collect();
