@@ -139,28 +139,13 @@ pub(super) async fn run(
             (batch, results, first_error)
         });
     }
-    // One deadline for the whole batch (every command was sent at its start): one timer, not
-    // one per pipeline, each of which would wake the runtime's driver to register.
-    let deadline = tokio::time::sleep(timeout);
-    tokio::pin!(deadline);
-    loop {
-        let joined = tokio::select! {
-            joined = tasks.join_next() => joined,
-            () = &mut deadline => break,
-        };
-        let Some(joined) = joined else { break };
-        if let Ok((batch, results, error)) = joined {
-            for ((w, i, _, _), r) in batch.into_iter().zip(results) {
-                slots[w][i] = Some(r);
-            }
-            if done.figures.first_error.is_none() {
-                done.figures.first_error = error;
-            }
-        }
-    }
-    // Past the deadline: the pipelines still waiting are dropped (their connections with
-    // them: a node that does not answer in time is not asked again on the same one).
-    tasks.abort_all();
+    join_within(
+        &mut tasks,
+        timeout,
+        &mut slots,
+        &mut done.figures.first_error,
+    )
+    .await;
     for r in slots.iter_mut().flatten().filter(|r| r.is_none()) {
         *r = Some(ChunkResult::Failed(Failure::Timeout));
     }
@@ -172,6 +157,49 @@ pub(super) async fn run(
         .batch_us
         .push(started.elapsed().as_secs_f64() * 1e6);
     done
+}
+
+/// A pipeline's chunks, what each came to, and the first store error it met.
+type Joined = (Vec<Slot>, Vec<ChunkResult>, Option<String>);
+
+/// Joins the batch's pipelines, each chunk's result into `slots`, within one deadline for the
+/// whole batch (every command was sent at its start): one timer, not one per pipeline, each of
+/// which would wake the runtime's driver to register. Past it, the pipelines still waiting are
+/// aborted (their connections with them: a node that does not answer in time is not asked
+/// again on the same one) and joined, so that none writes a pool after the batch is reported
+/// (on a multi-threaded runtime one may be promoting). Their chunks stay `None`.
+async fn join_within(
+    tasks: &mut JoinSet<Joined>,
+    timeout: Duration,
+    slots: &mut [Vec<Option<ChunkResult>>],
+    first_error: &mut Option<String>,
+) {
+    let deadline = tokio::time::sleep(timeout);
+    tokio::pin!(deadline);
+    let mut late = false;
+    loop {
+        let joined = if late {
+            tasks.join_next().await
+        } else {
+            tokio::select! {
+                joined = tasks.join_next() => joined,
+                () = &mut deadline => {
+                    late = true;
+                    tasks.abort_all();
+                    continue;
+                }
+            }
+        };
+        let Some(joined) = joined else { return };
+        if let Ok((batch, results, error)) = joined {
+            for ((w, i, _, _), r) in batch.into_iter().zip(results) {
+                slots[w][i] = Some(r);
+            }
+            if first_error.is_none() {
+                *first_error = error;
+            }
+        }
+    }
 }
 
 /// The hash-slot bucket of a chunk (the tag of its keys: see `value.rs`).
@@ -395,5 +423,89 @@ fn settle(item: TierWork, results: Vec<Option<ChunkResult>>, pools: &Pools, done
                 successful_keys: (!success && !loaded.is_empty()).then_some(loaded),
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tier::store::{Answers, MemoryStore, StoreBackend, StoreFuture};
+    use kvrelay_core::{BlockHash, KvLayout, LayoutOrder, TierId, TierJobId};
+
+    /// A store that never answers a command for a chunk of an odd bucket (a node gone quiet)
+    /// and keeps the others.
+    #[derive(Debug, Default)]
+    struct HalfDeaf(MemoryStore);
+
+    fn deaf(first_key: &str) -> bool {
+        // The bucket is the two hex digits before the tag's `}` (`value::shard_key`).
+        let at = first_key.find('}').expect("a tagged key");
+        u8::from_str_radix(&first_key[at - 2..at], 16).expect("hex") % 2 == 1
+    }
+
+    impl StoreBackend for HalfDeaf {
+        fn exists_many<'a>(&'a self, _: &'a [Vec<String>]) -> StoreFuture<'a, Answers<bool>> {
+            Box::pin(std::future::pending())
+        }
+
+        fn put_many<'a>(
+            &'a self,
+            groups: &'a [Vec<(String, Vec<u8>)>],
+        ) -> StoreFuture<'a, Answers<()>> {
+            Box::pin(async move {
+                if deaf(&groups[0][0].0) {
+                    std::future::pending::<()>().await;
+                }
+                for (k, v) in groups.iter().flatten() {
+                    self.0.set_raw(k, Some(v.clone()));
+                }
+                Ok(groups.iter().map(|_| Ok(())).collect())
+            })
+        }
+
+        fn get_many<'a>(
+            &'a self,
+            _: &'a [Vec<String>],
+        ) -> StoreFuture<'a, Answers<Vec<Option<Vec<u8>>>>> {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    // Protects the batch's one deadline: a node that never answers fails its chunks as timed
+    // out when the deadline passes, the others' results are kept, and the batch ends (it never
+    // waits for the silent node).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_silent_node_times_out_its_chunks_and_keeps_the_others() {
+        let host = KvLayout::new(vec![0; 2], 8, 64, LayoutOrder::LayerMajor).unwrap();
+        let pools = Pools {
+            pools: vec![HostPool::new(host.total_bytes() as usize)],
+            host,
+            blocks_per_chunk: 1,
+        };
+        let keys: Vec<OffloadKey> = (0..8u64)
+            .map(|i| OffloadKey {
+                hash: BlockHash(0x100 + i),
+                group: 0,
+            })
+            .collect();
+        let work = vec![TierWork::Store {
+            tier: TierId(0),
+            job: TierJobId(1),
+            keys,
+            chunks: (0..8).map(ChunkId).collect(),
+        }];
+        let backend = Arc::new(HalfDeaf::default());
+        let store = Store::Custom(backend.clone());
+        let batch = run(work, store, "t".into(), pools, Duration::from_millis(100));
+        let done = tokio::time::timeout(Duration::from_secs(5), batch)
+            .await
+            .expect("the batch ends at its deadline, not with the silent node");
+        let f = &done.figures;
+        assert_eq!((f.timeouts, f.store_failures), (4, 4), "{f:?}");
+        assert_eq!(backend.0.len(), 4, "the answering node's chunks are stored");
+        assert!(matches!(
+            done.reports[..],
+            [TierReport::Finished { success: false, .. }]
+        ));
     }
 }
