@@ -9,8 +9,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use kvrelay_core::{ChunkId, KvLayout, OffloadKey, RequestId, TierReport, TierWork};
-use tokio::task::JoinSet;
 
 use super::TierFigures;
 use super::store::Store;
@@ -128,24 +129,29 @@ pub(super) async fn run(
         }
         slots.push((0..chunks.len()).map(|_| None).collect());
     }
-    let ctx = Arc::new((store, namespace, pools));
+    let ctx = (store, namespace, pools);
     let mut done = Done::default();
-    let mut tasks = JoinSet::new();
-    for ((_, kind), batch) in batches {
-        let ctx = ctx.clone();
-        tasks.spawn(async move {
-            let mut first_error = None;
-            let results = pipeline(&ctx, Kind::from(kind), &batch, &mut first_error).await;
-            (batch, results, first_error)
-        });
-    }
+    // Every pipeline is a future of this task, polled here: none runs on after the batch is
+    // reported (dropped at the deadline, a pipeline's connection goes with it).
+    let mut pipelines: FuturesUnordered<_> = batches
+        .into_iter()
+        .map(|((_, kind), batch)| {
+            let ctx = &ctx;
+            async move {
+                let mut first_error = None;
+                let results = pipeline(ctx, Kind::from(kind), &batch, &mut first_error).await;
+                (batch, results, first_error)
+            }
+        })
+        .collect();
     join_within(
-        &mut tasks,
+        &mut pipelines,
         timeout,
         &mut slots,
         &mut done.figures.first_error,
     )
     .await;
+    drop(pipelines);
     for r in slots.iter_mut().flatten().filter(|r| r.is_none()) {
         *r = Some(ChunkResult::Failed(Failure::Timeout));
     }
@@ -162,42 +168,31 @@ pub(super) async fn run(
 /// A pipeline's chunks, what each came to, and the first store error it met.
 type Joined = (Vec<Slot>, Vec<ChunkResult>, Option<String>);
 
-/// Joins the batch's pipelines, each chunk's result into `slots`, within one deadline for the
-/// whole batch (every command was sent at its start): one timer, not one per pipeline, each of
-/// which would wake the runtime's driver to register. Past it, the pipelines still waiting are
-/// aborted (their connections with them: a node that does not answer in time is not asked
-/// again on the same one) and joined, so that none writes a pool after the batch is reported
-/// (on a multi-threaded runtime one may be promoting). Their chunks stay `None`.
+/// Takes each pipeline's results into `slots` as it ends, until all have or `timeout` passed:
+/// one deadline for the whole batch (every command was sent at its start), one timer, not one
+/// per pipeline, each of which would wake the runtime's driver to register. The chunks of the
+/// pipelines still waiting then stay `None`.
 async fn join_within(
-    tasks: &mut JoinSet<Joined>,
+    pipelines: &mut FuturesUnordered<impl Future<Output = Joined>>,
     timeout: Duration,
     slots: &mut [Vec<Option<ChunkResult>>],
     first_error: &mut Option<String>,
 ) {
     let deadline = tokio::time::sleep(timeout);
     tokio::pin!(deadline);
-    let mut late = false;
     loop {
-        let joined = if late {
-            tasks.join_next().await
-        } else {
-            tokio::select! {
-                joined = tasks.join_next() => joined,
-                () = &mut deadline => {
-                    late = true;
-                    tasks.abort_all();
-                    continue;
-                }
-            }
+        let joined = tokio::select! {
+            joined = pipelines.next() => joined,
+            () = &mut deadline => return,
         };
-        let Some(joined) = joined else { return };
-        if let Ok((batch, results, error)) = joined {
-            for ((w, i, _, _), r) in batch.into_iter().zip(results) {
-                slots[w][i] = Some(r);
-            }
-            if first_error.is_none() {
-                *first_error = error;
-            }
+        let Some((batch, results, error)) = joined else {
+            return;
+        };
+        for ((w, i, _, _), r) in batch.into_iter().zip(results) {
+            slots[w][i] = Some(r);
+        }
+        if first_error.is_none() {
+            *first_error = error;
         }
     }
 }
