@@ -58,6 +58,17 @@ fn a_seed_replays_exactly() {
         let b = simulate(seed).unwrap_or_else(|f| panic!("{f}"));
         assert_eq!(a, b, "seed {seed}");
     }
+    // Seed 114: a node away exactly one deadline, so a store command's answer and the tier
+    // batch's deadline fall on one instant of the paused clock; the batch took one or the
+    // other at random (an unbiased `select!`) until the answer was polled first.
+    let first = simulate(114).unwrap_or_else(|f| panic!("{f}"));
+    for _ in 0..8 {
+        assert_eq!(
+            simulate(114).unwrap_or_else(|f| panic!("{f}")),
+            first,
+            "seed 114"
+        );
+    }
     // Seeds 51 and 53 are tier seeds that reach the second engine and meet the tier's faults.
     for seed in [51, 53] {
         let t = simulate(seed).unwrap().tier.expect("a tier seed");

@@ -171,7 +171,10 @@ type Joined = (Vec<Slot>, Vec<ChunkResult>, Option<String>);
 /// Takes each pipeline's results into `slots` as it ends, until all have or `timeout` passed:
 /// one deadline for the whole batch (every command was sent at its start), one timer, not one
 /// per pipeline, each of which would wake the runtime's driver to register. The chunks of the
-/// pipelines still waiting then stay `None`.
+/// pipelines still waiting then stay `None`. An answer ready when the deadline is counts (the
+/// pipelines are polled first, as `tokio::time::timeout` polls its future first): under the
+/// simulation's paused clock the two often fall on one instant, and an unbiased `select!`
+/// would pick between them at random, so a seed would not replay.
 async fn join_within(
     pipelines: &mut FuturesUnordered<impl Future<Output = Joined>>,
     timeout: Duration,
@@ -182,6 +185,7 @@ async fn join_within(
     tokio::pin!(deadline);
     loop {
         let joined = tokio::select! {
+            biased;
             joined = pipelines.next() => joined,
             () = &mut deadline => return,
         };
