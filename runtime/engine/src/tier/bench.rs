@@ -130,7 +130,7 @@ impl Bench {
         }
         let cluster = cluster(first, setup.timeout).await?;
         let masters = cluster.masters() as u32;
-        let keys = balanced_keys(&cluster, masters, (setup.pipeline / setup.ranks).max(1))?;
+        let keys = balanced_keys(&cluster, (setup.pipeline / setup.ranks).max(1))?;
         let pools = pools(&setup, keys.len())?;
         let config = TierConfig {
             endpoints: setup.endpoints.clone(),
@@ -321,14 +321,12 @@ async fn cluster(endpoint: &str, timeout: Duration) -> Result<Cluster, BenchErro
     })
 }
 
-/// A batch's chunk keys: `per_master` on each of the `masters`, so that every connection has
-/// the same values in flight, as each of redis-benchmark's has `-P` (content-addressed keys
-/// fall where their hash sends them: a batch of random ones loads one node more than another).
-fn balanced_keys(
-    cluster: &Cluster,
-    masters: u32,
-    per_master: u32,
-) -> Result<Vec<OffloadKey>, BenchError> {
+/// A batch's chunk keys: `per_master` on each of the cluster's masters, so that every
+/// connection has the same values in flight, as each of redis-benchmark's has `-P`
+/// (content-addressed keys fall where their hash sends them: a batch of random ones loads one
+/// node more than another).
+fn balanced_keys(cluster: &Cluster, per_master: u32) -> Result<Vec<OffloadKey>, BenchError> {
+    let masters = cluster.masters() as u32;
     let mut taken: std::collections::BTreeMap<u16, u32> = std::collections::BTreeMap::new();
     let mut keys = Vec::new();
     for i in 0..1u64 << 16 {

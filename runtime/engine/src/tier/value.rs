@@ -25,37 +25,14 @@ pub const VERSION: u16 = 1;
 const FIXED: usize = 4 + 2 + 2 + 8 + 4 + 4;
 
 /// The key of `rank`'s shard of the chunk `key` in `namespace`:
-/// `kvrelay:{NAMESPACE:LOW-BYTE}:HASH:gGROUP:rRANK`, the hash in 16 hex digits. Built by hand
-/// (every shard of every chunk a step moves has one: `format!` cost 2 % of the tier's CPU).
+/// `kvrelay:{NAMESPACE:LOW-BYTE}:HASH:gGROUP:rRANK`, the hash in 16 hex digits.
 pub fn shard_key(namespace: &str, key: OffloadKey, rank: u32) -> String {
-    let mut k = String::with_capacity(namespace.len() + 48);
-    k.push_str("kvrelay:{");
-    k.push_str(namespace);
-    k.push(':');
-    push_hex(&mut k, key.hash.0 & 0xff, 2);
-    k.push_str("}:");
-    push_hex(&mut k, key.hash.0, 16);
-    k.push_str(":g");
-    push_decimal(&mut k, u64::from(key.group));
-    k.push_str(":r");
-    push_decimal(&mut k, u64::from(rank));
-    k
-}
-
-/// `v`'s `digits` lowest hex digits, lowercase.
-fn push_hex(k: &mut String, v: u64, digits: u32) {
-    for i in (0..digits).rev() {
-        k.push(char::from(
-            b"0123456789abcdef"[((v >> (4 * i)) & 0xf) as usize],
-        ));
-    }
-}
-
-fn push_decimal(k: &mut String, v: u64) {
-    if v >= 10 {
-        push_decimal(k, v / 10);
-    }
-    k.push(char::from(b'0' + (v % 10) as u8));
+    format!(
+        "kvrelay:{{{namespace}:{:02x}}}:{:016x}:g{}:r{rank}",
+        key.hash.0 & 0xff,
+        key.hash.0,
+        key.group
+    )
 }
 
 /// Why a value read from the store is refused.
@@ -198,22 +175,22 @@ mod tests {
     // Protects the key format, which engines of other builds must share: the bytes of a key.
     #[test]
     fn shard_keys_are_spelled_as_documented() {
-        let key = OffloadKey {
-            hash: BlockHash(0x0123_4567_89ab_cdef),
-            group: 12,
-        };
-        assert_eq!(
-            shard_key("l4-b2048", key, 305),
-            "kvrelay:{l4-b2048:ef}:0123456789abcdef:g12:r305"
-        );
-        let zero = OffloadKey {
-            hash: BlockHash(0xa),
-            group: 0,
-        };
-        assert_eq!(
-            shard_key("n", zero, 0),
-            "kvrelay:{n:0a}:000000000000000a:g0:r0"
-        );
+        for (hash, group, ns, rank, want) in [
+            (
+                0x0123_4567_89ab_cdef,
+                12,
+                "l4-b2048",
+                305,
+                "kvrelay:{l4-b2048:ef}:0123456789abcdef:g12:r305",
+            ),
+            (0xa, 0, "n", 0, "kvrelay:{n:0a}:000000000000000a:g0:r0"),
+        ] {
+            let key = OffloadKey {
+                hash: BlockHash(hash),
+                group,
+            };
+            assert_eq!(shard_key(ns, key, rank), want);
+        }
     }
 
     // Protects cluster routing: every rank's shard of a chunk shares one hash tag (one slot).

@@ -234,31 +234,19 @@ pub(crate) fn key_slot(key: &str) -> usize {
 }
 
 fn crc16(bytes: &[u8]) -> u16 {
-    bytes.iter().fold(0u16, |crc, &b| {
-        (crc << 8) ^ CRC16[usize::from((crc >> 8) as u8 ^ b)]
-    })
-}
-
-/// CRC16-XMODEM of every byte, a table computed at compile time (a command is routed by it).
-const CRC16: [u16; 256] = {
-    let mut table = [0u16; 256];
-    let mut i = 0;
-    while i < 256 {
-        let mut crc = (i as u16) << 8;
-        let mut bit = 0;
-        while bit < 8 {
+    let mut crc = 0u16;
+    for &b in bytes {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
             crc = if crc & 0x8000 != 0 {
                 (crc << 1) ^ 0x1021
             } else {
                 crc << 1
             };
-            bit += 1;
         }
-        table[i] = crc;
-        i += 1;
     }
-    table
-};
+    crc
+}
 
 /// `CLUSTER SLOTS`' answer as (first slot, last slot, master's `HOST:PORT`); a master listed
 /// without a host is `asked`'s host.
