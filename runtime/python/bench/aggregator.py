@@ -7,6 +7,10 @@ rank, as the workers send them), then `aggregate(outputs, 0)` is timed — the c
 Rust and back to vLLM's objects included for kvrelay, the object building excluded for both.
 Each side's result is compared with the other's, so a fast wrong answer fails.
 
+Beside them, a floor: CPython's own C code reading the step once — one set union of every
+rank's id sets, one dict update with every rank's completed jobs — which any aggregator must at
+least do. vLLM's time over the floor is the most any implementation called from Python can gain.
+
 Run in an environment with vLLM 0.33.0 and the kvrelay wheel:
     python runtime/python/bench/aggregator.py [--repeat 200] [--json]
 """
@@ -67,6 +71,22 @@ def replay(make, steps):
     return times, seen
 
 
+def floor(steps):
+    """Times, per step, the least reading of its inputs (see the module docs)."""
+    times = []
+    for step in steps:
+        kvs = [rank_output(o).kv_connector_output for o in step]
+        sets = [s for kv in kvs for s in (kv.finished_sending, kv.finished_recving) if s]
+        jobs = [kv.kv_connector_worker_meta.completed_jobs for kv in kvs if kv.kv_connector_worker_meta]
+        t0 = time.perf_counter()
+        set().union(*sets)
+        merged = {}
+        for j in jobs:
+            merged.update(j)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=200, help="replays of the workload per side")
@@ -77,8 +97,10 @@ def main():
     steps = [c["args"]["outputs"] for c in case["calls"] if c["call"] == "aggregate"]
     sides = {"vllm": lambda: VllmAggregator(quorum), "kvrelay": lambda: kvrelay.KVOutputAggregator(quorum)}
     per_step = {name: [] for name in sides}
+    per_step["floor"] = []
     results = {}
     for i in range(args.repeat):
+        per_step["floor"] += floor(steps)
         for name, make in sides.items():
             times, seen = replay(make, steps)
             per_step[name] += times
@@ -92,6 +114,8 @@ def main():
         "vllm_us_median": med["vllm"] * 1e6,
         "kvrelay_us_median": med["kvrelay"] * 1e6,
         "speedup": med["vllm"] / med["kvrelay"],
+        "floor_us_median": med["floor"] * 1e6,
+        "speedup_at_floor": med["vllm"] / med["floor"],
     }
     if args.json:
         print(json.dumps(report))
@@ -100,6 +124,8 @@ def main():
         print(f"  vLLM 0.33.0 KVOutputAggregator.aggregate: {report['vllm_us_median']:9.1f} us per step (median of {report['steps_timed']})")
         print(f"  kvrelay.KVOutputAggregator.aggregate:     {report['kvrelay_us_median']:9.1f} us per step")
         print(f"  ratio: {report['speedup']:.1f}x; results equal on every step")
+        print(f"  floor (C set union of the ids, dict update with the jobs): {report['floor_us_median']:.1f} us per step,")
+        print(f"    so no aggregator called from Python passes {report['speedup_at_floor']:.1f}x here")
 
 
 if __name__ == "__main__":

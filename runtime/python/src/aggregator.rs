@@ -6,7 +6,9 @@
 //! loads, salvaged outputs — is kvrelay-core's [`Aggregator`], in vLLM's mode (`compat`) unless
 //! `strict=True`. What vLLM leaves to the objects themselves stays theirs: worker metadata and
 //! connector stats are folded with their own `.aggregate()`, KV events with `add_events` and
-//! `increment_workers`, in vLLM's order (salvaged outputs first, then rank by rank).
+//! `increment_workers`, in vLLM's order (salvaged outputs first, then rank by rank). The one
+//! exception is vLLM's own `OffloadingWorkerMetadata`, whose fold is computed in one pass with
+//! the same result (`offload_meta.rs` says when).
 //!
 //! Departures from vLLM, each where vLLM would fail later or in a worse way: a quorum below 1 is
 //! a `ValueError` (vLLM would never emit an id); request ids must be `str` (`TypeError`); a call
@@ -19,6 +21,7 @@ use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyDict, PySet, PyType};
 
 use crate::ids::Ids;
+use crate::offload_meta;
 
 /// vLLM's `KVOutputAggregator`, counting in kvrelay-core.
 #[pyclass(module = "kvrelay", name = "KVOutputAggregator")]
@@ -306,7 +309,10 @@ struct Folded<'py> {
 }
 
 impl<'py> Folded<'py> {
-    /// vLLM's loop over `chain(salvaged, kv_outputs)`, skipping falsy outputs.
+    /// vLLM's loop over `chain(salvaged, kv_outputs)`, skipping falsy outputs. Worker metadata
+    /// that is all vLLM's `OffloadingWorkerMetadata` is folded in one pass (`offload_meta.rs`:
+    /// the same result, its `aggregate()` pure); any other is folded with its own `aggregate()`
+    /// in vLLM's order.
     fn of<'a>(
         py: Python<'py>,
         outputs: impl Iterator<Item = &'a Bound<'py, PyAny>>,
@@ -314,47 +320,100 @@ impl<'py> Folded<'py> {
     where
         'py: 'a,
     {
+        let mut live = Vec::new();
+        for kv in outputs {
+            if !kv.is_none() && kv.is_truthy()? {
+                live.push(kv);
+            }
+        }
+        let metas = live
+            .iter()
+            .map(|kv| kv.getattr(pyo3::intern!(py, "kv_connector_worker_meta")))
+            .collect::<PyResult<Vec<_>>>()?;
+        let native = offload_meta::eligible(py, &metas);
         let mut f = Folded {
             stats: None,
             meta: None,
             events: None,
         };
-        for kv in outputs {
-            if kv.is_none() || !kv.is_truthy()? {
-                continue;
+        for (kv, meta) in live.into_iter().zip(&metas) {
+            f.fold_stats(kv.getattr(pyo3::intern!(py, "kv_connector_stats"))?)?;
+            if !native {
+                f.fold_meta(meta.clone())?;
             }
-            let stats = kv.getattr(pyo3::intern!(py, "kv_connector_stats"))?;
-            f.stats = Some(match f.stats.take().filter(|a| !a.is_none()) {
-                None => stats,
-                Some(acc) if stats.is_truthy()? => {
-                    same_type(&acc, &stats)?;
-                    acc.call_method1(pyo3::intern!(py, "aggregate"), (stats,))?
-                }
-                Some(acc) => acc,
-            });
-            let meta = kv.getattr(pyo3::intern!(py, "kv_connector_worker_meta"))?;
-            f.meta = Some(match f.meta.take().filter(|a| !a.is_none()) {
-                None => meta,
-                Some(acc) if meta.is_truthy()? => {
-                    acc.call_method1(pyo3::intern!(py, "aggregate"), (meta,))?
-                }
-                Some(acc) => acc,
-            });
-            let events = kv.getattr(pyo3::intern!(py, "kv_cache_events"))?;
-            f.events = Some(match f.events.take().filter(|a| !a.is_none()) {
-                None => events,
-                Some(acc) if events.is_truthy()? => {
-                    same_type(&acc, &events)?;
-                    let all = events.call_method0(pyo3::intern!(py, "get_all_events"))?;
-                    acc.call_method1(pyo3::intern!(py, "add_events"), (all,))?;
-                    acc.call_method1(pyo3::intern!(py, "increment_workers"), (1,))?;
-                    acc
-                }
-                Some(acc) => acc,
-            });
+            f.fold_events(kv.getattr(pyo3::intern!(py, "kv_cache_events"))?)?;
+        }
+        if native {
+            f.meta = fold_offload_meta(metas)?;
         }
         Ok(f)
     }
+
+    /// vLLM's step for `kv_connector_stats`: the first is the accumulator, each later truthy
+    /// one is folded with `aggregate()`.
+    fn fold_stats(&mut self, stats: Bound<'py, PyAny>) -> PyResult<()> {
+        self.stats = Some(match self.stats.take().filter(|a| !a.is_none()) {
+            None => stats,
+            Some(acc) if stats.is_truthy()? => {
+                same_type(&acc, &stats)?;
+                acc.call_method1(pyo3::intern!(stats.py(), "aggregate"), (stats,))?
+            }
+            Some(acc) => acc,
+        });
+        Ok(())
+    }
+
+    /// The same for `kv_connector_worker_meta` (no type assertion in vLLM).
+    fn fold_meta(&mut self, meta: Bound<'py, PyAny>) -> PyResult<()> {
+        self.meta = Some(match self.meta.take().filter(|a| !a.is_none()) {
+            None => meta,
+            Some(acc) if meta.is_truthy()? => {
+                acc.call_method1(pyo3::intern!(meta.py(), "aggregate"), (meta,))?
+            }
+            Some(acc) => acc,
+        });
+        Ok(())
+    }
+
+    /// vLLM's step for `kv_cache_events`: later truthy events are added to the first's.
+    fn fold_events(&mut self, events: Bound<'py, PyAny>) -> PyResult<()> {
+        let py = events.py();
+        self.events = Some(match self.events.take().filter(|a| !a.is_none()) {
+            None => events,
+            Some(acc) if events.is_truthy()? => {
+                same_type(&acc, &events)?;
+                let all = events.call_method0(pyo3::intern!(py, "get_all_events"))?;
+                acc.call_method1(pyo3::intern!(py, "add_events"), (all,))?;
+                acc.call_method1(pyo3::intern!(py, "increment_workers"), (1,))?;
+                acc
+            }
+            Some(acc) => acc,
+        });
+        Ok(())
+    }
+}
+
+/// vLLM's metadata fold when every object is its `OffloadingWorkerMetadata`: the chain is the
+/// first non-`None` object, then every later truthy one; a chain of one is that object, a longer
+/// one is folded in one pass, or with `aggregate()` where `offload_meta::fold` declines.
+fn fold_offload_meta(metas: Vec<Bound<'_, PyAny>>) -> PyResult<Option<Bound<'_, PyAny>>> {
+    let mut chain = Vec::with_capacity(metas.len());
+    for m in metas {
+        if chain.is_empty() && !m.is_none() || m.is_truthy()? {
+            chain.push(m);
+        }
+    }
+    if chain.len() < 2 {
+        return Ok(chain.pop());
+    }
+    if let Some(folded) = offload_meta::fold(&chain)? {
+        return Ok(Some(folded));
+    }
+    let mut acc = chain[0].clone();
+    for m in &chain[1..] {
+        acc = acc.call_method1(pyo3::intern!(m.py(), "aggregate"), (m,))?;
+    }
+    Ok(Some(acc))
 }
 
 /// vLLM's `assert isinstance(acc, type(x))`.

@@ -8,6 +8,7 @@
 //! | `ids.rs` | request-id strings ↔ the core's dense ids, keeping the Python string objects |
 //! | `hashes.rs` | vLLM's hash bytes ↔ the core's dense block hashes, keeping the bytes objects |
 //! | `aggregator.rs` | `KVOutputAggregator`: vLLM's outputs in, the core's counts, vLLM's output out |
+//! | `offload_meta.rs` | vLLM's `OffloadingWorkerMetadata.aggregate` chain in one pass (for the aggregator) |
 //! | `manager.rs` | the offloading manager's native class (the Python wrapper converts its results) |
 //! | `guard.rs` | kvrelay's step-protocol guard in front of vLLM's own offloading worker |
 //! | `connector.rs` | the offloading connector's scheduler side beside vLLM's scheduler (`kvrelay.vllm` wraps it) |
@@ -23,6 +24,7 @@ mod guard;
 mod hashes;
 mod ids;
 mod manager;
+mod offload_meta;
 
 /// The module `kvrelay._kvrelay`.
 #[pymodule]

@@ -7,6 +7,7 @@ any number of ranks, ids finished by some ranks and not others, duplicates, quor
 by their own methods, salvaged outputs of failed steps, a falsy output rank.
 """
 
+import functools
 import random
 
 import pytest
@@ -186,35 +187,120 @@ def test_ids_of_finished_requests_are_released():
     assert agg.live_request_ids < 2 * 16 + 4096 + 16, agg.live_request_ids
 
 
-@pytest.mark.parametrize("seed", range(100))
-def test_folds_vllms_offloading_metadata_like_vllm(seed):
-    """Protects the one-pass fold of vLLM's OffloadingWorkerMetadata (meta.rs): the same
-    completed-job counts in the same order, and transfer stats folded as vLLM folds them."""
+def offloading_step(rng_seed, world, odd=None):
+    """One step's outputs whose worker metadata is vLLM's OffloadingWorkerMetadata (or None),
+    with job counts, bytes, float times and sizes in both directions; `odd(rng, jobs, stats)`
+    may return a replacement metadata object to mix in values the one-pass fold declines."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
         DirectionalTransferStats,
         OffloadingWorkerMetadata,
         TransferStats,
     )
 
-    def step(rng_seed, world):
-        rng = random.Random(rng_seed)
-        outputs = []
-        for _ in range(world):
-            meta = None
-            if rng.random() < 0.8:
-                jobs = {rng.randrange(40): rng.choice([1, 1, 2]) for _ in range(rng.randint(0, 12))}
-                stats = TransferStats(store=DirectionalTransferStats(bytes=rng.randrange(100), sizes=[1]))
-                meta = OffloadingWorkerMetadata(completed_jobs=jobs, transfer_stats=stats)
-            outputs.append(RankOutput(KVConnectorOutput(kv_connector_worker_meta=meta)))
-        return outputs
+    rng = random.Random(rng_seed)
 
+    def directional():
+        return DirectionalTransferStats(
+            bytes=rng.randrange(1 << 40), time=rng.random() / 3, sizes=[rng.randrange(9) for _ in range(rng.randint(0, 3))]
+        )
+
+    outputs = []
+    for _ in range(world):
+        meta = None
+        if rng.random() < 0.8:
+            jobs = {rng.randrange(40): rng.choice([1, 1, 2]) for _ in range(rng.randint(0, 12))}
+            stats = TransferStats(load=directional(), store=directional())
+            meta = OffloadingWorkerMetadata(completed_jobs=jobs, transfer_stats=stats)
+            if odd is not None and rng.random() < 0.3:
+                meta = odd(rng, jobs, stats)
+        outputs.append(RankOutput(KVConnectorOutput(kv_connector_worker_meta=meta)))
+    return outputs
+
+
+def meta_view(meta):
+    """The folded metadata's type, its jobs in order, its transfer stats."""
+    if meta is None:
+        return None
+    return type(meta), list(meta.completed_jobs.items()), meta.transfer_stats
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_folds_vllms_offloading_metadata_like_vllm(seed):
+    """Protects the one-pass fold of vLLM's OffloadingWorkerMetadata (offload_meta.rs): the same
+    completed-job counts in the same order, bytes and float times summed in vLLM's order, sizes
+    concatenated."""
     world = random.Random(seed).randint(1, 8)
     ours, theirs = kvrelay.KVOutputAggregator(world), VllmAggregator(world)
     for s in range(5):
-        a = ours.aggregate(step(seed * 100 + s, world), 0).kv_connector_output.kv_connector_worker_meta
-        b = theirs.aggregate(step(seed * 100 + s, world), 0).kv_connector_output.kv_connector_worker_meta
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert type(a) is type(b)
-            assert list(a.completed_jobs.items()) == list(b.completed_jobs.items())
-            assert a.transfer_stats == b.transfer_stats
+        a = ours.aggregate(offloading_step(seed * 100 + s, world), 0).kv_connector_output
+        b = theirs.aggregate(offloading_step(seed * 100 + s, world), 0).kv_connector_output
+        assert meta_view(a.kv_connector_worker_meta) == meta_view(b.kv_connector_worker_meta)
+
+
+@functools.cache
+def metadata_subclass():
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+    class Sub(OffloadingWorkerMetadata):
+        def aggregate(self, other):
+            folded = super().aggregate(other)
+            return Sub(completed_jobs=folded.completed_jobs, transfer_stats=folded.transfer_stats)
+
+    return Sub
+
+
+def odd_metadata(rng, jobs, stats):
+    """Metadata the one-pass fold must decline (and fold with `aggregate()` instead)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+    kind = rng.randrange(4)
+    if kind == 0:
+        return metadata_subclass()(completed_jobs=jobs, transfer_stats=stats)
+    if kind == 1:  # a count past 64 bits: Python's ints do not overflow
+        return OffloadingWorkerMetadata(completed_jobs={7: 1 << 70}, transfer_stats=stats)
+    if kind == 2:  # an int-valued time: the sum's type follows Python
+        stats.load.time = 3
+        return OffloadingWorkerMetadata(completed_jobs=jobs, transfer_stats=stats)
+    return OffloadingWorkerMetadata(completed_jobs={True: 1, 1.0: 2}, transfer_stats=stats)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_metadata_the_one_pass_fold_declines_is_folded_like_vllm(seed):
+    """Protects the one-pass fold's limits: subclasses, ints past 64 bits, int times and non-int
+    job ids are folded by the objects' own `aggregate()`, with vLLM's results."""
+    world = random.Random(seed).randint(2, 8)
+    ours, theirs = kvrelay.KVOutputAggregator(world), VllmAggregator(world)
+    for s in range(5):
+        a = ours.aggregate(offloading_step(seed * 100 + s, world, odd_metadata), 0).kv_connector_output
+        b = theirs.aggregate(offloading_step(seed * 100 + s, world, odd_metadata), 0).kv_connector_output
+        assert meta_view(a.kv_connector_worker_meta) == meta_view(b.kv_connector_worker_meta)
+
+
+def test_a_replaced_aggregate_is_called_as_vllm_calls_it(monkeypatch):
+    """Protects the one-pass fold's premise: once vLLM's `aggregate` is replaced, it is called."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+    calls = []
+    original = OffloadingWorkerMetadata.aggregate
+
+    def spy(self, other):
+        calls.append(other)
+        return original(self, other)
+
+    outputs = offloading_step(1, 4)
+    assert all(o.kv_connector_output.kv_connector_worker_meta is not None for o in outputs)
+    kvrelay.KVOutputAggregator(4).aggregate(offloading_step(1, 4), 0)  # the fold's classes seen
+    monkeypatch.setattr(OffloadingWorkerMetadata, "aggregate", spy)
+    kvrelay.KVOutputAggregator(4).aggregate(outputs, 0)
+    assert len(calls) == 3
+
+
+def test_one_rank_with_metadata_hands_back_that_object():
+    """Protects vLLM's identity: a chain of one object is that object, not a copy."""
+    outputs = offloading_step(1, 4)
+    kvs = [o.kv_connector_output for o in outputs]
+    for kv in kvs[1:]:
+        kv.kv_connector_worker_meta = None
+    meta = kvs[0].kv_connector_worker_meta
+    out = kvrelay.KVOutputAggregator(4).aggregate(outputs, 0)
+    assert out.kv_connector_output.kv_connector_worker_meta is meta
