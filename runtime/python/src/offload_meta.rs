@@ -79,9 +79,12 @@ fn exactly(x: &Bound<'_, PyAny>, class: &Py<PyType>) -> bool {
     x.get_type().is(class)
 }
 
-/// Whether every non-`None` object in `metas` is exactly vLLM's `OffloadingWorkerMetadata`
-/// with its classes unpatched: then [`fold`] may be tried on the chain.
+/// Whether some object in `metas` is not `None` and every such object is exactly vLLM's
+/// `OffloadingWorkerMetadata`, its classes unpatched: then [`fold`] may be tried on the chain.
 pub(crate) fn eligible(py: Python<'_>, metas: &[Bound<'_, PyAny>]) -> bool {
+    if metas.iter().all(|m| m.is_none()) {
+        return false;
+    }
     let Some(classes) = CLASSES.get_or_init(py, || Classes::load(py).ok()) else {
         return false;
     };
