@@ -143,9 +143,10 @@ impl KvOutputAggregator {
             }
             kv.push(o.getattr(pyo3::intern!(py, "kv_connector_output"))?);
         }
+        let mut seen = Seen::default();
         let converted = kv
             .iter()
-            .map(|k| self.convert(k))
+            .map(|k| self.convert(k, &mut seen))
             .collect::<PyResult<Vec<_>>>()?;
         let folded = Folded::of(
             py,
@@ -182,7 +183,9 @@ impl KvOutputAggregator {
             if !o.is_truthy()? {
                 continue;
             }
-            stashed.push(Some(self.convert(&o)?.unwrap_or_default()));
+            stashed.push(Some(
+                self.convert(&o, &mut Seen::default())?.unwrap_or_default(),
+            ));
             self.salvaged.push(o.unbind());
         }
         self.core.salvage(stashed);
@@ -193,26 +196,44 @@ impl KvOutputAggregator {
 impl KvOutputAggregator {
     /// One rank's `KVConnectorOutput` as the core's worker output (`None` or a falsy one: an
     /// empty output, which counts nothing — vLLM skips it); the ids it names are interned.
-    fn convert(&mut self, kv: &Bound<'_, PyAny>) -> PyResult<Option<WorkerOutput>> {
+    /// `seen` holds the sets converted for earlier ranks of the same call: a set equal to the
+    /// last one of its field (Python's equality, which vLLM's counting dicts use) reuses its
+    /// conversion, as ranks mostly finish the same requests in the same step.
+    fn convert<'py>(
+        &mut self,
+        kv: &Bound<'py, PyAny>,
+        seen: &mut Seen<'py>,
+    ) -> PyResult<Option<WorkerOutput>> {
         if kv.is_none() || !kv.is_truthy()? {
             return Ok(Some(WorkerOutput::default()));
         }
         let py = kv.py();
-        let mut ids = |name: &str| -> PyResult<Option<SortedSet<RequestId>>> {
+        let mut ids = |field: usize, name: &str| -> PyResult<Option<SortedSet<RequestId>>> {
             let set = kv.getattr(name)?;
             if set.is_none() {
                 return Ok(None);
+            }
+            let exact = set.downcast_exact::<PySet>().is_ok();
+            if let Some((last, ids)) = &seen[field]
+                && exact
+                && set.eq(last)?
+            {
+                return Ok(Some(ids.clone()));
             }
             let mut v = Vec::with_capacity(set.len().unwrap_or(0));
             for s in set.try_iter()? {
                 let id = self.ids.intern(&s?)?;
                 v.push(id);
             }
-            Ok(Some(SortedSet::from_vec(v)))
+            let ids = SortedSet::from_vec(v);
+            if exact {
+                seen[field] = Some((set, ids.clone()));
+            }
+            Ok(Some(ids))
         };
-        let finished_sending = ids("finished_sending")?;
-        let finished_recving = ids("finished_recving")?;
-        let failed_recving = ids("failed_recving")?.unwrap_or_default();
+        let finished_sending = ids(0, "finished_sending")?;
+        let finished_recving = ids(1, "finished_recving")?;
+        let failed_recving = ids(2, "failed_recving")?.unwrap_or_default();
         let mut blocks = Vec::new();
         for b in kv
             .getattr(pyo3::intern!(py, "invalid_block_ids"))?
@@ -292,6 +313,10 @@ impl KvOutputAggregator {
         self.ids.sweep_if_large(|id| core.is_idle(id));
     }
 }
+
+/// Per id-set field of `KVConnectorOutput` (sending, receiving, failed), the last exact `set`
+/// converted in this call and its ids.
+type Seen<'py> = [Option<(Bound<'py, PyAny>, SortedSet<RequestId>)>; 3];
 
 /// `x or None`, Python's truthiness.
 fn or_none(x: Option<Bound<'_, PyAny>>) -> PyResult<Option<Bound<'_, PyAny>>> {

@@ -127,6 +127,38 @@ def test_counts_and_folds_like_vllm_on_random_steps(seed):
     assert ours == theirs
 
 
+@pytest.mark.parametrize("seed", range(200))
+def test_ranks_reporting_equal_sets_count_like_vllm(seed):
+    """Protects the reuse of an equal set's conversion (ranks mostly report the same ids): sets
+    drawn from a few candidates, so that a rank's set often equals the last rank's, sometimes
+    has its length and not its ids, sometimes is a frozenset or a list (vLLM iterates the
+    finished ones); vLLM's results, call for
+    call."""
+    rng = random.Random(seed)
+    world = rng.randint(1, 8)
+    candidates = [set(), {"a"}, {"b"}, {"a", "b"}, {"b", "c"}, {"a", "b", "c"}, {"c", "d", "e"}]
+
+    def pick(r, lists=True):
+        s = set(r.choice(candidates))
+        kind = r.random()
+        return frozenset(s) if kind < 0.1 else sorted(s) if kind < 0.15 and lists else s
+
+    def build(step_seed):
+        r = random.Random(step_seed)
+        return [
+            KVConnectorOutput(
+                finished_sending=pick(r) if r.random() < 0.9 else None,
+                finished_recving=pick(r) if r.random() < 0.9 else None,
+                failed_recving=pick(r, lists=False) if r.random() < 0.2 else set(),
+            )
+            for _ in range(world)
+        ]
+
+    script = [{"kind": "aggregate", "build": (lambda s=rng.random(): build(s)), "rank": rng.randrange(world)} for _ in range(20)]
+    quorum = rng.randint(1, world)
+    assert replay(lambda: kvrelay.KVOutputAggregator(quorum), script) == replay(lambda: VllmAggregator(quorum), script)
+
+
 def test_a_falsy_output_rank_returns_none_and_counts_nothing():
     """Protects I-27: the execute_model phase of async scheduling consumes nothing."""
     agg = kvrelay.KVOutputAggregator(2)
