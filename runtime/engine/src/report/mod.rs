@@ -57,7 +57,8 @@ pub struct Report {
     /// tokens loaded from the CPU pool.
     pub reused_tokens: u64,
     /// What an unbounded cache of the workload's hash blocks would reuse, in % of prompt
-    /// tokens: the most any pool could ([`crate::workload::unbounded_reuse`]).
+    /// tokens: the most any pool could from the run's own requests
+    /// ([`crate::workload::unbounded_reuse`]); a shared tier other engines filled gives more.
     pub reuse_bound_pct: f64,
     /// Of those, tokens found in the GPU prefix cache.
     pub gpu_prefix_hit_tokens: u64,

@@ -49,7 +49,7 @@ impl fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "prefix reuse    {} tokens ({:.1} % of prompts; at most {:.1} %): {} GPU prefix hits, {} loaded from CPU",
+            "prefix reuse    {} tokens ({:.1} % of prompts; at most {:.1} % from its own requests): {} GPU prefix hits, {} loaded from CPU",
             self.reused_tokens,
             pct(self.reused_tokens, self.prompt_tokens),
             self.reuse_bound_pct,
