@@ -6,7 +6,7 @@
 # it in every vLLM module that imported it. Each time all the group's tests, then only those
 # that drive public API (tools/whitebox.py --black: the rest read vLLM's private state).
 #
-# Usage: runtime/python/scripts/judge.sh [group ...]   groups: aggregator manager connector (default all)
+# Usage: runtime/python/scripts/judge.sh [group ...]   groups: aggregator executor manager connector (default all)
 # Exit:  0 when every black-box test passes with kvrelay's class, 1 otherwise, 2 on setup errors
 # Env:   as harness.sh
 set -uo pipefail
@@ -18,9 +18,15 @@ declare -A files=(
   # vLLM's tests that build the offloading connector by name through its factory; the rest of
   # its connector tests replace the manager inside vLLM's connector by a mock (white-box).
   [connector]="tests/v1/kv_connector/unit/test_hma_auto_config.py"
+  # vLLM's executor handing the aggregator a failed step's outputs (fault tolerance): its
+  # tests that take a KVOutputAggregator (the file's others need model weights).
+  [executor]="tests/v1/executor/test_executor.py"
 )
+# The class a group substitutes (default: the group's name), and the tests it selects.
+declare -A subst=([executor]=aggregator)
+declare -A select=([executor]="merges_kv_output or ft_rpc_failure")
 groups=("$@")
-[ ${#groups[@]} -eq 0 ] && groups=(aggregator manager connector)
+[ ${#groups[@]} -eq 0 ] && groups=(aggregator executor manager connector)
 export PYTHONPATH=$PYTHONPATH:$here/tests/vllm  # kvrelay_connector_subst.py
 # pytest as the harness's run.sh calls it, with a -k expression run.sh cannot pass on.
 judge() {  # judge SUBST FILE [-k EXPR]: pytest's summary line
@@ -34,11 +40,13 @@ rc=0
 for g in "${groups[@]}"; do
   file=${files[$g]}
   black=$("$py" "$tools/tools/whitebox.py" --black "$file")
+  sel=${select[$g]:-}
   for scope in all black-box; do
     k=()
-    [ "$scope" = black-box ] && k=(-k "$black")
+    [ -n "$sel" ] && k=(-k "$sel")
+    [ "$scope" = black-box ] && k=(-k "${sel:+($sel) and }($black)")
     theirs=$(judge "" "$file" "${k[@]}")
-    ours=$(judge "$g" "$file" "${k[@]}")
+    ours=$(judge "${subst[$g]:-$g}" "$file" "${k[@]}")
     printf '%-10s %-9s  vLLM own: %-32s kvrelay: %s\n' "$g" "$scope" "$theirs" "$ours"
     # The white-box tests read vLLM's private state: only the black-box ones must pass.
     [[ "$scope" == black-box && "$ours" == *failed* ]] && rc=1

@@ -18,7 +18,7 @@ use kvrelay_core::{Aggregator, Direction, Mode, Rank, RequestId, SortedSet, Work
 use pyo3::exceptions::{PyAssertionError, PyIndexError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyDict, PySet, PyType};
+use pyo3::types::{PyDict, PyList, PySet, PyType};
 
 use crate::ids::Ids;
 use crate::offload_meta;
@@ -102,6 +102,13 @@ impl KvOutputAggregator {
     #[getter]
     fn _recv_remaining_count<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         self.remaining(py, Direction::Recv)
+    }
+
+    /// The salvaged `KVConnectorOutput` objects the next `aggregate` counts first (vLLM's
+    /// private list, as a snapshot: for inspection and vLLM's own tests).
+    #[getter]
+    fn _salvaged_outputs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.salvaged.iter().map(|s| s.bind(py)))
     }
 
     /// Request ids the aggregator holds state for (open counts, pending failures).
