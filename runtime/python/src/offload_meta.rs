@@ -176,8 +176,14 @@ impl<'py> Jobs<'py> {
         if self.entries.is_empty() {
             self.index.reserve(jobs.len());
         }
+        // vLLM's workers count each job once: CPython's one `1` object, known without asking.
+        let one = 1i64.into_pyobject(jobs.py()).map(Bound::into_any);
         for (position, (key, count)) in jobs.iter().enumerate() {
-            let (Some(id), Some(count)) = (int(&key), int(&count)) else {
+            let count = match &one {
+                Ok(one) if count.is(one) => Some(1),
+                _ => int(&count),
+            };
+            let (Some(id), Some(count)) = (int(&key), count) else {
                 return false;
             };
             let at = match self.entries.get(position) {
