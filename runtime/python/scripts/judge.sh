@@ -36,15 +36,29 @@ judge() {  # judge SUBST FILE [-k EXPR]: pytest's summary line
     -p no:cacheprovider -p kvrelay_subst -p kvrelay_connector_subst -q --timeout 300 "${@:2}" 2>&1 \
     | grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" | tail -1 | tr -d '='
 }
+# pytest's -k matches substrings: white-box tests whose names contain a black-box test's
+# (test_cpu_manager_reports_..._on_allocation_failure beside test_cpu_manager) are named out.
+shadowed() {  # shadowed FILE BLACK_EXPR: "not (a or b)", or nothing
+  "$py" - "$1" "$2" <<'PY'
+import ast, sys
+path, black = sys.argv[1], set(sys.argv[2].split(" or "))
+names = {n.name for n in ast.walk(ast.parse(open(path).read()))
+         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("test")}
+hit = sorted(w for w in names - black if any(b in w for b in black))
+print(f"not ({' or '.join(hit)})" if hit else "")
+PY
+}
 rc=0
 for g in "${groups[@]}"; do
   file=${files[$g]}
   black=$("$py" "$tools/tools/whitebox.py" --black "$file")
+  shadow=$(shadowed "$file" "$black")
+  black="($black)${shadow:+ and $shadow}"
   sel=${select[$g]:-}
   for scope in all black-box; do
     k=()
     [ -n "$sel" ] && k=(-k "$sel")
-    [ "$scope" = black-box ] && k=(-k "${sel:+($sel) and }($black)")
+    [ "$scope" = black-box ] && k=(-k "${sel:+($sel) and }$black")
     theirs=$(judge "" "$file" "${k[@]}")
     ours=$(judge "${subst[$g]:-$g}" "$file" "${k[@]}")
     printf '%-10s %-9s  vLLM own: %-32s kvrelay: %s\n' "$g" "$scope" "$theirs" "$ours"
