@@ -376,9 +376,28 @@ impl<'py> Folded<'py> {
             f.fold_events(kv.getattr(pyo3::intern!(py, "kv_cache_events"))?)?;
         }
         if native {
-            f.meta = fold_offload_meta(metas)?;
+            f.fold_offload_meta(&metas)?;
         }
         Ok(f)
+    }
+
+    /// vLLM's metadata fold when every object is its `OffloadingWorkerMetadata`: the chain is the
+    /// first non-`None` object, then every later truthy one; two or more are folded in one pass,
+    /// or step by step as [`Folded::fold_meta`] folds them where `offload_meta::fold` declines.
+    fn fold_offload_meta(&mut self, metas: &[Bound<'py, PyAny>]) -> PyResult<()> {
+        let mut chain = Vec::with_capacity(metas.len());
+        for m in metas {
+            if chain.is_empty() && !m.is_none() || m.is_truthy()? {
+                chain.push(m.clone());
+            }
+        }
+        if chain.len() >= 2
+            && let Some(folded) = offload_meta::fold(&chain)?
+        {
+            self.meta = Some(folded);
+            return Ok(());
+        }
+        chain.into_iter().try_for_each(|m| self.fold_meta(m))
     }
 
     /// vLLM's step for `kv_connector_stats`: the first is the accumulator, each later truthy
@@ -423,29 +442,6 @@ impl<'py> Folded<'py> {
         });
         Ok(())
     }
-}
-
-/// vLLM's metadata fold when every object is its `OffloadingWorkerMetadata`: the chain is the
-/// first non-`None` object, then every later truthy one; a chain of one is that object, a longer
-/// one is folded in one pass, or with `aggregate()` where `offload_meta::fold` declines.
-fn fold_offload_meta(metas: Vec<Bound<'_, PyAny>>) -> PyResult<Option<Bound<'_, PyAny>>> {
-    let mut chain = Vec::with_capacity(metas.len());
-    for m in metas {
-        if chain.is_empty() && !m.is_none() || m.is_truthy()? {
-            chain.push(m);
-        }
-    }
-    if chain.len() < 2 {
-        return Ok(chain.pop());
-    }
-    if let Some(folded) = offload_meta::fold(&chain)? {
-        return Ok(Some(folded));
-    }
-    let mut acc = chain[0].clone();
-    for m in &chain[1..] {
-        acc = acc.call_method1(pyo3::intern!(m.py(), "aggregate"), (m,))?;
-    }
-    Ok(Some(acc))
 }
 
 /// vLLM's `assert isinstance(acc, type(x))`.

@@ -40,10 +40,7 @@ pub(crate) struct Ids {
 impl Ids {
     /// The id of `name` (a `str`; anything else is a `TypeError`), allocated on first sight.
     pub(crate) fn intern(&mut self, name: &Bound<'_, PyAny>) -> PyResult<RequestId> {
-        let s = match name.downcast_exact::<PyString>() {
-            Ok(s) => s,
-            Err(_) => name.downcast::<PyString>()?,
-        };
+        let s = name.downcast::<PyString>()?;
         let hash = s.hash()? as u64;
         let text = s.to_str()?;
         if let Some(e) = self.table.find(hash, |e| *e.text == *text) {
